@@ -1,0 +1,1 @@
+"""The shared pod list: which model-server endpoints exist, as immutable snapshots."""

@@ -1,0 +1,102 @@
+"""Pods, endpoints and the snapshot both services read.
+
+A *pod* is one model-server replica: an address, the ports it serves on and
+its labels. An *endpoint* is one ``address:port`` an endpoint picker can name;
+a data-parallel pod that runs one engine per port is several endpoints, the
+same rule as GIE's InferencePool (each target port of each ready pod).
+
+Snapshots are tuples of frozen dataclasses, replaced whole when the source
+changes, so a request reads one consistent list without any lock.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Protocol
+
+
+def _frozen(labels: Mapping[str, str]) -> Mapping[str, str]:
+    return MappingProxyType(dict(labels))
+
+
+@dataclass(frozen=True, slots=True)
+class Pod:
+    """One model-server replica as a pod source reports it."""
+
+    name: str
+    address: str
+    ports: tuple[int, ...]
+    labels: Mapping[str, str] = field(default_factory=dict)
+    ready: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "labels", _frozen(self.labels))
+
+    def matches(self, selector: Mapping[str, str]) -> bool:
+        """True when every ``key: value`` of ``selector`` is among the labels."""
+        return all(self.labels.get(key) == value for key, value in selector.items())
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One ``address:port`` that can serve a request."""
+
+    pod: str
+    address: str
+    port: int
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "labels", _frozen(self.labels))
+        object.__setattr__(self, "hostport", join_host_port(self.address, self.port))
+
+    # Computed once: it is what goes on the wire for every pick.
+    hostport: str = field(init=False, default="", compare=False)
+
+
+def join_host_port(address: str, port: int | str) -> str:
+    """``ip:port``, with brackets around an IPv6 address (as Go's ``JoinHostPort``)."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def endpoints_of(pods: tuple[Pod, ...], selector: Mapping[str, str]) -> tuple[Endpoint, ...]:
+    """Every port of every ready pod whose labels match ``selector``, in file order."""
+    return tuple(
+        Endpoint(pod.name, pod.address, port, pod.labels)
+        for pod in pods
+        if pod.ready and pod.matches(selector)
+        for port in pod.ports
+    )
+
+
+def is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+class PodSource(Protocol):
+    """Where the pod list comes from (a file today; a Kubernetes watch later).
+
+    A source keeps ``pods`` current by replacing the tuple whole; readers take
+    the attribute once per request and never see a half-applied change.
+    """
+
+    @property
+    def pods(self) -> tuple[Pod, ...]:
+        """The pods as last read; empty until the first successful read."""
+        ...
+
+    @property
+    def synced(self) -> bool:
+        """True once the source has read its pods at least once."""
+        ...
+
+    async def run(self) -> None:
+        """Keep ``pods`` current until cancelled."""
+        ...

@@ -1,0 +1,196 @@
+"""Playing Envoy's side of an ext_proc stream, for tests, benchmarks and the docs.
+
+``request_headers(...)``, ``request_body(...)`` and friends build the messages
+Envoy would send; ``ExtProcClient`` opens real gRPC streams to a service, so a
+test exercises exactly the code path Envoy does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from prometheus_client import CollectorRegistry
+
+from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse, struct
+from protos.server import EXT_PROC_SERVICE, Handler, Health, Ports, serve
+
+Headers = Mapping[str, str] | Sequence[tuple[str, str]]
+
+
+def _header_map(headers: Headers) -> Any:
+    pairs = headers.items() if isinstance(headers, Mapping) else headers
+    return base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]
+    )
+
+
+def request_headers(
+    headers: Headers,
+    *,
+    end_of_stream: bool = False,
+    metadata: Mapping[str, Mapping[str, Any]] | None = None,
+    body_modes: tuple[int, int] | None = (
+        BodyMode.FULL_DUPLEX_STREAMED,
+        BodyMode.NONE,
+    ),
+) -> ProcessingRequest:
+    """The first message of a stream, as Envoy 1.40 sends it.
+
+    ``body_modes`` fills ``protocol_config`` (request, response body modes);
+    None leaves it out, as older proxies do.
+    """
+    message = ProcessingRequest(
+        request_headers=pb.HttpHeaders(headers=_header_map(headers), end_of_stream=end_of_stream)
+    )
+    if metadata:
+        for namespace, values in metadata.items():
+            message.metadata_context.filter_metadata[namespace].CopyFrom(struct(values))
+    if body_modes is not None:
+        message.protocol_config.request_body_mode = body_modes[0]
+        message.protocol_config.response_body_mode = body_modes[1]
+    return message
+
+
+def request_body(data: bytes, *, end_of_stream: bool = True) -> ProcessingRequest:
+    return ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=end_of_stream))
+
+
+def response_headers(
+    headers: Headers,
+    *,
+    end_of_stream: bool = False,
+    metadata: Mapping[str, Mapping[str, Any]] | None = None,
+) -> ProcessingRequest:
+    message = ProcessingRequest(
+        response_headers=pb.HttpHeaders(headers=_header_map(headers), end_of_stream=end_of_stream)
+    )
+    if metadata:
+        for namespace, values in metadata.items():
+            message.metadata_context.filter_metadata[namespace].CopyFrom(struct(values))
+    return message
+
+
+def response_body(data: bytes, *, end_of_stream: bool = True) -> ProcessingRequest:
+    return ProcessingRequest(response_body=pb.HttpBody(body=data, end_of_stream=end_of_stream))
+
+
+def request_trailers() -> ProcessingRequest:
+    return ProcessingRequest(request_trailers=pb.HttpTrailers())
+
+
+def set_headers(response: ProcessingResponse) -> list[tuple[str, str]]:
+    """The ``(name, value)`` pairs a headers or body response sets, in order."""
+    phase = response.WhichOneof("response")
+    common = getattr(response, phase).response
+    return [
+        (h.header.key, h.header.raw_value.decode() or h.header.value)
+        for h in common.header_mutation.set_headers
+    ]
+
+
+class Stream:
+    """One open ``Process`` call: send a message, read the answers."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    async def send(self, message: ProcessingRequest) -> None:
+        await self._call.write(message)
+
+    async def recv(self) -> ProcessingResponse | None:
+        answer = await self._call.read()
+        return None if answer is grpc.aio.EOF else answer
+
+    async def close(self) -> None:
+        """Half-close, as Envoy does when the HTTP exchange is over."""
+        await self._call.done_writing()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    async def code(self) -> Any:
+        return await self._call.code()
+
+
+class ExtProcClient:
+    """A gRPC channel to a service's ext_proc port."""
+
+    def __init__(self, target: str) -> None:
+        self._channel = grpc.aio.insecure_channel(target)
+        self._process = self._channel.stream_stream(
+            f"/{EXT_PROC_SERVICE}/Process",
+            request_serializer=ProcessingRequest.SerializeToString,
+            response_deserializer=ProcessingResponse.FromString,
+        )
+
+    def open(self) -> Stream:
+        return Stream(self._process())
+
+    async def exchange(self, messages: Iterable[ProcessingRequest]) -> list[ProcessingResponse]:
+        """Send every message, half-close, and collect every answer until the end."""
+        stream = self.open()
+        for message in messages:
+            await stream.send(message)
+        await stream.close()
+        answers = []
+        while (answer := await stream.recv()) is not None:
+            answers.append(answer)
+        return answers
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> ExtProcClient:
+        return self
+
+    async def __aexit__(
+        self,
+        _type: type[BaseException] | None,
+        _value: BaseException | None,
+        _tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+@contextlib.asynccontextmanager
+async def running(
+    name: str,
+    handler: Handler,
+    health: Health | None = None,
+    registry: CollectorRegistry | None = None,
+    *,
+    background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
+    grace: float = 2.0,
+) -> AsyncIterator[Ports]:
+    """Serve ``handler`` in this event loop on free 127.0.0.1 ports; stop on exit."""
+    stop = asyncio.Event()
+    listening: asyncio.Future[Ports] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(
+        serve(
+            name,
+            handler,
+            Ports("127.0.0.1", 0, 0, 0),
+            health or Health([""]),
+            registry or CollectorRegistry(),
+            background=background,
+            grace=grace,
+            stop=stop,
+            on_listening=listening.set_result,
+        )
+    )
+    waiting: list[asyncio.Future[Any]] = [task, listening]
+    await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        task.result()  # raises what stopped the server from starting
+    try:
+        yield listening.result()
+    finally:
+        stop.set()
+        await task

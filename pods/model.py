@@ -29,7 +29,7 @@ class Pod:
     name: str
     address: str
     ports: tuple[int, ...]
-    labels: Mapping[str, str] = field(default_factory=dict)
+    labels: Mapping[str, str] = field(default_factory=dict, hash=False)
     ready: bool = True
 
     def __post_init__(self) -> None:
@@ -47,7 +47,7 @@ class Endpoint:
     pod: str
     address: str
     port: int
-    labels: Mapping[str, str] = field(default_factory=dict)
+    labels: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "labels", _frozen(self.labels))

@@ -1,0 +1,1 @@
+"""LWEPP, the lightweight endpoint picker: names the model-server endpoint for each request."""

@@ -1,0 +1,143 @@
+"""Which endpoints may serve a request, and which one does: candidates and the pick seam.
+
+Picking happens in two steps, kept apart on purpose:
+
+1. **Candidates.** Every ready endpoint of the pool, narrowed when the gateway
+   (or a conformance test) restricts the choice. The GIE endpoint-picker
+   protocol lets the data plane send a *subset hint* in filter metadata
+   ``envoy.lb.subset_hint`` / ``x-gateway-destination-endpoint-subset``; GIE's
+   conformance tests pin requests with the ``test-epp-endpoint-selection``
+   header instead. Both hold ``ip`` or ``ip:port`` entries.
+2. **The pick.** A ``Picker`` gets the request and the candidates and returns
+   endpoints in order of preference. Round-robin is the default; filters and
+   scorers plug in here without touching the stream handling around it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+from pods.model import Endpoint, Pod, PodSource, endpoints_of
+
+SUBSET_NAMESPACE: Final = "envoy.lb.subset_hint"
+SUBSET_KEY: Final = "x-gateway-destination-endpoint-subset"
+TEST_SELECTION_HEADER: Final = "test-epp-endpoint-selection"
+
+
+@dataclass(frozen=True, slots=True)
+class PickRequest:
+    """What a picker may look at: the request headers (and the body, when buffered)."""
+
+    headers: Sequence[tuple[str, str]]
+    body: bytes | None = None
+
+
+class Picker(Protocol):
+    """Chooses endpoints for one request: the seam where smarter picking plugs in."""
+
+    def pick(self, request: PickRequest, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
+        """Return the endpoints to use, best first.
+
+        ``candidates`` is never empty and holds only endpoints the request may
+        go to. The first endpoint returned is the destination; any others are
+        fallbacks in order. Returning nothing means no endpoint is acceptable,
+        which the service answers with HTTP 503.
+        """
+        ...
+
+
+class RoundRobin:
+    """Each pick takes the next candidate in turn, with one counter for all streams.
+
+    As in GIE's lwepp the counter is advanced before use, so the first request
+    goes to the second candidate. Advancing an ``itertools.count`` is a single
+    step for the interpreter, and the servers run on one event loop, so streams
+    never see the same value twice.
+    """
+
+    def __init__(self) -> None:
+        self._counter = itertools.count(1)
+
+    def pick(self, request: PickRequest, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
+        return (candidates[next(self._counter) % len(candidates)],)
+
+
+class Pool:
+    """The endpoints of one pool: the pods of a source that match a label selector.
+
+    Like an InferencePool's ``spec.selector.matchLabels``: each port of each
+    ready matching pod is one endpoint. The tuple is rebuilt only when the
+    source replaces its pod list, not on every request.
+    """
+
+    def __init__(self, source: PodSource, selector: Mapping[str, str]) -> None:
+        self.source = source
+        self.selector = dict(selector)
+        self._seen: tuple[Pod, ...] | None = None
+        self._endpoints: tuple[Endpoint, ...] = ()
+
+    @property
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        pods = self.source.pods
+        if pods is not self._seen:
+            self._seen, self._endpoints = pods, endpoints_of(pods, self.selector)
+        return self._endpoints
+
+
+def allowed_entries(
+    subset_hint: Mapping[str, Any] | None, test_header: str | None
+) -> list[str] | None:
+    """The ``ip``/``ip:port`` entries a request is restricted to, or None if unrestricted.
+
+    Follows GIE's lwepp: the metadata key being present activates the filter
+    even when its list is empty (an empty list allows nothing); the value may
+    be a list or a comma-separated string, and list items may themselves hold
+    commas. A non-empty ``test-epp-endpoint-selection`` header replaces the
+    metadata list.
+    """
+    entries: list[str] | None = None
+    if subset_hint is not None and SUBSET_KEY in subset_hint:
+        value = subset_hint[SUBSET_KEY]
+        items = value if isinstance(value, list) else [value]
+        entries = [
+            part.strip() for item in items if isinstance(item, str) for part in item.split(",")
+        ]
+        entries = [entry for entry in entries if entry]
+    if test_header:
+        selected = [part.strip() for part in test_header.split(",") if part.strip()]
+        if selected:
+            entries = selected
+    return entries
+
+
+def _split_host_port(entry: str) -> tuple[str, str | None]:
+    """``ip:port`` → (ip, port); a bare IP (v4, or v6 without brackets) → (ip, None)."""
+    if entry.startswith("["):
+        host, _, rest = entry[1:].partition("]")
+        return host, rest[1:] if rest.startswith(":") else None
+    if entry.count(":") == 1:
+        host, _, port = entry.partition(":")
+        return host, port
+    return entry, None
+
+
+def candidates(endpoints: Sequence[Endpoint], allowed: list[str] | None) -> tuple[Endpoint, ...]:
+    """The endpoints a request may use: all of them, or those ``allowed`` names.
+
+    An entry with a port allows exactly that endpoint; a bare IP allows every
+    port of that address (a data-parallel pod's engines).
+    """
+    if allowed is None:
+        return tuple(endpoints)
+    exact: set[tuple[str, str]] = set()
+    any_port: set[str] = set()
+    for entry in allowed:
+        host, port = _split_host_port(entry)
+        if port is None:
+            any_port.add(host)
+        else:
+            exact.add((host, port))
+    return tuple(e for e in endpoints if e.address in any_port or (e.address, str(e.port)) in exact)

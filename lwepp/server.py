@@ -1,0 +1,279 @@
+"""The LWEPP ext_proc service: one stream per HTTP request, one endpoint per stream.
+
+What Envoy sends and what the picker answers (GIE endpoint-picker protocol,
+following GIE's lwepp except where ``docs/differences.md`` says otherwise):
+
+=====================  =====================================================
+Envoy sends            LWEPP answers
+=====================  =====================================================
+request_headers        If the headers end the request, or Envoy does not
+                       stream the body to us: pick now and reply. Otherwise
+                       hold the reply: the pick waits for the whole body, as
+                       in GIE (a body-aware picker needs it).
+request_body chunks    In FULL_DUPLEX_STREAMED mode Envoy forwards only what
+                       we send back, so chunks are kept (at most 10 MiB) and,
+                       at the end, the held headers reply goes out followed
+                       by the body. In other modes each chunk is acknowledged.
+response_headers       Report the endpoint the gateway says served the
+                       request (``envoy.lb`` metadata) as a response header.
+anything else          Acknowledge unchanged.
+=====================  =====================================================
+
+The headers reply names the endpoint twice, as the protocol requires: the
+request header ``x-gateway-destination-endpoint`` (which an ORIGINAL_DST
+cluster routes on) and the same value in dynamic metadata ``envoy.lb``; it
+also clears the route cache so Envoy routes again with the new header.
+
+Refusals are ImmediateResponses with an HTTP status: 503 when no endpoint may
+serve the request (the protocol's rule), 413 for a body over the cap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from lwepp.picking import (
+    SUBSET_NAMESPACE,
+    TEST_SELECTION_HEADER,
+    Picker,
+    PickRequest,
+    Pool,
+    allowed_entries,
+    candidates,
+)
+from pods.model import Endpoint
+from protos import extproc
+from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse
+from protos.server import Stream
+
+log = structlog.get_logger()
+
+DESTINATION: Final = "x-gateway-destination-endpoint"
+SERVED: Final = "x-gateway-destination-endpoint-served"
+SERVED_REPORT: Final = "x-conformance-test-served-endpoint"
+ECHO_SET_HEADER: Final = "X-Echo-Set-Header"
+MAX_BODY_BYTES: Final = 10 * 1024 * 1024
+
+
+class Refusal(Exception):
+    """A request the picker answers with an HTTP error instead of an endpoint."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.reason, self.message = status, reason, message
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What one stream remembers between messages."""
+
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    candidates: tuple[Endpoint, ...] = ()
+    body_mode: int | None = None
+    response_body_mode: int | None = None
+    deferred: bool = False
+    chunks: list[bytes] = field(default_factory=list)
+    size: int = 0
+
+
+class Metrics:
+    """The picker's Prometheus metrics, in a registry of its own."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter("lwepp_requests", "ext_proc streams handled", registry=registry)
+        self.picks = Counter(
+            "lwepp_picks", "requests sent to each endpoint", ["endpoint"], registry=registry
+        )
+        self.errors = Counter(
+            "lwepp_errors", "requests refused or failed, by reason", ["reason"], registry=registry
+        )
+        self.endpoints = Gauge("lwepp_endpoints", "endpoints in the pool now", registry=registry)
+
+
+class EndpointPickerService:
+    """The ext_proc handler: reads one stream top to bottom, answering each phase."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        picker: Picker,
+        metrics: Metrics,
+        max_body_bytes: int = MAX_BODY_BYTES,
+    ) -> None:
+        self.pool = pool
+        self.picker = picker
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        metrics.endpoints.set_function(lambda: len(pool.endpoints))
+
+    async def __call__(self, stream: Stream) -> None:
+        state = RequestState()
+        self.metrics.requests.inc()
+        while (message := await stream.recv()) is not None:
+            try:
+                match extproc.kind(message):
+                    case "request_headers":
+                        replies = self.on_request_headers(message, state)
+                    case "request_body":
+                        replies = self.on_request_body(message, state)
+                    case "request_trailers":
+                        replies = [*self.finish_request(state), _trailers("request")]
+                    case "response_headers":
+                        replies = [served_endpoint_reply(message)]
+                    case "response_body":
+                        replies = [_echo_response_chunk(message, state)]
+                    case "response_trailers":
+                        replies = [_trailers("response")]
+                    case other:
+                        raise Refusal(500, "unexpected_message", f"unexpected message {other!r}")
+            except Refusal as refusal:
+                await self.refuse(stream, state, refusal)
+                return
+            except Exception:
+                log.exception("request failed", request_id=_request_id(state))
+                internal = Refusal(500, "internal", "endpoint picker: internal error")
+                await self.refuse(stream, state, internal)
+                return
+            for reply in replies:
+                await stream.send(reply)
+
+    # --- request side ----------------------------------------------------------
+
+    def on_request_headers(
+        self, message: ProcessingRequest, state: RequestState
+    ) -> list[ProcessingResponse]:
+        """Work out the candidates now; pick now unless the body is coming to us."""
+        state.headers = extproc.header_pairs(message.request_headers)
+        modes = extproc.body_modes(message)
+        if modes is not None:
+            state.body_mode, state.response_body_mode = modes
+        state.candidates = self.candidates_for(message, state.headers)
+        # Without protocol_config (older Envoy) assume full-duplex, as GIE does.
+        body_comes_back = state.body_mode in (None, BodyMode.FULL_DUPLEX_STREAMED)
+        if message.request_headers.end_of_stream or not body_comes_back:
+            return [self.pick(state)]
+        state.deferred = True
+        return []
+
+    def on_request_body(
+        self, message: ProcessingRequest, state: RequestState
+    ) -> list[ProcessingResponse]:
+        chunk = message.request_body
+        if not state.deferred:
+            return [_echo_request_chunk(message, state)]
+        state.size += len(chunk.body)
+        if state.size > self.max_body_bytes:
+            raise Refusal(
+                413,
+                "body_too_large",
+                f"request body exceeds the endpoint picker's limit of {self.max_body_bytes} bytes",
+            )
+        state.chunks.append(chunk.body)
+        return self.finish_request(state) if chunk.end_of_stream else []
+
+    def finish_request(self, state: RequestState) -> list[ProcessingResponse]:
+        """The held headers reply, then the body we kept, now that the body has ended."""
+        if not state.deferred:
+            return []
+        state.deferred = False
+        body, state.chunks = b"".join(state.chunks), []
+        return [self.pick(state), *extproc.streamed_body_responses("request", body)]
+
+    def candidates_for(
+        self, message: ProcessingRequest, headers: Sequence[tuple[str, str]]
+    ) -> tuple[Endpoint, ...]:
+        endpoints = self.pool.endpoints
+        if not endpoints:
+            raise Refusal(503, "no_endpoints", "no ready endpoint in the pool")
+        allowed = allowed_entries(
+            extproc.filter_metadata(message, SUBSET_NAMESPACE),
+            extproc.first_header(headers, TEST_SELECTION_HEADER),
+        )
+        found = candidates(endpoints, allowed)
+        if not found:
+            raise Refusal(
+                503,
+                "no_candidates",
+                f"no ready endpoint matches the allowed subset {','.join(allowed or [])!r}",
+            )
+        return found
+
+    def pick(self, state: RequestState) -> ProcessingResponse:
+        """Ask the picker, then build the headers reply that routes to its choice."""
+        body = b"".join(state.chunks) if state.chunks else None
+        chosen = self.picker.pick(PickRequest(state.headers, body), state.candidates)
+        if not chosen:
+            raise Refusal(503, "no_pick", "no endpoint accepted the request")
+        endpoint = chosen[0].hostport
+        self.metrics.picks.labels(endpoint).inc()
+        return extproc.headers_response(
+            "request",
+            [
+                (DESTINATION, endpoint),
+                # GIE's conformance echo server copies this into a response header.
+                (ECHO_SET_HEADER, f"{SERVED_REPORT}:{endpoint}"),
+            ],
+            clear_route_cache=True,
+            dynamic_metadata={extproc.LB_NAMESPACE: {DESTINATION: endpoint}},
+        )
+
+    async def refuse(self, stream: Stream, state: RequestState, refusal: Refusal) -> None:
+        self.metrics.errors.labels(refusal.reason).inc()
+        log.info(
+            "request refused",
+            status=refusal.status,
+            reason=refusal.reason,
+            request_id=_request_id(state),
+        )
+        await stream.send(extproc.immediate_response(refusal.status, refusal.message))
+
+
+# --- response side ---------------------------------------------------------------
+
+
+def served_endpoint_reply(message: ProcessingRequest) -> ProcessingResponse:
+    """Report, as a response header, the endpoint the gateway says served the request.
+
+    The protocol has the data plane put it in ``envoy.lb`` metadata under
+    ``x-gateway-destination-endpoint-served``; the failure strings are GIE's.
+    """
+    lb = extproc.filter_metadata(message, extproc.LB_NAMESPACE)
+    served = (lb or {}).get(SERVED)
+    if lb is None:
+        served = "fail: missing envoy lb metadata"
+    elif not isinstance(served, str):
+        served = "fail: missing destination endpoint served metadata"
+    return extproc.headers_response(
+        "response", [(SERVED_REPORT, served), ("x-went-into-resp-headers", "true")]
+    )
+
+
+def _echo_request_chunk(message: ProcessingRequest, state: RequestState) -> ProcessingResponse:
+    chunk = message.request_body
+    if state.body_mode == BodyMode.FULL_DUPLEX_STREAMED:
+        return extproc.body_response(
+            "request", streamed_body=chunk.body, end_of_stream=chunk.end_of_stream
+        )
+    return extproc.body_response("request")
+
+
+def _echo_response_chunk(message: ProcessingRequest, state: RequestState) -> ProcessingResponse:
+    chunk = message.response_body
+    if state.response_body_mode == BodyMode.FULL_DUPLEX_STREAMED:
+        return extproc.body_response(
+            "response", streamed_body=chunk.body, end_of_stream=chunk.end_of_stream
+        )
+    return extproc.body_response("response")
+
+
+def _trailers(phase: extproc.Phase) -> ProcessingResponse:
+    return extproc.trailers_response(phase)
+
+
+def _request_id(state: RequestState) -> str | None:
+    return extproc.first_header(state.headers, "x-request-id")

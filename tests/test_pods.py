@@ -1,0 +1,137 @@
+"""The pod list: decoding the pod file, endpoints per port, reloads that keep the last good list."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pods.file import FileSource, PodFileError, parse_pods
+from pods.model import endpoints_of, join_host_port
+from tests.fakes import pod
+
+GOOD = """
+pods:
+- name: a-0
+  address: 10.0.0.1
+  ports: [8000]
+  labels: {pool: a}
+- name: a-1
+  address: 10.0.0.2
+  ports: [3000, 3002, 3004]
+  labels: {pool: a}
+- name: b-0
+  address: 10.0.0.3
+  ports: 8000
+  labels: {pool: b}
+  ready: false
+"""
+
+
+def test_parse_reads_every_field() -> None:
+    """A pod file decodes to pods with their ports, labels and readiness."""
+    pods = parse_pods(GOOD, "pods.yaml")
+    assert [p.name for p in pods] == ["a-0", "a-1", "b-0"]
+    assert pods[1].ports == (3000, 3002, 3004)
+    assert pods[2].ports == (8000,)
+    assert dict(pods[0].labels) == {"pool": "a"}
+    assert pods[2].ready is False
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("pods: [{name: x, address: 10.0.0.1}]", "pods[0].ports: required"),
+        ("pods: [{name: x, address: nowhere, ports: [1]}]", "pods[0].address: expected an IP"),
+        ("pods: [{name: x, address: 10.0.0.1, ports: [0]}]", "pods[0].ports[0]: expected a port"),
+        ("pods: [{name: x, address: 10.0.0.1, ports: [1], zone: z}]", "unknown field 'zone'"),
+        ("pods: [{name: x, address: 10.0.0.1, ports: [1], ready: yes please}]", "ready"),
+        (
+            "pods: [{name: x, address: 10.0.0.1, ports: [1]}, {name: x, address: 10.0.0.2, ports: [1]}]",
+            "pods[1].name: duplicate",
+        ),
+        ("pods:\n- name: x\n  address: [", "line 3"),
+        ("pod: []", "single key 'pods'"),
+    ],
+    ids=[
+        "no-ports",
+        "bad-address",
+        "port-zero",
+        "unknown-field",
+        "ready-type",
+        "dup",
+        "yaml",
+        "top",
+    ],
+)
+def test_parse_errors_name_the_field(text: str, message: str) -> None:
+    """Each decoding error names the file and the offending field or line."""
+    with pytest.raises(PodFileError, match=r"pods\.yaml") as error:
+        parse_pods(text, "pods.yaml")
+    assert message in str(error.value)
+
+
+def test_endpoints_are_ready_matching_pods_times_ports() -> None:
+    """Each port of each ready pod matching the selector is one endpoint, in file order."""
+    pods = parse_pods(GOOD)
+    assert [e.hostport for e in endpoints_of(pods, {"pool": "a"})] == [
+        "10.0.0.1:8000",
+        "10.0.0.2:3000",
+        "10.0.0.2:3002",
+        "10.0.0.2:3004",
+    ]
+    assert endpoints_of(pods, {"pool": "b"}) == ()  # not ready
+    assert len(endpoints_of(pods, {})) == 4
+
+
+def test_ipv6_endpoints_are_bracketed() -> None:
+    """IPv6 addresses are written ``[addr]:port``, as Go's JoinHostPort does."""
+    assert join_host_port("fd00::1", 80) == "[fd00::1]:80"
+    assert endpoints_of((pod("v6", "fd00::1", 80),), {})[0].hostport == "[fd00::1]:80"
+
+
+def test_snapshots_are_immutable() -> None:
+    """Pods and endpoints cannot be changed in place, labels included."""
+    endpoint = endpoints_of(parse_pods(GOOD), {})[0]
+    with pytest.raises(AttributeError):
+        endpoint.port = 1  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        endpoint.labels["pool"] = "b"  # type: ignore[index]
+
+
+def _write(path: Path, text: str, stamp: int) -> None:
+    path.write_text(text)
+    os.utime(path, ns=(stamp, stamp))
+
+
+def test_file_source_reloads_and_keeps_last_good(tmp_path: Path) -> None:
+    """An edit is picked up; a broken edit keeps the previous pods and reports the error."""
+    path = tmp_path / "pods.yaml"
+    _write(path, GOOD, 1_000_000_000)
+    assert not FileSource(path).synced  # nothing read yet
+    source = FileSource(path)
+    assert source.reload() is True
+    assert source.synced
+    assert len(source.pods) == 3
+    assert source.reload() is False  # unchanged file: nothing to do
+
+    _write(path, "pods: [{name: x}]", 2_000_000_000)
+    assert source.reload() is False
+    assert len(source.pods) == 3
+    assert source.error is not None
+    assert "pods[0].address: required" in source.error
+
+    _write(path, "pods: [{name: x, address: 10.0.0.9, ports: [1]}]", 3_000_000_000)
+    assert source.reload() is True
+    assert [p.name for p in source.pods] == ["x"]
+    assert source.error is None
+
+
+def test_file_source_missing_file_is_an_error_not_a_crash(tmp_path: Path) -> None:
+    """A missing file leaves the source unsynced with an error naming the path."""
+    source = FileSource(tmp_path / "absent.yaml")
+    assert source.reload() is False
+    assert not source.synced
+    assert source.error is not None
+    assert "absent.yaml" in source.error

@@ -100,3 +100,25 @@ class PodSource(Protocol):
     async def run(self) -> None:
         """Keep ``pods`` current until cancelled."""
         ...
+
+
+class StaticSource:
+    """A fixed pod list (tests, benchmarks, or pods given on the command line)."""
+
+    def __init__(self, *pods: Pod) -> None:
+        self._pods = pods
+
+    @property
+    def pods(self) -> tuple[Pod, ...]:
+        return self._pods
+
+    @property
+    def synced(self) -> bool:
+        return True
+
+    def replace(self, *pods: Pod) -> None:
+        """Swap the whole list, as a watching source would on a change."""
+        self._pods = pods
+
+    async def run(self) -> None:
+        return None

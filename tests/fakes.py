@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
-from pods.model import Pod
+from pods.model import Pod, StaticSource
 
 
-class StaticPods:
-    """A pod source whose list the test sets directly."""
+class StaticPods(StaticSource):
+    """A fixed pod source that can also pretend not to have synced yet."""
 
     def __init__(self, *pods: Pod, synced: bool = True) -> None:
-        self._pods = tuple(pods)
+        super().__init__(*pods)
         self._synced = synced
-
-    @property
-    def pods(self) -> tuple[Pod, ...]:
-        return self._pods
 
     @property
     def synced(self) -> bool:
         return self._synced
 
     def replace(self, *pods: Pod) -> None:
-        self._pods = tuple(pods)
+        super().replace(*pods)
         self._synced = True
-
-    async def run(self) -> None:
-        return None
 
 
 def pod(name: str, address: str, *ports: int, ready: bool = True, **labels: str) -> Pod:

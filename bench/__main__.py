@@ -18,11 +18,8 @@ def main() -> None:
         "\n## Whole ext_proc streams on one core (headers + 4 KB body, full-duplex)\n", flush=True
     )
     kinds = sys.argv[1:] or list(streams.KINDS)
-    results = []
-    for kind in kinds:
-        print(f"  measuring {kind} ...", file=sys.stderr, flush=True)
-        results.append(streams.measure(kind))
-    print(streams.table(results))
+    print(f"  measuring {', '.join(kinds)} in interleaved rounds ...", file=sys.stderr, flush=True)
+    print(streams.table(streams.measure(kinds)))
 
 
 if __name__ == "__main__":

@@ -110,6 +110,9 @@ class EndpointPickerService:
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         metrics.endpoints.set_function(lambda: len(pool.endpoints))
+        # The reply depends on the endpoint alone, so each is built once and reused:
+        # building a Struct for the metadata is the costliest step of a pick.
+        self._routing_replies: dict[str, ProcessingResponse] = {}
 
     async def __call__(self, stream: Stream) -> None:
         state = RequestState()
@@ -211,16 +214,12 @@ class EndpointPickerService:
             raise Refusal(503, "no_pick", "no endpoint accepted the request")
         endpoint = chosen[0].hostport
         self.metrics.picks.labels(endpoint).inc()
-        return extproc.headers_response(
-            "request",
-            [
-                (DESTINATION, endpoint),
-                # GIE's conformance echo server copies this into a response header.
-                (ECHO_SET_HEADER, f"{SERVED_REPORT}:{endpoint}"),
-            ],
-            clear_route_cache=True,
-            dynamic_metadata={extproc.LB_NAMESPACE: {DESTINATION: endpoint}},
-        )
+        reply = self._routing_replies.get(endpoint)
+        if reply is None:
+            if len(self._routing_replies) > 4096:  # endpoints come and go: stay bounded
+                self._routing_replies.clear()
+            reply = self._routing_replies[endpoint] = routing_reply(endpoint)
+        return reply
 
     async def refuse(self, stream: Stream, state: RequestState, refusal: Refusal) -> None:
         self.metrics.errors.labels(refusal.reason).inc()
@@ -231,6 +230,20 @@ class EndpointPickerService:
             request_id=_request_id(state),
         )
         await stream.send(extproc.immediate_response(refusal.status, refusal.message))
+
+
+def routing_reply(endpoint: str) -> ProcessingResponse:
+    """The headers reply that sends the request to ``endpoint`` (``ip:port``)."""
+    return extproc.headers_response(
+        "request",
+        [
+            (DESTINATION, endpoint),
+            # GIE's conformance echo server copies this into a response header.
+            (ECHO_SET_HEADER, f"{SERVED_REPORT}:{endpoint}"),
+        ],
+        clear_route_cache=True,
+        dynamic_metadata={extproc.LB_NAMESPACE: {DESTINATION: endpoint}},
+    )
 
 
 # --- response side ---------------------------------------------------------------

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 from collections.abc import Sequence
+from typing import TextIO
 
 from prometheus_client import CollectorRegistry
 
@@ -80,12 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds in-flight streams get to finish after SIGTERM",
     )
     parser.add_argument(
+        "--trace-messages",
+        metavar="FILE",
+        help="append every ext_proc message, both ways, to FILE in protobuf text format "
+        "(for learning and debugging; slow)",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     return parser
 
 
-async def run(args: argparse.Namespace) -> None:
+async def run(args: argparse.Namespace, trace: TextIO | None) -> None:
     source = FileSource(args.pods, interval=args.pods_interval)
     source.reload()
     pool = Pool(source, args.selector)
@@ -94,7 +102,14 @@ async def run(args: argparse.Namespace) -> None:
     ports = Ports(args.host, args.grpc_port, args.grpc_health_port, args.metrics_port)
     health = Health(HEALTH_SERVICES, ready=lambda: source.synced)
     await serve(
-        "lwepp", service, ports, health, registry, background=[source.run], grace=args.grace
+        "lwepp",
+        service,
+        ports,
+        health,
+        registry,
+        background=[source.run],
+        grace=args.grace,
+        trace=trace,
     )
 
 
@@ -105,7 +120,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         load_pods(args.pods)  # fail fast on a broken file at start-up
     except PodFileError as error:
         sys.exit(f"lwepp: {error}")
-    asyncio.run(run(args))
+    with contextlib.ExitStack() as files:
+        trace = files.enter_context(open(args.trace_messages, "a")) if args.trace_messages else None
+        asyncio.run(run(args, trace))
 
 
 if __name__ == "__main__":

@@ -10,16 +10,18 @@ background tasks a service needs, and takes them down in order on SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, TextIO
 
 import grpc
 import structlog
 from aiohttp import web
+from google.protobuf import text_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -56,6 +58,37 @@ class Stream:
         await self._context.write(response)
 
 
+class TracedStream(Stream):
+    """A stream that also writes every message, both ways, to a trace file.
+
+    For learning and debugging (``--trace-messages``): each message appears
+    in protobuf text format under a line naming the stream, the direction
+    and the phase. Never on in production: it costs far more than the work.
+    """
+
+    __slots__ = ("_number", "_trace")
+
+    def __init__(self, context: Any, trace: TextIO, number: int) -> None:
+        super().__init__(context)
+        self._trace, self._number = trace, number
+
+    def _write(self, arrow: str, message: Any) -> None:
+        phase = message.WhichOneof("request" if arrow == "<-" else "response")
+        text = text_format.MessageToString(message, as_utf8=True)
+        self._trace.write(f"## stream {self._number} {arrow} {phase}\n{text}\n")
+        self._trace.flush()
+
+    async def recv(self) -> ProcessingRequest | None:
+        message = await super().recv()
+        if message is not None:
+            self._write("<-", message)
+        return message
+
+    async def send(self, response: ProcessingResponse) -> None:
+        self._write("->", response)
+        await super().send(response)
+
+
 class Handler(Protocol):
     """What a service provides: the whole life of one ext_proc stream."""
 
@@ -69,11 +102,18 @@ class Handler(Protocol):
         ...
 
 
-def ext_proc_handler(handler: Handler) -> grpc.GenericRpcHandler:
-    """Bind ``handler`` to ``ExternalProcessor/Process`` with xds-protos' codec."""
+def ext_proc_handler(handler: Handler, trace: TextIO | None = None) -> grpc.GenericRpcHandler:
+    """Bind ``handler`` to ``ExternalProcessor/Process`` with xds-protos' codec.
+
+    With ``trace``, every message of every stream is also written there.
+    """
+    numbers = itertools.count(1)
 
     async def process(_requests: Any, context: Any) -> None:
-        await handler(Stream(context))
+        if trace is None:
+            await handler(Stream(context))
+        else:
+            await handler(TracedStream(context, trace, next(numbers)))
 
     method = grpc.stream_stream_rpc_method_handler(
         process,
@@ -174,6 +214,7 @@ async def serve(
     *,
     background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
     grace: float = 10.0,
+    trace: TextIO | None = None,
     stop: asyncio.Event | None = None,
     on_listening: Callable[[Ports], Awaitable[None] | None] | None = None,
 ) -> None:
@@ -190,7 +231,7 @@ async def serve(
             loop.add_signal_handler(sig, stop.set)
 
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers((ext_proc_handler(handler),))
+    server.add_generic_rpc_handlers((ext_proc_handler(handler, trace),))
     grpc_port = server.add_insecure_port(f"{ports.host}:{ports.grpc}")
 
     health_server = grpc.aio.server()

@@ -1,0 +1,497 @@
+"""The gateway's Envoy bootstrap, built from Envoy's typed API (envoy-data-plane).
+
+One listener, one HTTP connection manager (HCM), and this filter chain::
+
+    client ─► strip-client-routing ─► bbr ─► lwepp-<pool>… ─► served-endpoint ─► router ─► replica
+    client ◄──────────────────────── bbr ◄─ lwepp-<pool>… ◄─ served-endpoint ◄─ router ◄─ replica
+
+Requests pass the filters top to bottom and responses bottom to top, so the
+filter placed just before the router is the first to see the response.
+
+1. ``bbr`` (ext_proc) reads the OpenAI body and sets ``x-gateway-model-name``;
+   it clears the route cache, so Envoy matches the routes again, now by model.
+2. ``lwepp-<pool>`` (ext_proc, one per pool) runs only on its pool's routes:
+   the endpoint picker names ``ip:port`` in ``x-gateway-destination-endpoint``,
+   and the pool's ORIGINAL_DST cluster connects there.
+3. ``served-endpoint`` turns a response header the routes add from
+   ``%UPSTREAM_HOST%`` into ``envoy.lb`` dynamic metadata, which the picker
+   reads with the response headers: the GIE protocol's "the data plane
+   reports the endpoint that actually served the request".
+
+The module aliases follow Envoy's type names (``cluster.Cluster`` is
+``envoy.config.cluster.v3.Cluster``), so each object can be looked up in
+Envoy's API reference under the same name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Final
+
+import betterproto2
+from envoy_data_plane.envoy.config.accesslog import v3 as accesslog
+from envoy_data_plane.envoy.config.bootstrap import v3 as bootstrap_
+from envoy_data_plane.envoy.config.cluster import v3 as cluster
+from envoy_data_plane.envoy.config.common.mutation_rules import v3 as mutation_rules
+from envoy_data_plane.envoy.config.core import v3 as core
+from envoy_data_plane.envoy.config.endpoint import v3 as endpoint
+from envoy_data_plane.envoy.config.listener import v3 as listener
+from envoy_data_plane.envoy.config.route import v3 as route
+from envoy_data_plane.envoy.extensions.access_loggers.file import v3 as file_log
+from envoy_data_plane.envoy.extensions.filters.http.ext_proc import v3 as ext_proc
+from envoy_data_plane.envoy.extensions.filters.http.header_mutation import v3 as header_mutation
+from envoy_data_plane.envoy.extensions.filters.http.header_to_metadata import v3 as to_metadata
+from envoy_data_plane.envoy.extensions.filters.http.router import v3 as router
+from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager import v3 as hcm
+from envoy_data_plane.envoy.extensions.upstreams.http import v3 as upstream_http
+from envoy_data_plane.envoy.type import v3 as types
+from envoy_data_plane.envoy.type.matcher import v3 as matcher
+from envoy_data_plane.google.protobuf import Any as AnyMessage
+from envoy_data_plane.google.protobuf import Struct
+
+MODEL_HEADER: Final = "x-gateway-model-name"
+"""Set by BBR from the body's ``model``; the routes match on it (GIE's BBR guide)."""
+
+ENDPOINT_HEADER: Final = "x-gateway-destination-endpoint"
+"""Set by the picker to the chosen ``ip:port`` (GIE endpoint picker protocol)."""
+
+SERVED_KEY: Final = "x-gateway-destination-endpoint-served"
+"""``envoy.lb`` metadata key for the endpoint that really served the request."""
+
+HEALTH_SERVICE: Final = "inference-extension"
+"""The gRPC health service GIE's picker reports and its Kubernetes probes ask for."""
+
+ROUTE_TIMEOUT: Final = timedelta(seconds=300)
+"""Whole-response timeout, as GIE's InferencePool HTTPRoute: room for long streams."""
+
+MESSAGE_TIMEOUT: Final = timedelta(seconds=2)
+"""How long Envoy waits for an ext_proc reply it times (Envoy's default is 200 ms).
+
+Envoy does not time the messages of a FULL_DUPLEX_STREAMED body, where the
+processor may hold the headers until the body ends. What is timed here is
+the picker's reply to the response headers.
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """One InferencePool as the gateway sees it.
+
+    ``models``: the values of ``x-gateway-model-name`` routed here.
+    ``picker_port`` / ``health_port``: its LWEPP's ext_proc and gRPC health ports.
+    ``endpoints``: its replicas (``ip:port``), for FailOpen traffic.
+    ``fail_open``: GIE's ``failureMode: FailOpen`` (the default is FailClose).
+    """
+
+    name: str
+    models: tuple[str, ...]
+    picker_port: int
+    health_port: int | None = None
+    endpoints: tuple[str, ...] = ()
+    fail_open: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Gateway:
+    """Everything the bootstrap depends on; port 0 lets the OS choose."""
+
+    port: int
+    admin_port: int
+    bbr_port: int
+    pools: tuple[Pool, ...]
+    host: str = "127.0.0.1"
+    access_log: str | None = None
+
+
+def _any(message: betterproto2.Message) -> AnyMessage:
+    """A ``typed_config``: the message plus its ``@type`` URL, which selects the extension."""
+    return AnyMessage.pack(message)
+
+
+def _address(host: str, port: int) -> core.Address:
+    return core.Address(socket_address=core.SocketAddress(address=host, port_value=port))
+
+
+# --- clusters: where Envoy connects --------------------------------------------------
+
+
+def _endpoint(host: str, port: int, health_port: int | None = None) -> endpoint.LbEndpoint:
+    health = endpoint.EndpointHealthCheckConfig(port_value=health_port) if health_port else None
+    return endpoint.LbEndpoint(
+        endpoint=endpoint.Endpoint(address=_address(host, port), health_check_config=health)
+    )
+
+
+def _static_cluster(name: str, endpoints: Sequence[endpoint.LbEndpoint]) -> cluster.Cluster:
+    """A fixed list of endpoints, balanced round-robin (Envoy's default ``lb_policy``)."""
+    return cluster.Cluster(
+        name=name,
+        type=cluster.ClusterDiscoveryType.STATIC,
+        connect_timeout=timedelta(seconds=1),
+        load_assignment=endpoint.ClusterLoadAssignment(
+            cluster_name=name,
+            endpoints=[endpoint.LocalityLbEndpoints(lb_endpoints=list(endpoints))],
+        ),
+    )
+
+
+def grpc_cluster(
+    name: str, host: str, port: int, health_port: int | None = None
+) -> cluster.Cluster:
+    """An ext_proc service: gRPC, hence HTTP/2 (Envoy speaks HTTP/1.1 upstream unless told).
+
+    With ``health_port``, Envoy asks the service's gRPC health endpoint (its
+    own port, as GIE's picker serves it) every second. That is what makes
+    FailOpen work with a FULL_DUPLEX_STREAMED body: Envoy 1.40's ext_proc
+    ignores ``failure_mode_allow`` once body bytes went into the stream
+    (``Filter::failureModeAllow``), and a refused connection is noticed only
+    after that. A cluster with no healthy host fails the stream at once,
+    before any body, like GIE's conformance test, which takes the picker's
+    Service down to zero endpoints. ``healthy_panic_threshold: 0`` stops
+    Envoy from "panicking" and trying the unhealthy host anyway.
+    """
+    result = _static_cluster(name, [_endpoint(host, port, health_port)])
+    http2 = upstream_http.HttpProtocolOptions(
+        explicit_http_config=upstream_http.HttpProtocolOptionsExplicitHttpConfig(
+            http2_protocol_options=core.Http2ProtocolOptions()
+        )
+    )
+    result.typed_extension_protocol_options = {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _any(http2)
+    }
+    if health_port:
+        second = timedelta(seconds=1)
+        check = core.HealthCheck(
+            timeout=second,
+            interval=second,
+            no_traffic_interval=second,  # default 60 s while the cluster carries no traffic
+            unhealthy_threshold=1,
+            healthy_threshold=1,
+            grpc_health_check=core.HealthCheckGrpcHealthCheck(service_name=HEALTH_SERVICE),
+        )
+        result.health_checks = [check]
+        result.common_lb_config = cluster.ClusterCommonLbConfig(
+            healthy_panic_threshold=types.Percent(value=0)
+        )
+    return result
+
+
+def picked_endpoint_cluster(pool: Pool) -> cluster.Cluster:
+    """Connect to whatever ``ip:port`` the picker wrote in ``x-gateway-destination-endpoint``.
+
+    ORIGINAL_DST with ``use_http_header`` is how GIE's reference Envoy follows
+    the picker: the cluster has no endpoint list, the header is the whole
+    load-balancing decision (so ``lb_policy`` must be CLUSTER_PROVIDED).
+    Without the header Envoy finds no host and answers 503.
+    """
+    return cluster.Cluster(
+        name=f"pool-{pool.name}",
+        type=cluster.ClusterDiscoveryType.ORIGINAL_DST,
+        lb_policy=cluster.ClusterLbPolicy.CLUSTER_PROVIDED,
+        connect_timeout=timedelta(seconds=2),
+        original_dst_lb_config=cluster.ClusterOriginalDstLbConfig(
+            use_http_header=True, http_header_name=ENDPOINT_HEADER
+        ),
+    )
+
+
+def _host_port(hostport: str) -> tuple[str, int]:
+    host, _, port = hostport.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def clusters(gateway: Gateway) -> list[cluster.Cluster]:
+    """BBR, and per pool: its picker, its picked endpoints, and for FailOpen its replicas."""
+    host = gateway.host
+    result = [grpc_cluster("bbr", host, gateway.bbr_port)]
+    for pool in gateway.pools:
+        result.append(grpc_cluster(f"lwepp-{pool.name}", host, pool.picker_port, pool.health_port))
+        result.append(picked_endpoint_cluster(pool))
+        if pool.fail_open:
+            replicas = [_endpoint(*_host_port(e)) for e in pool.endpoints]
+            result.append(_static_cluster(f"pool-{pool.name}-fallback", replicas))
+    return result
+
+
+# --- HTTP filters: what runs on each request ------------------------------------------
+
+_Send = ext_proc.ProcessingModeHeaderSendMode
+_Body = ext_proc.ProcessingModeBodySendMode
+
+
+def _ext_proc(
+    name: str, mode: ext_proc.ProcessingMode, *, fail_open: bool, **extra: Any
+) -> hcm.HttpFilter:
+    config = ext_proc.ExternalProcessor(
+        grpc_service=core.GrpcService(envoy_grpc=core.GrpcServiceEnvoyGrpc(cluster_name=name)),
+        processing_mode=mode,
+        # false: an unreachable, failing or slow processor makes Envoy answer an
+        # error itself (FailClose); true: the request goes on unprocessed.
+        failure_mode_allow=fail_open,
+        message_timeout=MESSAGE_TIMEOUT,
+        stat_prefix=name,
+        **extra,
+    )
+    return hcm.HttpFilter(name=name, typed_config=_any(config))
+
+
+def bbr_filter() -> hcm.HttpFilter:
+    """BBR sees the request only: headers, the whole body, trailers.
+
+    FULL_DUPLEX_STREAMED (GIE's BBR chart runs ``--streaming``) lets BBR hold
+    the headers until it has read the body, then answer them (model header,
+    ``clear_route_cache``) and stream the body back. Envoy requires trailer
+    mode SEND with that body mode. FailClose, as the chart.
+    """
+    mode = ext_proc.ProcessingMode(
+        request_header_mode=_Send.SEND,
+        request_body_mode=_Body.FULL_DUPLEX_STREAMED,
+        request_trailer_mode=_Send.SEND,
+        response_header_mode=_Send.SKIP,
+        response_body_mode=_Body.NONE,
+        response_trailer_mode=_Send.SKIP,
+    )
+    return _ext_proc("bbr", mode, fail_open=False)
+
+
+def picker_filter(pool: Pool) -> hcm.HttpFilter:
+    """The pool's endpoint picker, in the processing mode of GIE's reference Envoy.
+
+    The request side is BBR's (the picker defers its headers reply until the
+    body ends). Response headers are sent too, to carry the served-endpoint
+    report; the response body is not (NONE), so a streamed completion flows
+    to the client untouched.
+
+    ``metadata_options`` names the dynamic-metadata namespaces that cross the
+    stream: Envoy forwards ``envoy.lb`` (the served endpoint) and
+    ``envoy.lb.subset_hint`` (the protocol's candidate subset), and accepts
+    ``envoy.lb`` back (the picked endpoint).
+
+    An unreachable picker gets a 503 (``status_on_error``; Envoy's default is
+    500) on a FailClose pool, and lets the request through on a FailOpen one.
+    """
+    mode = ext_proc.ProcessingMode(
+        request_header_mode=_Send.SEND,
+        request_body_mode=_Body.FULL_DUPLEX_STREAMED,
+        request_trailer_mode=_Send.SEND,
+        response_header_mode=_Send.SEND,
+        response_body_mode=_Body.NONE,
+        response_trailer_mode=_Send.SKIP,
+    )
+    namespaces = ext_proc.MetadataOptionsMetadataNamespaces
+    return _ext_proc(
+        f"lwepp-{pool.name}",
+        mode,
+        fail_open=pool.fail_open,
+        metadata_options=ext_proc.MetadataOptions(
+            forwarding_namespaces=namespaces(untyped=["envoy.lb", "envoy.lb.subset_hint"]),
+            receiving_namespaces=namespaces(untyped=["envoy.lb"]),
+        ),
+        status_on_error=types.HttpStatus(code=types.StatusCode.ServiceUnavailable),
+    )
+
+
+def strip_client_routing_filter() -> hcm.HttpFilter:
+    """Drop a client's own ``x-gateway-destination-endpoint`` before anything reads it.
+
+    An ORIGINAL_DST cluster connects wherever that header points, so only the
+    picker may set it. Otherwise a request to a FailOpen pool whose picker is
+    down would carry the client's address straight to the router.
+    """
+    remove = mutation_rules.HeaderMutation(remove=ENDPOINT_HEADER)
+    config = header_mutation.HeaderMutation(
+        mutations=header_mutation.Mutations(request_mutations=[remove])
+    )
+    return hcm.HttpFilter(name="strip-client-routing", typed_config=_any(config))
+
+
+def served_endpoint_filter() -> hcm.HttpFilter:
+    """Move the served-endpoint response header into ``envoy.lb`` metadata, and drop it.
+
+    The virtual host adds that header from ``%UPSTREAM_HOST%``, the address
+    the router really connected to, as the response arrives. This filter sits
+    after the pickers, so on the way back it runs before them and their
+    ``metadata_context`` carries the value.
+    """
+    rule = to_metadata.ConfigRule(
+        header=SERVED_KEY,
+        on_header_present=to_metadata.ConfigKeyValuePair(
+            metadata_namespace="envoy.lb", key=SERVED_KEY
+        ),
+        remove=True,
+    )
+    config = to_metadata.Config(response_rules=[rule])
+    return hcm.HttpFilter(name="served-endpoint", typed_config=_any(config))
+
+
+def http_filters(pools: Sequence[Pool]) -> list[hcm.HttpFilter]:
+    """The chain in request order; the router, which sends upstream, is last."""
+    return [
+        strip_client_routing_filter(),
+        bbr_filter(),
+        *(picker_filter(pool) for pool in pools),
+        served_endpoint_filter(),
+        hcm.HttpFilter(name="envoy.filters.http.router", typed_config=_any(router.Router())),
+    ]
+
+
+# --- routes: where each request goes ------------------------------------------------
+
+
+def _header(name: str, exact: str | None = None) -> route.HeaderMatcher:
+    """Header ``name`` is present, or, with ``exact``, equals it."""
+    if exact is None:
+        return route.HeaderMatcher(name=name, present_match=True)
+    return route.HeaderMatcher(name=name, string_match=matcher.StringMatcher(exact=exact))
+
+
+def _pickers_off(pools: Sequence[Pool]) -> dict[str, AnyMessage]:
+    """Virtual-host default: every pool's picker is switched off."""
+    off = _any(ext_proc.ExtProcPerRoute(disabled=True))
+    return {f"lwepp-{pool.name}": off for pool in pools}
+
+
+def _picker_on(pool: Pool) -> dict[str, AnyMessage]:
+    """On this pool's routes, switch its picker back on.
+
+    A set of ``overrides`` on a route, even an empty one, beats a ``disabled``
+    from the virtual host (ExtProcPerRoute's documented merge). ext_proc reads
+    it when its own turn comes, after BBR set the model header and the routes
+    were matched again. The HCM's ``disabled`` flag with a per-route
+    ``FilterConfig`` would not do: it is settled when the filter chain is
+    built, on the route matched before BBR ran (a 404), and a later re-match
+    cannot add a filter back (``FilterConfig.disabled`` docs; tried in 1.40).
+    """
+    return {
+        f"lwepp-{pool.name}": _any(ext_proc.ExtProcPerRoute(overrides=ext_proc.ExtProcOverrides()))
+    }
+
+
+def _pool_routes(pool: Pool) -> list[route.Route]:
+    """Per model, a route to the picked endpoint; FailOpen pools get a fallback too.
+
+    GIE FailOpen: when the picker is unavailable, the gateway picks an
+    endpoint itself. The first route requires the picker's header; the second
+    takes the requests that came through without one and round-robins them
+    over the pool's replicas.
+    """
+    routes = []
+    for model in pool.models:
+        picked = [_header(MODEL_HEADER, model)]
+        if pool.fail_open:
+            picked.append(_header(ENDPOINT_HEADER))
+        targets = [(f"{pool.name}/{model}", picked, f"pool-{pool.name}")]
+        if pool.fail_open:
+            fallback = [_header(MODEL_HEADER, model)]
+            targets.append(
+                (f"{pool.name}/{model}/fail-open", fallback, f"pool-{pool.name}-fallback")
+            )
+        routes += [
+            route.Route(
+                name=name,
+                match=route.RouteMatch(prefix="/", headers=headers),
+                route=route.RouteAction(cluster=target, timeout=ROUTE_TIMEOUT),
+                typed_per_filter_config=_picker_on(pool),
+            )
+            for name, headers, target in targets
+        ]
+    return routes
+
+
+def _not_found(
+    name: str, message: str, models: str, match: list[route.HeaderMatcher]
+) -> route.Route:
+    """A 404 the gateway answers itself, as JSON in the OpenAI error shape.
+
+    ``json_format`` escapes what the formatters insert (the client's model
+    name), so the body is always valid JSON.
+    """
+    body = {"error": {"type": "not_found", "message": message, "models": models}}
+    return route.Route(
+        name=name,
+        match=route.RouteMatch(prefix="/", headers=match),
+        direct_response=route.DirectResponseAction(
+            status=404,
+            body_format=core.SubstitutionFormatString(json_format=Struct.from_dict(body)),
+        ),
+    )
+
+
+def route_config(pools: Sequence[Pool]) -> route.RouteConfiguration:
+    """The pool routes by model, then the two 404s; Envoy takes the first route that matches."""
+    served = core.HeaderValueOption(
+        header=core.HeaderValue(key=SERVED_KEY, value="%UPSTREAM_HOST%"),
+        # Overwrite: a replica must not be able to claim another address.
+        append_action=core.HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+    models = ", ".join(model for pool in pools for model in pool.models)
+    routes = [r for pool in pools for r in _pool_routes(pool)]
+    unknown = f"no pool serves model '%REQ({MODEL_HEADER})%'"
+    routes.append(_not_found("unknown-model", unknown, models, [_header(MODEL_HEADER)]))
+    routes.append(_not_found("no-model", "the request names no model", models, []))
+    gateway = route.VirtualHost(
+        name="gateway",
+        domains=["*"],
+        routes=routes,
+        response_headers_to_add=[served],
+        typed_per_filter_config=_pickers_off(pools),
+    )
+    return route.RouteConfiguration(name="gateway", virtual_hosts=[gateway])
+
+
+# --- the whole bootstrap ------------------------------------------------------------
+
+
+def access_log(path: str) -> accesslog.AccessLog:
+    """One JSON line per request: what BBR and the picker decided, and what served it."""
+    fields = {
+        "time": "%START_TIME%",
+        "method": "%REQ(:METHOD)%",
+        "path": "%REQ(:PATH)%",
+        "model": f"%REQ({MODEL_HEADER})%",
+        "route": "%ROUTE_NAME%",
+        "picked": f"%REQ({ENDPOINT_HEADER})%",
+        "served": f"%DYNAMIC_METADATA(envoy.lb:{SERVED_KEY})%",
+        "status": "%RESPONSE_CODE%",
+        "details": "%RESPONSE_CODE_DETAILS%",
+        "ms": "%DURATION%",
+    }
+    log_format = core.SubstitutionFormatString(json_format=Struct.from_dict(fields))
+    config = file_log.FileAccessLog(path=path, log_format=log_format)
+    return accesslog.AccessLog(name="envoy.access_loggers.file", typed_config=_any(config))
+
+
+def bootstrap(gateway: Gateway) -> dict[str, Any]:
+    """The whole static configuration, as the JSON object ``envoy -c`` reads."""
+    manager = hcm.HttpConnectionManager(
+        stat_prefix="gateway",
+        route_config=route_config(gateway.pools),
+        http_filters=http_filters(gateway.pools),
+        access_log=[access_log(gateway.access_log)] if gateway.access_log else [],
+    )
+    network_filter = listener.Filter(
+        name="envoy.filters.network.http_connection_manager", typed_config=_any(manager)
+    )
+    gateway_listener = listener.Listener(
+        name="gateway",
+        address=_address(gateway.host, gateway.port),
+        filter_chains=[listener.FilterChain(filters=[network_filter])],
+    )
+    config = bootstrap_.Bootstrap(
+        admin=bootstrap_.Admin(address=_address(gateway.host, gateway.admin_port)),
+        static_resources=bootstrap_.BootstrapStaticResources(
+            listeners=[gateway_listener], clusters=clusters(gateway)
+        ),
+    )
+    # Snake case, as in Envoy's docs; Envoy reads either spelling.
+    return config.to_dict(casing=betterproto2.Casing.SNAKE)
+
+
+def write_bootstrap(gateway: Gateway, path: Path) -> Path:
+    """Write the bootstrap as JSON to ``path``."""
+    path.write_text(json.dumps(bootstrap(gateway), indent=2) + "\n")
+    return path

@@ -1,0 +1,252 @@
+"""The gateway's Envoy bootstrap: accepted by the real Envoy, and holding the pieces the design needs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from demo.envoy import Gateway, Pool, bootstrap, write_bootstrap
+
+ENVOY = Path(sys.executable).parent / "envoy"
+
+GATEWAY = Gateway(
+    port=8080,
+    admin_port=9901,
+    bbr_port=9004,
+    pools=(
+        Pool("a", ("model-a",), picker_port=9002, health_port=9003),
+        Pool(
+            "b",
+            ("model-b", "model-b-lora"),
+            picker_port=9012,
+            health_port=9013,
+            endpoints=("127.0.0.1:8201", "127.0.0.1:8202"),
+            fail_open=True,
+        ),
+    ),
+    access_log="/dev/null",
+)
+
+
+@pytest.fixture(scope="module")
+def config() -> dict[str, Any]:
+    return bootstrap(GATEWAY)
+
+
+def manager(config: dict[str, Any]) -> dict[str, Any]:
+    listener = config["static_resources"]["listeners"][0]
+    result: dict[str, Any] = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    return result
+
+
+def http_filter(config: dict[str, Any], name: str) -> dict[str, Any]:
+    (found,) = [f for f in manager(config)["http_filters"] if f["name"] == name]
+    result: dict[str, Any] = found["typed_config"]
+    return result
+
+
+def routes(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    (host,) = manager(config)["route_config"]["virtual_hosts"]
+    return {r["name"]: r for r in host["routes"]}
+
+
+def cluster(config: dict[str, Any], name: str) -> dict[str, Any]:
+    (found,) = [c for c in config["static_resources"]["clusters"] if c["name"] == name]
+    result: dict[str, Any] = found
+    return result
+
+
+def headers_of(route: dict[str, Any]) -> dict[str, Any]:
+    return {
+        h["name"]: h.get("string_match", {}).get("exact", h.get("present_match"))
+        for h in route["match"].get("headers", [])
+    }
+
+
+def test_real_envoy_accepts_the_bootstrap(tmp_path: Path) -> None:
+    """``envoy --mode validate`` loads every extension and checks every field and rule."""
+    path = write_bootstrap(GATEWAY, tmp_path / "bootstrap.json")
+    result = subprocess.run(
+        [str(ENVOY), "--mode", "validate", "-c", str(path), "--log-level", "error"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert "OK" in result.stdout
+
+
+def test_filters_run_bbr_then_pickers_then_served_report_then_router(
+    config: dict[str, Any],
+) -> None:
+    """Responses pass the chain backwards: the served report must sit after the pickers."""
+    names = [f["name"] for f in manager(config)["http_filters"]]
+    assert names == [
+        "strip-client-routing",
+        "bbr",
+        "lwepp-a",
+        "lwepp-b",
+        "served-endpoint",
+        "envoy.filters.http.router",
+    ]
+
+
+def test_bbr_sees_the_whole_request_and_nothing_of_the_response(config: dict[str, Any]) -> None:
+    bbr = http_filter(config, "bbr")
+    assert bbr["processing_mode"] == {
+        "request_header_mode": "SEND",
+        "request_body_mode": "FULL_DUPLEX_STREAMED",
+        "request_trailer_mode": "SEND",
+        "response_header_mode": "SKIP",
+        "response_trailer_mode": "SKIP",
+    }  # response_body_mode NONE is the default, so JSON leaves it out
+    assert bbr.get("failure_mode_allow", False) is False
+    assert bbr["grpc_service"]["envoy_grpc"]["cluster_name"] == "bbr"
+    assert bbr["message_timeout"] == "2s"
+
+
+@pytest.mark.parametrize(
+    ("pool", "fail_open"), [("a", False), ("b", True)], ids=["FailClose", "FailOpen"]
+)
+def test_each_picker_follows_gie_reference_mode_and_its_failure_mode(
+    config: dict[str, Any], pool: str, fail_open: bool
+) -> None:
+    picker = http_filter(config, f"lwepp-{pool}")
+    assert picker["grpc_service"]["envoy_grpc"]["cluster_name"] == f"lwepp-{pool}"
+    assert picker["processing_mode"] == {
+        "request_header_mode": "SEND",
+        "request_body_mode": "FULL_DUPLEX_STREAMED",
+        "request_trailer_mode": "SEND",
+        "response_header_mode": "SEND",
+        "response_trailer_mode": "SKIP",
+    }
+    assert picker["metadata_options"] == {
+        "forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
+        "receiving_namespaces": {"untyped": ["envoy.lb"]},
+    }
+    assert picker.get("failure_mode_allow", False) is fail_open
+    assert picker["status_on_error"] == {"code": "ServiceUnavailable"}
+
+
+def test_served_endpoint_goes_from_upstream_host_to_envoy_lb_metadata(
+    config: dict[str, Any],
+) -> None:
+    (host,) = manager(config)["route_config"]["virtual_hosts"]
+    (added,) = host["response_headers_to_add"]
+    assert added["header"] == {
+        "key": "x-gateway-destination-endpoint-served",
+        "value": "%UPSTREAM_HOST%",
+    }
+    assert added["append_action"] == "OVERWRITE_IF_EXISTS_OR_ADD"
+    (rule,) = http_filter(config, "served-endpoint")["response_rules"]
+    assert rule["header"] == "x-gateway-destination-endpoint-served"
+    assert rule["on_header_present"] == {
+        "metadata_namespace": "envoy.lb",
+        "key": "x-gateway-destination-endpoint-served",
+    }
+    assert rule["remove"] is True
+
+
+def test_client_cannot_choose_the_endpoint(config: dict[str, Any]) -> None:
+    mutations = http_filter(config, "strip-client-routing")["mutations"]
+    assert mutations["request_mutations"] == [{"remove": "x-gateway-destination-endpoint"}]
+
+
+def test_routes_by_model_with_fail_open_fallback_then_404s(config: dict[str, Any]) -> None:
+    """Order matters: Envoy takes the first match, so the catch-alls come last."""
+    table = routes(config)
+    assert list(table) == [
+        "a/model-a",
+        "b/model-b",
+        "b/model-b/fail-open",
+        "b/model-b-lora",
+        "b/model-b-lora/fail-open",
+        "unknown-model",
+        "no-model",
+    ]
+    assert headers_of(table["a/model-a"]) == {"x-gateway-model-name": "model-a"}
+    assert table["a/model-a"]["route"] == {"cluster": "pool-a", "timeout": "300s"}
+    assert headers_of(table["b/model-b"]) == {
+        "x-gateway-model-name": "model-b",
+        "x-gateway-destination-endpoint": True,
+    }
+    assert table["b/model-b"]["route"]["cluster"] == "pool-b"
+    assert headers_of(table["b/model-b/fail-open"]) == {"x-gateway-model-name": "model-b"}
+    assert table["b/model-b/fail-open"]["route"]["cluster"] == "pool-b-fallback"
+    for name in ("unknown-model", "no-model"):
+        assert table[name]["direct_response"]["status"] == 404
+    body = table["unknown-model"]["direct_response"]["body_format"]["json_format"]
+    assert body["error"]["models"] == "model-a, model-b, model-b-lora"
+
+
+def test_each_picker_is_off_except_on_its_own_pools_routes(config: dict[str, Any]) -> None:
+    (host,) = manager(config)["route_config"]["virtual_hosts"]
+    off = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+        "disabled": True,
+    }
+    assert host["typed_per_filter_config"] == {"lwepp-a": off, "lwepp-b": off}
+    for name, route in routes(config).items():
+        enabled = set(route.get("typed_per_filter_config", {}))
+        expected = {f"lwepp-{name.split('/')[0]}"} if "/" in name else set()
+        assert enabled == expected, name
+
+
+def test_picked_endpoints_go_to_an_original_dst_cluster(config: dict[str, Any]) -> None:
+    for pool in ("a", "b"):
+        picked = cluster(config, f"pool-{pool}")
+        assert picked["type"] == "ORIGINAL_DST"
+        assert picked["lb_policy"] == "CLUSTER_PROVIDED"
+        assert picked["original_dst_lb_config"] == {
+            "use_http_header": True,
+            "http_header_name": "x-gateway-destination-endpoint",
+        }
+    fallback = cluster(config, "pool-b-fallback")
+    (locality,) = fallback["load_assignment"]["endpoints"]
+    ports = [
+        e["endpoint"]["address"]["socket_address"]["port_value"] for e in locality["lb_endpoints"]
+    ]
+    assert ports == [8201, 8202]
+    assert "pool-a-fallback" not in {c["name"] for c in config["static_resources"]["clusters"]}
+
+
+@pytest.mark.parametrize(
+    ("name", "port", "health"),
+    [("bbr", 9004, None), ("lwepp-a", 9002, 9003), ("lwepp-b", 9012, 9013)],
+)
+def test_processor_clusters_speak_http2_and_pickers_are_health_checked(
+    config: dict[str, Any], name: str, port: int, health: int | None
+) -> None:
+    processor = cluster(config, name)
+    options = processor["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]
+    assert options["explicit_http_config"] == {"http2_protocol_options": {}}
+    (locality,) = processor["load_assignment"]["endpoints"]
+    (endpoint,) = locality["lb_endpoints"]
+    assert endpoint["endpoint"]["address"]["socket_address"] == {
+        "address": "127.0.0.1",
+        "port_value": port,
+    }
+    if health is None:
+        assert "health_checks" not in processor
+        return
+    assert endpoint["endpoint"]["health_check_config"] == {"port_value": health}
+    (check,) = processor["health_checks"]
+    assert check["grpc_health_check"] == {"service_name": "inference-extension"}
+    # An empty Percent is 0 %: proto3 JSON leaves out a zero value.
+    assert processor["common_lb_config"]["healthy_panic_threshold"].get("value", 0) == 0
+
+
+def test_admin_and_listener_bind_loopback(config: dict[str, Any]) -> None:
+    assert config["admin"]["address"]["socket_address"] == {
+        "address": "127.0.0.1",
+        "port_value": 9901,
+    }
+    listener = config["static_resources"]["listeners"][0]
+    assert listener["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 8080}

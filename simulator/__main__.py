@@ -1,0 +1,136 @@
+"""``python -m simulator``: serve every port of every pod in a pod file until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Final
+
+import structlog
+
+from pods.file import PodFileError, load_pods
+from pods.model import Pod
+from simulator.engine import Settings
+from simulator.server import serve_pods
+
+log = structlog.get_logger()
+
+_DEFAULTS: Final = Settings()
+
+_KNOBS: Final = (
+    # flag, default in the flag's unit, help
+    ("--ttft-ms", _DEFAULTS.ttft_base * 1e3, "time to first token, empty prompt, idle replica"),
+    ("--prefill-ms-per-token", _DEFAULTS.prefill_per_token * 1e3, "extra ttft per prompt token"),
+    ("--itl-ms", _DEFAULTS.itl_base * 1e3, "time between two output tokens, idle replica"),
+    ("--load-factor", _DEFAULTS.load_factor, "slowdown per additional running request"),
+    ("--max-running", _DEFAULTS.max_running, "requests run at once per replica; the rest queue"),
+    ("--kv-capacity", _DEFAULTS.kv_capacity, "KV-cache size in tokens per replica"),
+    ("--time-scale", _DEFAULTS.time_scale, "multiplies every delay; 0 = no delay at all"),
+)
+
+
+def parse_selector(text: str) -> dict[str, str]:
+    """``key=value[,key=value]`` as a dict; an empty string selects everything."""
+    selector: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"expected key=value, got {item!r}")
+        selector[key.strip()] = value.strip()
+    return selector
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m simulator",
+        description=(
+            "Simulated vLLM-like model servers: one HTTP server per port of every pod in the "
+            "pod file, each an independent engine with its own queue, KV usage and /metrics. "
+            "Time to first token = (ttft + prefill * prompt_tokens) * load; time between "
+            "tokens = itl * load; load = 1 + load-factor * (running requests - 1); "
+            "KV usage = tokens held by running requests / kv-capacity. "
+            "See simulator/README.md."
+        ),
+    )
+    add = parser.add_argument
+    add("--pods", required=True, metavar="FILE", help="pod file (YAML, see pods/file.py)")
+    add(
+        "--selector",
+        type=parse_selector,
+        default={},
+        metavar="K=V[,K=V]",
+        help="serve only the pods whose labels match every pair (default: all pods)",
+    )
+    add(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="lowest level logged, as JSON lines on stderr (default: %(default)s)",
+    )
+    add(
+        "--grace",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, how long in-flight requests may finish (default: %(default)s)",
+    )
+    for flag, default, text in _KNOBS:
+        add(flag, type=type(default), default=default, help=f"{text} (default: %(default)s)")
+    return parser
+
+
+def configure_logging(level: str) -> None:
+    """JSON lines on stderr, one object per event (the same shape as the other services)."""
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping()[level.upper()]
+        ),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+async def run(pods: Sequence[Pod], settings: Settings, grace: float) -> None:
+    """Serve until SIGTERM or SIGINT, then stop (in-flight requests get ``grace`` seconds)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with serve_pods(pods, settings, grace=grace):
+        await stop.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        settings = Settings(
+            ttft_base=args.ttft_ms / 1e3,
+            prefill_per_token=args.prefill_ms_per_token / 1e3,
+            itl_base=args.itl_ms / 1e3,
+            load_factor=args.load_factor,
+            max_running=args.max_running,
+            kv_capacity=args.kv_capacity,
+            time_scale=args.time_scale,
+        )
+        pods = [pod for pod in load_pods(args.pods) if pod.matches(args.selector)]
+    except (PodFileError, ValueError) as error:
+        parser.error(str(error))
+    if not pods:
+        parser.error(f"no pod in {args.pods} matches the selector {args.selector}")
+    asyncio.run(run(pods, settings, args.grace))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,349 @@
+"""One aiohttp server per pod port: the OpenAI API, /metrics, /health and the conformance echo.
+
+Every port of every pod becomes a ``Replica``: its own listening socket, its
+own ``Engine`` (queue, batch, KV cache) and its own counters, so a
+data-parallel pod with three ports behaves like three engines, as GIE's
+InferencePool counts it (one endpoint per target port). All replicas share
+one event loop; ``serve_pods`` starts them together and stops them together.
+
+Every response, errors and streams included, is stamped in one place
+(``Replica.stamp``, an ``on_response_prepare`` hook, which runs just before
+the status line is written) with headers that let an end-to-end test see what
+reached which replica:
+
+- ``x-sim-pod: <pod name>`` and ``x-sim-endpoint: <ip:port>``;
+- ``x-sim-received-<name>: <value>`` for each request header ``x-gateway-*``
+  (the model and destination headers a gateway adds);
+- the headers asked for by ``X-Echo-Set-Header: name:value,name:value``, as
+  the Gateway API conformance echo server does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
+from contextlib import aclosing, asynccontextmanager
+from typing import Any, Final
+
+import orjson
+import structlog
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from pods.model import Pod, join_host_port
+from simulator import openai
+from simulator.engine import Engine, Settings, Sleep
+from simulator.openai import Api, ApiError
+
+log = structlog.get_logger()
+
+DEFAULT_MODEL: Final = "sim-model"
+"""The model of a pod without a ``model`` label."""
+
+_HEADER_NAME: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token
+_FRAMING: Final = frozenset({"content-length", "transfer-encoding", "connection"})
+_METRICS_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def _error(error: ApiError) -> web.Response:
+    return _json(error.body(), error.status)
+
+
+def _canonical(name: str) -> str:
+    """Go's canonical header form (``x-gateway-model-name`` → ``X-Gateway-Model-Name``).
+
+    The conformance echo server is written in Go, whose ``http.Header`` keys
+    look like this; the echo JSON uses the same keys so tests written for it
+    pass unchanged.
+    """
+    return "-".join(part[:1].upper() + part[1:].lower() for part in name.split("-"))
+
+
+def echo_set_headers(values: Iterable[str]) -> dict[str, str]:
+    """The response headers asked for by ``X-Echo-Set-Header`` values.
+
+    As echo-basic does: each value is split on ``,``, each item cut at the
+    first ``:`` into a name and a value, and a name given twice gets its
+    values joined with ``,``. Items without a valid header name, and the
+    headers that frame the HTTP message itself, are ignored.
+    """
+    headers: dict[str, str] = {}
+    for value in values:
+        for item in value.split(","):
+            name, _, text = item.strip().partition(":")
+            name, text = name.strip(), text.strip()
+            if _HEADER_NAME.fullmatch(name) and name.lower() not in _FRAMING:
+                headers[name] = f"{headers[name]},{text}" if name in headers else text
+    return headers
+
+
+def _escape(value: str) -> str:
+    """A Prometheus label value: backslash, quote and newline escaped."""
+    return value.replace("\\", r"\\").replace('"', r"\"").replace("\n", r"\n")
+
+
+_HELP: Final = {
+    "vllm:num_requests_running": "Requests in the running batch.",
+    "vllm:num_requests_waiting": "Requests queued for a running slot.",
+    "vllm:kv_cache_usage_perc": "Fraction of the KV cache in use (1 = full).",
+    "vllm:prompt_tokens_total": "Prompt (prefill) tokens processed.",
+    "vllm:generation_tokens_total": "Output tokens generated.",
+    "vllm:lora_requests_info": "LoRA adapters running and waiting; the value is a timestamp.",
+}
+
+
+def _family(name: str, value: float, labels: Mapping[str, str]) -> list[str]:
+    """One metric family with one sample, in Prometheus text format 0.0.4.
+
+    A counter keeps its ``_total`` suffix in HELP and TYPE, as prometheus_client
+    (and so vLLM) writes it.
+    """
+    kind = "counter" if name.endswith("_total") else "gauge"
+    pairs = ",".join(f'{key}="{_escape(text)}"' for key, text in labels.items())
+    return [
+        f"# HELP {name} {_HELP[name]}",
+        f"# TYPE {name} {kind}",
+        f"{name}{{{pairs}}} {float(value)!r}",
+    ]
+
+
+@web.middleware
+async def _never_crash(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Answer an unexpected exception with a 500 error body instead of a bare one, and log it."""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except Exception as error:
+        log.exception("request failed", path=request.path)
+        return _error(ApiError(500, "InternalServerError", f"simulator error: {error!r}"))
+
+
+class Replica:
+    """One port of one pod: an independent engine behind its own HTTP server."""
+
+    __slots__ = ("_clock", "adapters", "endpoint", "engine", "model", "pod", "port")
+
+    def __init__(
+        self, pod: Pod, port: int, engine: Engine, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.pod = pod
+        self.port = port
+        self.endpoint = join_host_port(pod.address, port)
+        self.engine = engine
+        self.model = pod.labels.get("model") or DEFAULT_MODEL
+        adapters = pod.labels.get("adapters", "").split(",")
+        self.adapters = tuple(name.strip() for name in adapters if name.strip())
+        self._clock = clock
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.endpoint}"
+
+    def app(self) -> web.Application:
+        # Long prompts are normal for a model server: allow bodies up to 64 MiB, not 1 MiB.
+        app = web.Application(middlewares=[_never_crash], client_max_size=64 * 2**20)
+        app.on_response_prepare.append(self.stamp)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        # Everything else is the echo server, as in the GIE conformance backends.
+        app.router.add_route("*", "/{tail:.*}", self.echo)
+        return app
+
+    async def stamp(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Add the replica's identity and the echo headers to every response (module docstring)."""
+        response.headers["x-sim-pod"] = self.pod.name
+        response.headers["x-sim-endpoint"] = self.endpoint
+        for name, value in request.headers.items():
+            if name.lower().startswith("x-gateway-"):
+                response.headers.add(f"x-sim-received-{name.lower()}", value)
+        response.headers.update(echo_set_headers(request.headers.getall("X-Echo-Set-Header", [])))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completions")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: web.Request, api: Api) -> web.StreamResponse:
+        try:
+            parsed = openai.parse(api, await request.read(), (self.model, *self.adapters))
+        except ApiError as error:
+            log.info(
+                "request rejected", pod=self.pod.name, endpoint=self.endpoint, error=error.message
+            )
+            return _error(error)
+        adapter = None if parsed.model == self.model else parsed.model
+        rid = f"{'cmpl' if api == 'completions' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        created = int(self._clock())
+        tokens = self.engine.generate(parsed.prompt_tokens, parsed.max_tokens, adapter)
+        log.debug(
+            "request",
+            pod=self.pod.name,
+            endpoint=self.endpoint,
+            model=parsed.model,
+            prompt_tokens=parsed.prompt_tokens,
+            max_tokens=parsed.max_tokens,
+            stream=parsed.stream,
+        )
+        if parsed.stream:
+            return await self._stream(request, parsed, rid, created, tokens)
+        async with aclosing(tokens):
+            text = "".join([token async for token in tokens])
+        return _json(openai.response(parsed, rid, created, text, parsed.max_tokens))
+
+    async def _stream(
+        self,
+        request: web.Request,
+        parsed: openai.Request,
+        rid: str,
+        created: int,
+        tokens: AsyncGenerator[str, None],
+    ) -> web.StreamResponse:
+        """Server-sent events: one ``data:`` line per token, the usage chunk, then ``[DONE]``."""
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        try:
+            async with aclosing(tokens):
+                index = 0
+                async for token in tokens:
+                    chunk = openai.token_chunk(parsed, rid, created, index, token)
+                    await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                    index += 1
+            chunk = openai.usage_chunk(parsed, rid, created, index)
+            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:
+            # The client left mid-stream; ``aclosing`` has already freed the slot.
+            log.info("client went away", endpoint=self.endpoint, request_id=rid)
+        return response
+
+    async def models(self, _request: web.Request) -> web.Response:
+        """The base model and each adapter, shaped like vLLM's model list."""
+        created = int(self._clock())
+        cards = [{"id": self.model, "root": self.model, "parent": None}]
+        cards += [{"id": name, "root": name, "parent": self.model} for name in self.adapters]
+        data = [{"object": "model", "created": created, "owned_by": "vllm", **c} for c in cards]
+        return _json({"object": "list", "data": data})
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.metrics_text().encode(), headers={"Content-Type": _METRICS_TYPE}
+        )
+
+    def metrics_text(self) -> str:
+        """The engine's state in Prometheus text format, under vLLM's metric names.
+
+        Written by hand rather than with prometheus_client: a handful of
+        families, and the reader sees exactly what an endpoint picker scrapes.
+        """
+        engine, model = self.engine, {"model_name": self.model}
+        values = {
+            "vllm:num_requests_running": engine.running,
+            "vllm:num_requests_waiting": engine.waiting,
+            "vllm:kv_cache_usage_perc": engine.kv_usage,
+            "vllm:prompt_tokens_total": engine.prompt_tokens_total,
+            "vllm:generation_tokens_total": engine.generation_tokens_total,
+        }
+        lines = [line for name, value in values.items() for line in _family(name, value, model)]
+        if self.adapters:
+            # vLLM's LoRA gauge: the value is a timestamp, the labels carry the state.
+            lora = {
+                "max_lora": str(len(self.adapters)),
+                "running_lora_adapters": ",".join(sorted(+engine.running_adapters)),
+                "waiting_lora_adapters": ",".join(sorted(+engine.waiting_adapters)),
+            }
+            lines += _family("vllm:lora_requests_info", self._clock(), lora)
+        return "\n".join(lines) + "\n"
+
+    async def echo(self, request: web.Request) -> web.Response:
+        """The Gateway API conformance echo (echo-basic), plus GIE's ``httpPort``."""
+        headers: dict[str, list[str]] = {}
+        for name, value in request.headers.items():
+            if name.lower() != "host":  # Go moves Host out of the header map
+                headers.setdefault(_canonical(name), []).append(value)
+        return _json(
+            {
+                "path": request.raw_path,
+                "host": request.host,
+                "method": request.method,
+                "proto": f"HTTP/{request.version.major}.{request.version.minor}",
+                "headers": headers,
+                "namespace": "",
+                "ingress": "",
+                "service": "",
+                "pod": self.pod.name,
+                "httpPort": str(self.port),
+            }
+        )
+
+
+def _bind(address: str, port: int) -> socket.socket:
+    """A listening socket bound up front, so the replica knows its port (0 = any free one)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((address, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+@asynccontextmanager
+async def serve_pods(
+    pods: Iterable[Pod],
+    settings: Settings | None = None,
+    *,
+    sleep: Sleep = asyncio.sleep,
+    clock: Callable[[], float] = time.time,
+    grace: float = 5.0,
+) -> AsyncIterator[tuple[Replica, ...]]:
+    """Serve every port of every pod until the block exits; yields the replicas in file order.
+
+    ``sleep`` and ``clock`` are injected so tests can gate or record delays
+    and fix timestamps. A port of 0 binds a free port (``Replica.endpoint``
+    tells which). On exit the listeners close first, then requests still in
+    flight get ``grace`` seconds to finish before they are cancelled.
+    """
+    settings = settings or Settings()
+    sockets: list[socket.socket] = []
+    runners: list[web.AppRunner] = []
+    replicas: list[Replica] = []
+    try:
+        for pod in pods:
+            for port in pod.ports:
+                sock = _bind(pod.address, port)
+                sockets.append(sock)
+                replica = Replica(pod, sock.getsockname()[1], Engine(settings, sleep), clock)
+                runner = web.AppRunner(replica.app(), access_log=None, shutdown_timeout=grace)
+                await runner.setup()
+                runners.append(runner)
+                await web.SockSite(runner, sock).start()
+                replicas.append(replica)
+        log.info("listening", endpoints=[replica.endpoint for replica in replicas])
+        yield tuple(replicas)
+    finally:
+        log.info("stopping", grace_seconds=grace)
+        # All at once: each replica's in-flight requests share the same grace period.
+        await asyncio.gather(*(runner.cleanup() for runner in runners))
+        for sock in sockets:
+            sock.close()
+        log.info("stopped")

@@ -1,0 +1,700 @@
+"""The model-server simulator: OpenAI API, vLLM metrics, load model, echo server and CLI.
+
+Servers are real aiohttp servers on 127.0.0.1 free ports. Timing is never
+measured: delays go through an injected sleep that either does nothing
+(``time_scale=0``) or is a ``Gate`` the test opens step by step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from pods.model import Pod
+from simulator import Engine, Replica, Settings, count_tokens, output_token, serve_pods
+from simulator.__main__ import main, parse_selector
+from simulator.engine import Sleep
+from simulator.server import echo_set_headers
+
+INSTANT = Settings(time_scale=0)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pod(name: str = "pod-a", ports: tuple[int, ...] = (0,), **labels: str) -> Pod:
+    return Pod(name, "127.0.0.1", ports, labels)
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(test(), 10))  # a bound against hangs, not a timing check
+
+
+@asynccontextmanager
+async def cluster(
+    *pods: Pod,
+    settings: Settings = INSTANT,
+    sleep: Sleep = asyncio.sleep,
+    clock: Callable[[], float] = lambda: 1_700_000_000.0,
+) -> AsyncIterator[tuple[tuple[Replica, ...], aiohttp.ClientSession]]:
+    """Replicas for ``pods`` (one default pod if none) and a client session, both stopped after."""
+    async with (
+        serve_pods(pods or (pod(),), settings, sleep=sleep, clock=clock, grace=1.0) as replicas,
+        aiohttp.ClientSession() as session,
+    ):
+        yield replicas, session
+
+
+class Gate:
+    """An injected sleep that records each delay and blocks until the test lets it pass."""
+
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+        self.free = False
+        self._permits = asyncio.Semaphore(0)
+        self._called = asyncio.Condition()
+
+    async def __call__(self, delay: float) -> None:
+        self.delays.append(delay)
+        async with self._called:
+            self._called.notify_all()
+        if not self.free:
+            await self._permits.acquire()
+
+    def step(self) -> None:
+        """Let the oldest blocked sleep return."""
+        self._permits.release()
+
+    def open(self) -> None:
+        """Let every sleep, now and later, return."""
+        self.free = True
+        for _ in self.delays:
+            self._permits.release()
+
+    async def reached(self, calls: int) -> None:
+        """Wait until ``calls`` sleeps have started."""
+        async with self._called:
+            await self._called.wait_for(lambda: len(self.delays) >= calls)
+
+
+async def post(
+    session: aiohttp.ClientSession, replica: Replica, path: str, body: Any, **kw: Any
+) -> tuple[int, Any, aiohttp.ClientResponse]:
+    async with session.post(replica.url + path, json=body, **kw) as response:
+        return response.status, await response.json(), response
+
+
+async def scrape(session: aiohttp.ClientSession, replica: Replica) -> dict[str, float]:
+    """The samples of /metrics by metric name (each family here has one sample)."""
+    async with session.get(replica.url + "/metrics") as response:
+        text = await response.text()
+    return {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def sse_events(text: str) -> Iterator[str]:
+    """The ``data:`` payloads of a server-sent event stream; each event must end in a blank line."""
+    assert text.endswith("\n\n")
+    for event in text[:-2].split("\n\n"):
+        assert event.startswith("data: "), event
+        yield event.removeprefix("data: ")
+
+
+# --- OpenAI API ----------------------------------------------------------------------------
+
+
+def test_completion_answers_in_openai_shape() -> None:
+    """A completion carries id, object, created, model, one choice and exact token usage."""
+
+    async def test() -> None:
+        async with cluster(pod(model="llama")) as ((replica,), session):
+            body = {"model": "llama", "prompt": "Hello, world!", "max_tokens": 5}
+            status, answer, _ = await post(session, replica, "/v1/completions", body)
+        assert status == 200
+        assert answer["object"] == "text_completion"
+        assert answer["id"].startswith("cmpl-")
+        assert answer["created"] == 1_700_000_000  # from the injected clock
+        assert answer["model"] == "llama"
+        (choice,) = answer["choices"]
+        assert choice["text"] == "".join(output_token(i) for i in range(5))
+        assert choice["finish_reason"] == "length"
+        assert answer["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+
+    run(test)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "tokens"),
+    [("a b c", 3), (["a b", "c"], 3), ([1, 2, 3, 4], 4)],
+    ids=["string", "list-of-strings", "token-ids"],
+)
+def test_completion_prompt_forms(prompt: Any, tokens: int) -> None:
+    """A prompt may be a string, a list of strings (counted together) or token ids."""
+
+    async def test() -> None:
+        async with cluster() as ((replica,), session):
+            body = {"model": "sim-model", "prompt": prompt}
+            status, answer, _ = await post(session, replica, "/v1/completions", body)
+        assert status == 200
+        assert answer["usage"]["prompt_tokens"] == tokens
+        assert answer["usage"]["completion_tokens"] == 16  # the default output length
+
+    run(test)
+
+
+def test_chat_completion_answers_in_openai_shape() -> None:
+    """Chat answers with an assistant message; the prompt is counted as ``role: content`` lines."""
+
+    async def test() -> None:
+        async with cluster() as ((replica,), session):
+            body = {
+                "model": "sim-model",
+                "messages": [{"role": "user", "content": "hi there"}],
+                "max_completion_tokens": 3,
+            }
+            status, answer, _ = await post(session, replica, "/v1/chat/completions", body)
+        assert status == 200
+        assert answer["object"] == "chat.completion"
+        assert answer["id"].startswith("chatcmpl-")
+        (choice,) = answer["choices"]
+        assert choice["message"] == {"role": "assistant", "content": "the quick simulated"}
+        assert answer["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+
+    run(test)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "one two three"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "one two"}]}),
+    ],
+    ids=["completions", "chat"],
+)
+def test_streaming_sends_one_event_per_token_then_usage_then_done(
+    path: str, body: dict[str, Any]
+) -> None:
+    """A stream is SSE: one chunk per token, a chunk with only usage, then ``[DONE]``.
+
+    The streamed text is the same as the non-streamed answer.
+    """
+
+    async def test() -> None:
+        async with cluster() as ((replica,), session):
+            request = {**body, "model": "sim-model", "max_tokens": 7}
+            async with session.post(replica.url + path, json={**request, "stream": True}) as resp:
+                assert resp.headers["Content-Type"].startswith("text/event-stream")
+                text = await resp.text()
+            _, whole, _ = await post(session, replica, path, request)
+        *chunks, done = list(sse_events(text))
+        assert done == "[DONE]"
+        *tokens, final = [json.loads(chunk) for chunk in chunks]
+        assert len(tokens) == 7
+        assert final["choices"] == []
+        assert final["usage"] == {**whole["usage"], "completion_tokens": 7}
+        assert [t["choices"][0]["finish_reason"] for t in tokens] == [None] * 6 + ["length"]
+        if path == "/v1/completions":
+            streamed = "".join(t["choices"][0]["text"] for t in tokens)
+            assert streamed == whole["choices"][0]["text"]
+        else:
+            assert tokens[0]["choices"][0]["delta"]["role"] == "assistant"
+            streamed = "".join(t["choices"][0]["delta"]["content"] for t in tokens)
+            assert streamed == whole["choices"][0]["message"]["content"]
+        assert count_tokens(streamed) == 7
+
+    run(test)
+
+
+def test_models_lists_the_model_and_its_adapters() -> None:
+    """/v1/models names the base model and each LoRA adapter, which are served too."""
+
+    async def test() -> None:
+        async with cluster(pod(model="llama", adapters="sql-lora, chat-lora")) as (
+            (replica,),
+            session,
+        ):
+            async with session.get(replica.url + "/v1/models") as response:
+                models = await response.json()
+            body = {"model": "sql-lora", "prompt": "x", "max_tokens": 1}
+            status, answer, _ = await post(session, replica, "/v1/completions", body)
+        assert [m["id"] for m in models["data"]] == ["llama", "sql-lora", "chat-lora"]
+        assert models["data"][1]["parent"] == "llama"
+        assert status == 200
+        assert answer["model"] == "sql-lora"
+
+    run(test)
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "says"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        (b'{"prompt": "x"}', 400, "'model'"),
+        (b'{"model": "sim-model"}', 400, "'prompt'"),
+        (b'{"model": "sim-model", "prompt": "x", "max_tokens": 0}', 400, "'max_tokens'"),
+        (b'{"model": "sim-model", "prompt": "x", "stream": "yes"}', 400, "'stream'"),
+        (b'{"model": "gpt-9", "prompt": "x"}', 404, "`gpt-9`"),
+    ],
+    ids=[
+        "malformed",
+        "not-object",
+        "no-model",
+        "no-prompt",
+        "bad-max-tokens",
+        "bad-stream",
+        "unknown-model",
+    ],
+)
+def test_bad_requests_get_openai_errors(raw: bytes, status: int, says: str) -> None:
+    """Bad input is a 400 naming the problem; an unknown model a 404 naming the model."""
+
+    async def test() -> None:
+        async with cluster() as ((replica,), session):
+            async with session.post(replica.url + "/v1/completions", data=raw) as response:
+                assert response.status == status
+                error = (await response.json())["error"]
+            # The replica is still fine afterwards.
+            ok, _, _ = await post(
+                session, replica, "/v1/completions", {"model": "sim-model", "prompt": "x"}
+            )
+        assert says in error["message"]
+        assert error["code"] == status
+        assert error["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+        assert ok == 200
+
+    run(test)
+
+
+def test_chat_without_messages_is_rejected() -> None:
+    """Chat needs a non-empty ``messages`` list of objects with a role."""
+
+    async def test() -> None:
+        async with cluster() as ((replica,), session):
+            body: dict[str, Any] = {"model": "sim-model", "messages": []}
+            status, answer, _ = await post(session, replica, "/v1/chat/completions", body)
+            body["messages"] = [{"content": "no role"}]
+            status2, answer2, _ = await post(session, replica, "/v1/chat/completions", body)
+        assert (status, status2) == (400, 400)
+        assert "'messages'" in answer["error"]["message"]
+        assert "messages[0]" in answer2["error"]["message"]
+
+    run(test)
+
+
+# --- metrics and load ----------------------------------------------------------------------
+
+
+def test_metrics_use_vllm_names_with_a_model_name_label() -> None:
+    """/metrics is Prometheus text with vLLM's names; counters add up served tokens."""
+
+    async def test() -> None:
+        async with cluster(pod(model="llama")) as ((replica,), session):
+            body = {"model": "llama", "prompt": "a b c", "max_tokens": 4}
+            await post(session, replica, "/v1/completions", body)
+            async with session.get(replica.url + "/metrics") as response:
+                assert response.headers["Content-Type"].startswith("text/plain")
+                text = await response.text()
+        assert "# TYPE vllm:prompt_tokens_total counter" in text
+        assert "# TYPE vllm:num_requests_running gauge" in text
+        assert 'vllm:num_requests_running{model_name="llama"} 0.0' in text
+        assert 'vllm:num_requests_waiting{model_name="llama"} 0.0' in text
+        assert 'vllm:kv_cache_usage_perc{model_name="llama"} 0.0' in text
+        assert 'vllm:prompt_tokens_total{model_name="llama"} 3.0' in text
+        assert 'vllm:generation_tokens_total{model_name="llama"} 4.0' in text
+
+    run(test)
+
+
+def test_running_and_waiting_reflect_requests_in_flight() -> None:
+    """With one running slot, a held request runs, the next two wait, and all finish once let go."""
+
+    async def test() -> None:
+        gate = Gate()
+        settings = Settings(max_running=1, kv_capacity=100)
+        async with cluster(settings=settings, sleep=gate) as ((replica,), session):
+            body = {"model": "sim-model", "prompt": "one two three four", "max_tokens": 2}
+            requests = [
+                asyncio.create_task(post(session, replica, "/v1/completions", body))
+                for _ in range(3)
+            ]
+            await gate.reached(1)  # the first request is in its prefill
+            metrics = await scrape(session, replica)
+            while metrics["vllm:num_requests_waiting"] < 2:  # the others reach the queue
+                metrics = await scrape(session, replica)
+            assert metrics["vllm:num_requests_running"] == 1
+            assert metrics["vllm:kv_cache_usage_perc"] == pytest.approx(0.04)
+            gate.open()
+            answers = await asyncio.gather(*requests)
+            metrics = await scrape(session, replica)
+        assert [status for status, _, _ in answers] == [200, 200, 200]
+        assert metrics["vllm:num_requests_running"] == 0
+        assert metrics["vllm:num_requests_waiting"] == 0
+        assert metrics["vllm:kv_cache_usage_perc"] == 0
+        assert metrics["vllm:prompt_tokens_total"] == 12
+        assert metrics["vllm:generation_tokens_total"] == 6
+
+    run(test)
+
+
+def test_lora_metric_reports_running_adapters() -> None:
+    """A pod with adapters exports ``vllm:lora_requests_info`` naming the adapters in use."""
+
+    async def test() -> None:
+        gate = Gate()
+        async with cluster(pod(adapters="sql-lora"), sleep=gate) as ((replica,), session):
+            body = {"model": "sql-lora", "prompt": "x", "max_tokens": 1}
+            request = asyncio.create_task(post(session, replica, "/v1/completions", body))
+            await gate.reached(1)
+            async with session.get(replica.url + "/metrics") as response:
+                text = await response.text()
+            gate.open()
+            await request
+        assert 'max_lora="1",running_lora_adapters="sql-lora",waiting_lora_adapters=""' in text
+
+    run(test)
+
+
+def test_data_parallel_pod_serves_independent_replicas() -> None:
+    """Each port of a pod is its own engine: load on one port does not show on the other."""
+
+    async def test() -> None:
+        async with cluster(pod("dp-0", ports=(0, 0))) as (replicas, session):
+            first, second = replicas
+            body = {"model": "sim-model", "prompt": "x", "max_tokens": 3}
+            status, _, response = await post(session, first, "/v1/completions", body)
+            async with session.get(second.url + "/") as echo:
+                echoed = await echo.json()
+            busy, idle = await scrape(session, first), await scrape(session, second)
+        assert first.endpoint != second.endpoint
+        assert status == 200
+        assert response.headers["x-sim-endpoint"] == first.endpoint
+        assert echoed["pod"] == "dp-0"
+        assert echoed["httpPort"] == str(second.port)
+        assert busy["vllm:generation_tokens_total"] == 3
+        assert idle["vllm:generation_tokens_total"] == 0
+
+    run(test)
+
+
+# --- latency model -------------------------------------------------------------------------
+
+MODEL = Settings(ttft_base=0.01, prefill_per_token=0.001, itl_base=0.002, load_factor=0.5)
+
+
+def test_latency_formula() -> None:
+    """ttft = (base + per_token * prompt) * load, itl = base * load, load = 1 + f * (running - 1)."""
+    assert MODEL.load(1) == 1.0
+    assert MODEL.load(3) == 2.0
+    assert MODEL.ttft(10, 1) == pytest.approx(0.02)
+    assert MODEL.ttft(10, 3) == pytest.approx(0.04)
+    assert MODEL.ttft(0, 1) == pytest.approx(0.01)
+    assert MODEL.itl(1) == pytest.approx(0.002)
+    assert MODEL.itl(3) == pytest.approx(0.004)
+    scaled = Settings(ttft_base=0.01, itl_base=0.002, time_scale=3)
+    assert scaled.ttft(0, 1) == pytest.approx(0.03)
+    assert scaled.itl(1) == pytest.approx(0.006)
+    assert Settings(time_scale=0).ttft(1000, 8) == 0
+    assert Settings(time_scale=0).itl(8) == 0
+
+
+def test_engine_sleeps_ttft_then_itl_per_token_under_current_load() -> None:
+    """The engine waits ttft before the first token and itl before each later one, at the
+    load of that moment: a request that joins a busy batch starts slower."""
+
+    async def test() -> None:
+        gate = Gate()
+        engine = Engine(MODEL, gate)
+
+        async def consume() -> list[str]:
+            return [token async for token in engine.generate(10, 2)]
+
+        first = asyncio.create_task(consume())
+        await gate.reached(1)
+        second = asyncio.create_task(consume())
+        await gate.reached(2)
+        for calls in (3, 4):  # release each prefill in turn; each asks for its next token
+            gate.step()
+            await gate.reached(calls)
+        gate.open()
+        assert await first == await second == [output_token(0), output_token(1)]
+        alone = [token async for token in engine.generate(10, 1)]
+        assert alone == [output_token(0)]
+        assert gate.delays == pytest.approx(
+            [MODEL.ttft(10, 1), MODEL.ttft(10, 2), MODEL.itl(2), MODEL.itl(2), MODEL.ttft(10, 1)]
+        )
+
+    run(test)
+
+
+def test_kv_usage_counts_prompt_and_generated_tokens_of_running_requests() -> None:
+    """A running request holds its prompt plus its output so far; finishing frees it all."""
+
+    async def test() -> None:
+        gate = Gate()
+        engine = Engine(Settings(kv_capacity=200), gate)
+        tokens = engine.generate(100, 3)
+        first = asyncio.create_task(anext(tokens))
+        await gate.reached(1)  # in prefill: the prompt is held
+        assert engine.kv_tokens == 100
+        gate.step()
+        assert await first == output_token(0)
+        assert engine.kv_usage == pytest.approx(101 / 200)
+        gate.open()
+        assert [token async for token in tokens] == [output_token(1), output_token(2)]
+        assert (engine.kv_usage, engine.running) == (0, 0)
+
+    run(test)
+
+
+def test_kv_usage_is_capped_at_one() -> None:
+    """KV usage is reported, not enforced: a prompt larger than the cache shows as full."""
+
+    async def test() -> None:
+        gate = Gate()
+        engine = Engine(Settings(kv_capacity=10), gate)
+        task = asyncio.create_task(anext(engine.generate(50, 1)))
+        await gate.reached(1)
+        assert engine.kv_usage == 1.0
+        gate.open()
+        await task
+
+    run(test)
+
+
+def test_abandoned_requests_free_their_slots() -> None:
+    """A queued request that is cancelled leaves the queue; a closed stream frees its slot."""
+
+    async def test() -> None:
+        gate = Gate()
+        engine = Engine(Settings(max_running=1), gate)
+        holder = engine.generate(5, 10)
+        first = asyncio.create_task(anext(holder))
+        await gate.reached(1)
+        queued = asyncio.create_task(anext(engine.generate(5, 1)))
+        await asyncio.sleep(0)  # one turn of the loop: the new task runs until it queues
+        assert engine.waiting == 1
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        assert engine.waiting == 0
+        gate.step()
+        await first
+        await holder.aclose()  # the client went away mid-stream
+        assert (engine.running, engine.waiting, engine.kv_tokens) == (0, 0, 0)
+
+    run(test)
+
+
+# --- headers and the conformance echo ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/v1/completions", {"model": "sim-model", "prompt": "x"}),
+        ("POST", "/v1/completions", {"model": "sim-model", "prompt": "x", "stream": True}),
+        ("POST", "/v1/completions", {"model": "other", "prompt": "x"}),
+        ("POST", "/v1/chat/completions", None),
+        ("GET", "/metrics", None),
+        ("GET", "/health", None),
+        ("GET", "/v1/models", None),
+        ("PUT", "/anything/else", None),
+    ],
+    ids=["completion", "stream", "404", "400", "metrics", "health", "models", "echo"],
+)
+def test_every_response_names_the_replica_and_what_it_received(
+    method: str, path: str, body: Any
+) -> None:
+    """x-sim-pod, x-sim-endpoint and x-sim-received-x-gateway-* are on every response."""
+
+    async def test() -> None:
+        headers = {
+            "x-gateway-model-name": "sim-model",
+            "X-Gateway-Destination-Endpoint": "10.0.0.1:8000",
+            "x-other": "not echoed",
+        }
+        async with (
+            cluster(pod("pod-b")) as ((replica,), session),
+            session.request(method, replica.url + path, json=body, headers=headers) as response,
+        ):
+            await response.read()
+            got = response.headers
+        assert got["x-sim-pod"] == "pod-b"
+        assert got["x-sim-endpoint"] == replica.endpoint
+        assert got["x-sim-received-x-gateway-model-name"] == "sim-model"
+        assert got["x-sim-received-x-gateway-destination-endpoint"] == "10.0.0.1:8000"
+        assert not any(name.lower().endswith("x-other") for name in got)
+
+    run(test)
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        (["X-Foo:bar"], {"X-Foo": "bar"}),
+        (["X-Foo: a, X-Bar: b"], {"X-Foo": "a", "X-Bar": "b"}),
+        (["X-Foo:a,X-Foo:b"], {"X-Foo": "a,b"}),
+        (["X-Foo:a", "X-Bar:b"], {"X-Foo": "a", "X-Bar": "b"}),
+        (["X-Url: http://host:80/"], {"X-Url": "http://host:80/"}),
+        (["X-Empty", "bad name:x", ":empty"], {"X-Empty": ""}),
+        (["Content-Length: 3, Transfer-Encoding: x"], {}),
+    ],
+    ids=["one", "list", "repeated-name", "two-headers", "first-colon", "odd-items", "framing"],
+)
+def test_echo_set_header_parsing(values: list[str], expected: dict[str, str]) -> None:
+    """Each value splits on "," and each item cuts at its first ":", as echo-basic does."""
+    assert echo_set_headers(values) == expected
+
+
+def test_echo_set_header_applies_to_any_response() -> None:
+    """X-Echo-Set-Header headers come back on the echo and on API responses alike."""
+
+    async def test() -> None:
+        headers = [("X-Echo-Set-Header", "X-Foo: a, X-Bar: b"), ("X-Echo-Set-Header", "X-Foo:c")]
+        async with cluster() as ((replica,), session):
+            async with session.get(replica.url + "/", headers=headers) as echo:
+                echoed = echo.headers
+            body = {"model": "sim-model", "prompt": "x"}
+            _, _, completion = await post(
+                session, replica, "/v1/completions", body, headers=headers
+            )
+        for got in (echoed, completion.headers):
+            assert got["X-Foo"] == "a,c"
+            assert got["X-Bar"] == "b"
+
+    run(test)
+
+
+def test_other_paths_answer_with_the_conformance_echo() -> None:
+    """Any other path returns echo-basic's JSON: request line, Go-style headers, pod, httpPort."""
+
+    async def test() -> None:
+        async with (
+            cluster(pod("primary-0")) as ((replica,), session),
+            session.post(
+                replica.url + "/primary-gateway-test?x=1", headers={"test-epp": "a"}
+            ) as resp,
+        ):
+            assert resp.status == 200
+            echoed = await resp.json()
+        assert echoed["path"] == "/primary-gateway-test?x=1"
+        assert echoed["method"] == "POST"
+        assert echoed["proto"] == "HTTP/1.1"
+        assert echoed["host"] == replica.endpoint
+        assert echoed["headers"]["Test-Epp"] == ["a"]
+        assert "Host" not in echoed["headers"]
+        assert echoed["pod"] == "primary-0"
+        assert echoed["httpPort"] == str(replica.port)
+        assert (echoed["namespace"], echoed["ingress"], echoed["service"]) == ("", "", "")
+
+    run(test)
+
+
+# --- command line --------------------------------------------------------------------------
+
+
+def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """--help lists every flag with its meaning."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for flag in (
+        "--pods",
+        "--selector",
+        "--time-scale",
+        "--ttft-ms",
+        "--prefill-ms-per-token",
+        "--itl-ms",
+        "--load-factor",
+        "--max-running",
+        "--kv-capacity",
+        "--log-level",
+    ):
+        assert flag in text
+
+
+@pytest.mark.parametrize(
+    ("text", "selector"),
+    [("", {}), ("pool=a", {"pool": "a"}), ("pool=a, model=m", {"pool": "a", "model": "m"})],
+    ids=["empty", "one", "two"],
+)
+def test_selector_parsing(text: str, selector: dict[str, str]) -> None:
+    """--selector takes comma-separated key=value pairs."""
+    assert parse_selector(text) == selector
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_cli_serves_selected_pods_and_exits_on_sigterm(tmp_path: Path) -> None:
+    """The process logs "listening" with its endpoints, serves them, and exits 0 on SIGTERM."""
+
+    async def test() -> None:
+        wanted, other = free_port(), free_port()
+        pods = tmp_path / "pods.yaml"
+        pods.write_text(
+            "pods:\n"
+            f"- {{name: a-0, address: 127.0.0.1, ports: [{wanted}], labels: {{pool: a}}}}\n"
+            f"- {{name: b-0, address: 127.0.0.1, ports: [{other}], labels: {{pool: b}}}}\n"
+        )
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "simulator",
+            "--pods",
+            str(pods),
+            "--selector",
+            "pool=a",
+            "--time-scale",
+            "0",
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        assert process.stderr is not None
+        try:
+            event: dict[str, Any] = {}
+            while event.get("event") != "listening":
+                event = json.loads(await process.stderr.readline())
+            assert event["endpoints"] == [f"127.0.0.1:{wanted}"]
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(f"http://127.0.0.1:{wanted}/health") as response,
+            ):
+                assert response.status == 200
+                assert response.headers["x-sim-pod"] == "a-0"
+            process.send_signal(signal.SIGTERM)
+            assert await process.wait() == 0
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+    run(test)
+
+
+@pytest.mark.parametrize(
+    ("knobs", "field"),
+    [({"itl_base": -1.0}, "itl_base"), ({"max_running": 0}, "max_running")],
+    ids=["negative", "no-slots"],
+)
+def test_settings_reject_impossible_values(knobs: dict[str, Any], field: str) -> None:
+    """Settings are checked where they are made, and the error names the field."""
+    with pytest.raises(ValueError, match=field):
+        Settings(**knobs)

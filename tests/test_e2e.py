@@ -1,0 +1,197 @@
+"""The whole request path through the real Envoy: BBR, the pool pickers, the simulated replicas.
+
+Every service runs as its own process (``demo.topology``), exactly as ``make
+demo`` starts them, on free ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+
+from demo.envoy import Pool
+from demo.topology import Topology
+from simulator.engine import count_tokens
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 4
+CONCURRENCY = 16
+
+
+@dataclass(frozen=True)
+class Call:
+    model: str
+    chat: bool
+    stream: bool
+    prompt: str
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
+
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": MAX_TOKENS,
+            "stream": self.stream,
+        }
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": self.prompt}]
+        else:
+            body["prompt"] = self.prompt
+        return body
+
+    def prompt_tokens(self) -> int:
+        """What the replica counts if it received the body unchanged (simulator's documented rule)."""
+        return count_tokens(f"user: {self.prompt}" if self.chat else self.prompt)
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def events(self) -> list[Any]:
+        """The ``data:`` payloads of a server-sent-event stream, ``[DONE]`` included."""
+        lines = self.body.decode().splitlines()
+        data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        return [item if item == "[DONE]" else json.loads(item) for item in data]
+
+
+def mixed_calls(count: int, models: list[str]) -> list[Call]:
+    """Both models, both APIs, streamed or not, in turn; every prompt different.
+
+    Every tenth prompt is ~70 KB, more than one 62,000-byte ext_proc chunk, so
+    BBR and the picker each stream the body back in several pieces.
+    """
+    calls = []
+    for i in range(count):
+        words = 1800 if i % 10 == 3 else 5 + i % 20
+        prompt = " ".join(f"r{i}w{k}{'x' * 30}" for k in range(words))
+        model = models[i % len(models)]
+        calls.append(Call(model, chat=bool(i // 2 % 2), stream=bool(i // 4 % 2), prompt=prompt))
+    return calls
+
+
+async def send(session: aiohttp.ClientSession, url: str, path: str, data: bytes) -> Answer:
+    headers = {"content-type": "application/json"}
+    async with session.post(url + path, data=data, headers=headers) as response:
+        return Answer(response.status, dict(response.headers), await response.read())
+
+
+async def send_all(url: str, calls: list[tuple[str, bytes]]) -> list[Answer]:
+    limit = asyncio.Semaphore(CONCURRENCY)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def one(path: str, data: bytes) -> Answer:
+            async with limit:
+                return await send(session, url, path, data)
+
+        return await asyncio.gather(*(one(path, data) for path, data in calls))
+
+
+def post(url: str, path: str, body: Any) -> Answer:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    (answer,) = asyncio.run(send_all(url, [(path, data)]))
+    return answer
+
+
+def pool_of(gateway: Topology, model: str) -> Pool:
+    return next(pool for pool in gateway.pools if model in pool.models)
+
+
+def test_mixed_traffic_lands_in_the_right_pool_on_the_picked_endpoint(gateway: Topology) -> None:
+    """200 requests, 16 at a time: each reaches a replica of its model's pool, on the very
+    endpoint its picker chose; the served-endpoint report comes back; the body is intact."""
+    calls = mixed_calls(200, [model for pool in gateway.pools for model in pool.models])
+    answers = asyncio.run(
+        send_all(gateway.url, [(c.path, json.dumps(c.body()).encode()) for c in calls])
+    )
+    served: Counter[str] = Counter()
+    for call, answer in zip(calls, answers, strict=True):
+        assert answer.status == 200, (call, answer.body[:300])
+        headers = answer.headers
+        assert headers["x-sim-endpoint"] in pool_of(gateway, call.model).endpoints
+        assert headers["x-sim-received-x-gateway-model-name"] == call.model
+        assert headers["x-sim-received-x-gateway-destination-endpoint"] == headers["x-sim-endpoint"]
+        # The picker copies what Envoy reported in envoy.lb metadata into this
+        # header; without the metadata it would read "fail: missing ...".
+        assert headers["x-conformance-test-served-endpoint"] == headers["x-sim-endpoint"]
+        assert headers["x-went-into-resp-headers"] == "true"
+        assert "x-gateway-destination-endpoint-served" not in headers  # moved to metadata
+        served[headers["x-sim-endpoint"]] += 1
+        if call.stream:
+            events = answer.events()
+            assert events[-1] == "[DONE]"
+            assert events[-2]["usage"]["prompt_tokens"] == call.prompt_tokens()
+            assert len([e for e in events[:-2] if e["choices"]]) == MAX_TOKENS
+        else:
+            result = answer.json()
+            assert result["model"] == call.model
+            assert result["usage"]["prompt_tokens"] == call.prompt_tokens()
+    # Round-robin: each picker alternates over its pool's two replicas, 100 picks each.
+    assert served == {endpoint: 50 for pool in gateway.pools for endpoint in pool.endpoints}
+
+
+def test_bad_json_is_refused_by_bbr_with_400(gateway: Topology) -> None:
+    answer = post(gateway.url, "/v1/completions", b'{"model": "model-a", "prompt": ')
+    assert answer.status == 400
+    assert "x-sim-pod" not in answer.headers
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"model": "no-such-model", "prompt": "hi"}, "no pool serves model 'no-such-model'"),
+        ({"prompt": "hi"}, "the request names no model"),
+    ],
+    ids=["unknown-model", "no-model"],
+)
+def test_requests_no_pool_serves_get_404_naming_the_models(
+    gateway: Topology, body: dict[str, Any], message: str
+) -> None:
+    answer = post(gateway.url, "/v1/completions", body)
+    assert answer.status == 404
+    error = answer.json()["error"]
+    assert error["message"] == message
+    assert error["models"] == "model-a, model-b"
+
+
+def test_fail_open_pool_serves_without_its_picker_fail_close_pool_does_not(
+    own_gateway: Topology,
+) -> None:
+    """GIE failure modes: pool b (FailOpen) keeps serving with its picker down, the
+    gateway choosing the replica; pool a (FailClose) answers 5xx with its picker down."""
+    gateway = own_gateway
+    a, b = gateway.pools
+    assert (a.fail_open, b.fail_open) == (False, True)
+
+    def ask(pool: Pool) -> Answer:
+        body = {"model": pool.models[0], "prompt": "hello there", "max_tokens": MAX_TOKENS}
+        return post(gateway.url, "/v1/completions", body)
+
+    gateway.stop("lwepp-b")
+    for _ in range(4):
+        answer = ask(b)
+        assert answer.status == 200
+        assert answer.headers["x-sim-endpoint"] in b.endpoints
+        assert "x-sim-received-x-gateway-destination-endpoint" not in answer.headers
+    assert ask(a).status == 200
+
+    gateway.stop("lwepp-a")
+    answer = ask(a)
+    assert 500 <= answer.status < 600
+    assert "x-sim-pod" not in answer.headers
+    assert ask(b).status == 200

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import FrameType
 
 from demo.topology import Topology, TopologyError
+from pods.file import PodFileError
 
 DEFAULT_PODS = resources.files("demo") / "pods.yaml"
 
@@ -105,6 +106,8 @@ def _stop(_signum: int, _frame: FrameType | None) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _stop)
+    # Ctrl-C raises KeyboardInterrupt even if SIGINT came in ignored (a background job).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     fail_open = args.fail_open if args.fail_open is not None else ([] if args.pods else ["b"])
     with resources.as_file(DEFAULT_PODS) as default_pods:
         pods = args.pods or default_pods
@@ -118,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 while not (stopped := [s for s in topology.services.values() if not s.running()]):
                     time.sleep(0.5)
                 sys.exit(f"{stopped[0].name} exited unexpectedly; see {stopped[0].log}")
-        except TopologyError as error:
+        except (TopologyError, PodFileError) as error:
             sys.exit(f"demo: {error}")
         except KeyboardInterrupt:
             print("\nStopped.")

@@ -371,34 +371,33 @@ def _picker_on(pool: Pool) -> dict[str, AnyMessage]:
     }
 
 
+def _to_cluster(
+    pool: Pool, name: str, match: list[route.HeaderMatcher], target: str
+) -> route.Route:
+    return route.Route(
+        name=name,
+        match=route.RouteMatch(prefix="/", headers=match),
+        route=route.RouteAction(cluster=target, timeout=ROUTE_TIMEOUT),
+        typed_per_filter_config=_picker_on(pool),
+    )
+
+
 def _pool_routes(pool: Pool) -> list[route.Route]:
     """Per model, a route to the picked endpoint; FailOpen pools get a fallback too.
 
     GIE FailOpen: when the picker is unavailable, the gateway picks an
-    endpoint itself. The first route requires the picker's header; the second
-    takes the requests that came through without one and round-robins them
-    over the pool's replicas.
+    endpoint itself. The first route then requires the picker's header; the
+    second takes the requests that came through without one and round-robins
+    them over the pool's replicas.
     """
     routes = []
     for model in pool.models:
-        picked = [_header(MODEL_HEADER, model)]
+        by_model = _header(MODEL_HEADER, model)
+        picked = [by_model, _header(ENDPOINT_HEADER)] if pool.fail_open else [by_model]
+        routes.append(_to_cluster(pool, f"{pool.name}/{model}", picked, f"pool-{pool.name}"))
         if pool.fail_open:
-            picked.append(_header(ENDPOINT_HEADER))
-        targets = [(f"{pool.name}/{model}", picked, f"pool-{pool.name}")]
-        if pool.fail_open:
-            fallback = [_header(MODEL_HEADER, model)]
-            targets.append(
-                (f"{pool.name}/{model}/fail-open", fallback, f"pool-{pool.name}-fallback")
-            )
-        routes += [
-            route.Route(
-                name=name,
-                match=route.RouteMatch(prefix="/", headers=headers),
-                route=route.RouteAction(cluster=target, timeout=ROUTE_TIMEOUT),
-                typed_per_filter_config=_picker_on(pool),
-            )
-            for name, headers, target in targets
-        ]
+            fallback = f"pool-{pool.name}-fallback"
+            routes.append(_to_cluster(pool, f"{pool.name}/{model}/fail-open", [by_model], fallback))
     return routes
 
 

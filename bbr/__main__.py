@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -87,6 +88,12 @@ def parser() -> argparse.ArgumentParser:
         help="lowest level logged; each request logs at debug only (default info)",
     )
     p.add_argument(
+        "--trace-messages",
+        metavar="FILE",
+        help="append every ext_proc message, both ways, to FILE in protobuf text format "
+        "(for learning and debugging; slow)",
+    )
+    p.add_argument(
         "--grace",
         type=float,
         default=10.0,
@@ -118,7 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"argument --plugin: {error}")
     configure_logging(args.log_level)
     health = Health(list(HEALTH_SERVICES))
-    asyncio.run(serve("bbr", router, ports, health, registry, grace=args.grace))
+    with contextlib.ExitStack() as files:
+        trace = files.enter_context(open(args.trace_messages, "a")) if args.trace_messages else None
+        asyncio.run(serve("bbr", router, ports, health, registry, grace=args.grace, trace=trace))
     return 0
 
 

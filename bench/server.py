@@ -10,12 +10,13 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry
 
+from bbr.server import BodyBasedRouter
 from lwepp.picking import Pool, RoundRobin
 from lwepp.server import EndpointPickerService, Metrics
 from pods.model import Pod, StaticSource
 from protos import extproc
 from protos.extproc import ProcessingRequest, ProcessingResponse
-from protos.server import EXT_PROC_SERVICE, Handler, Stream, ext_proc_handler
+from protos.server import EXT_PROC_SERVICE, Handler, Stream, configure_logging, ext_proc_handler
 
 PODS = tuple(Pod(f"pod-{i}", f"10.0.0.{i + 1}", (8000,), {"pool": "a"}) for i in range(8))
 
@@ -68,15 +69,14 @@ def handler_for(kind: str) -> grpc.GenericRpcHandler:
             pool = Pool(StaticSource(*PODS), {"pool": "a"})
             service = EndpointPickerService(pool, RoundRobin(), Metrics(CollectorRegistry()))
         case "bbr":
-            from bench.bbr_server import bbr_handler
-
-            service = bbr_handler()
+            service = BodyBasedRouter(CollectorRegistry())
         case _:
             raise SystemExit(f"unknown server kind {kind!r}")
     return ext_proc_handler(service)
 
 
 async def main(kind: str) -> None:
+    configure_logging("warning")  # stdout carries the port; per-request logs would only cost
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((handler_for(kind),))
     port = server.add_insecure_port("127.0.0.1:0")

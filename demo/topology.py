@@ -172,6 +172,8 @@ class Topology:
     ``port``/``admin_port``: Envoy's, 0 for free ports (read back after start).
     ``fail_open``: pools whose picker may be down (GIE ``failureMode: FailOpen``).
     ``simulator_args``: extra ``python -m simulator`` flags (``--time-scale 0.1``).
+    ``trace``: BBR and the pickers write every ext_proc message to
+    ``<work dir>/<name>.trace`` (``--trace-messages``), as the walkthrough shows.
     """
 
     def __init__(
@@ -185,6 +187,7 @@ class Topology:
         simulator_args: Sequence[str] = (),
         log_level: str = "info",
         startup_timeout: float = 30.0,
+        trace: bool = False,
     ) -> None:
         self.work_dir = work_dir
         self.pod_file = pod_file.resolve()
@@ -194,6 +197,7 @@ class Topology:
         self._simulator_args = list(simulator_args)
         self._log_level = log_level
         self._timeout = startup_timeout
+        self._trace = trace
 
     @property
     def url(self) -> str:
@@ -231,6 +235,10 @@ class Topology:
 
     def _ext_proc(self, name: str, module: str, *args: str) -> Service:
         ports = ["--grpc-port", "0", "--grpc-health-port", "0", "--metrics-port", "0"]
+        if self._trace:
+            trace = self.work_dir / f"{name}.trace"
+            trace.unlink(missing_ok=True)
+            ports += ["--trace-messages", str(trace)]
         return self._python(name, module, *args, "--host", HOST, *ports)
 
     def start(self) -> None:

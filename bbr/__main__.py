@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry
 
 from bbr.plugins import DEFAULT_PLUGINS, ConfigError, PluginSpec
 from bbr.server import HEALTH_SERVICES, MAX_BODY_BYTES, BodyBasedRouter
-from protos.server import Health, Ports, configure_logging, serve
+from protos.logs import configure_logging
+from protos.server import Health, Ports, serve
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

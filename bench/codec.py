@@ -15,26 +15,10 @@ import envoy_data_plane.envoy.config.core.v3 as edp_core
 import envoy_data_plane.envoy.service.ext_proc.v3 as edp
 from envoy_data_plane.google.protobuf import Struct as EdpStruct
 
+from bench.streams import HEADERS
 from protos import extproc
 from protos.testing import request_headers
 
-HEADERS = [
-    (":method", "POST"),
-    (":path", "/v1/chat/completions"),
-    (":authority", "gateway.example.com"),
-    (":scheme", "http"),
-    ("content-type", "application/json"),
-    ("content-length", "4096"),
-    ("accept", "text/event-stream"),
-    ("user-agent", "openai-python/1.99.0"),
-    ("x-request-id", "0b7e2a4c-5d1f-4c7e-9a51-8f1b2c3d4e5f"),
-    ("x-forwarded-proto", "http"),
-    ("x-envoy-expected-rq-timeout-ms", "300000"),
-    ("authorization", "Bearer sk-0123456789abcdef"),
-    ("x-gateway-model-name", "llama-3-8b"),
-    ("accept-encoding", "gzip, deflate"),
-    ("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
-]
 ENDPOINT = "10.0.0.7:8000"
 
 

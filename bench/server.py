@@ -16,7 +16,8 @@ from lwepp.server import EndpointPickerService, Metrics
 from pods.model import Pod, StaticSource
 from protos import extproc
 from protos.extproc import ProcessingRequest, ProcessingResponse
-from protos.server import EXT_PROC_SERVICE, Handler, Stream, configure_logging, ext_proc_handler
+from protos.logs import configure_logging
+from protos.server import EXT_PROC_SERVICE, Handler, Stream, ext_proc_handler
 
 PODS = tuple(Pod(f"pod-{i}", f"10.0.0.{i + 1}", (8000,), {"pool": "a"}) for i in range(8))
 

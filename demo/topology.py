@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -122,6 +123,22 @@ def pools_of(pod_file: Path, fail_open: Collection[str] = ()) -> list[Pool]:
         endpoints = tuple(e.hostport for e in endpoints_of(members, {}))
         pools.append(Pool(name, models, 0, None, endpoints, fail_open=name in fail_open))
     return pools
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports that were free a moment ago, for servers that must be told their port up front.
+
+    The simulator's ports come from the pod file, which must name them before
+    it starts; every other service binds port 0 and reports what it got.
+    """
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind((HOST, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def _wait(service: Service, what: str, probe: Callable[[], T | None], timeout: float) -> T:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import socket
 import sys
 import tempfile
 import urllib.request
@@ -25,7 +24,7 @@ from typing import Final
 
 import orjson
 
-from demo.topology import Topology
+from demo.topology import Topology, free_ports
 from pods.file import load_pods
 
 DOC: Final = Path(__file__).resolve().parent.parent / "docs" / "walkthrough.md"
@@ -34,22 +33,11 @@ REQUEST: Final = {"model": "llama-3-8b", "prompt": "Say hello", "max_tokens": 3}
 BLOCK: Final = re.compile(r"(<!-- capture: (\S+) -->\n)(.*?)(<!-- end capture -->)", re.DOTALL)
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
 def _pod_file(work_dir: Path) -> tuple[Path, dict[int, int]]:
     """The demo's pods on free ports, and the map from each free port back to the demo's."""
     text = DEMO_PODS.read_text()
     demo_ports = [port for pod in load_pods(DEMO_PODS) for port in pod.ports]
-    mapping = dict(zip(_free_ports(len(demo_ports)), demo_ports, strict=True))
+    mapping = dict(zip(free_ports(len(demo_ports)), demo_ports, strict=True))
     for free, demo in mapping.items():
         text = text.replace(f"[{demo}]", f"[{free}]")
     path = work_dir / "pods.yaml"

@@ -14,21 +14,19 @@ from prometheus_client import CollectorRegistry
 from lwepp.picking import Pool, RoundRobin
 from lwepp.server import MAX_BODY_BYTES, EndpointPickerService, Metrics
 from pods.file import FileSource, PodFileError, load_pods
-from protos.server import EXT_PROC_SERVICE, Health, Ports, configure_logging, serve
+from pods.model import parse_selector
+from protos.logs import configure_logging
+from protos.server import EXT_PROC_SERVICE, Health, Ports, serve
 
 HEALTH_SERVICES = ("", "inference-extension", "liveness", "readiness", EXT_PROC_SERVICE)
 """GIE's lwepp reports ``inference-extension``; the protocol document lists the others."""
 
 
-def parse_selector(text: str) -> dict[str, str]:
-    """``pool=a,tier=gold`` → ``{"pool": "a", "tier": "gold"}``; empty text selects every pod."""
-    selector: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise argparse.ArgumentTypeError(f"expected key=value, got {item!r}")
-        selector[key.strip()] = value.strip()
-    return selector
+def selector(text: str) -> dict[str, str]:
+    try:
+        return parse_selector(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--selector",
-        type=parse_selector,
+        type=selector,
         default={},
         help="labels a pod must carry to be in this picker's pool, as key=value[,key=value] "
         "(like an InferencePool's spec.selector.matchLabels); default: every pod",

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -125,13 +125,17 @@ class EndpointPickerService:
                     case "request_body":
                         replies = self.on_request_body(message, state)
                     case "request_trailers":
-                        replies = [*self.finish_request(state), _trailers("request")]
+                        replies = [
+                            *self.finish_request(state),
+                            extproc.trailers_response("request"),
+                        ]
                     case "response_headers":
                         replies = [served_endpoint_reply(message)]
                     case "response_body":
-                        replies = [_echo_response_chunk(message, state)]
+                        chunk, mode = message.response_body, state.response_body_mode
+                        replies = [pass_chunk("response", chunk, mode)]
                     case "response_trailers":
-                        replies = [_trailers("response")]
+                        replies = [extproc.trailers_response("response")]
                     case other:
                         raise Refusal(500, "unexpected_message", f"unexpected message {other!r}")
             except Refusal as refusal:
@@ -168,7 +172,7 @@ class EndpointPickerService:
     ) -> list[ProcessingResponse]:
         chunk = message.request_body
         if not state.deferred:
-            return [_echo_request_chunk(message, state)]
+            return [pass_chunk("request", chunk, state.body_mode)]
         state.size += len(chunk.body)
         if state.size > self.max_body_bytes:
             raise Refusal(
@@ -266,26 +270,18 @@ def served_endpoint_reply(message: ProcessingRequest) -> ProcessingResponse:
     )
 
 
-def _echo_request_chunk(message: ProcessingRequest, state: RequestState) -> ProcessingResponse:
-    chunk = message.request_body
-    if state.body_mode == BodyMode.FULL_DUPLEX_STREAMED:
+def pass_chunk(phase: extproc.Phase, chunk: Any, body_mode: int | None) -> ProcessingResponse:
+    """Let a body chunk through unchanged.
+
+    In FULL_DUPLEX_STREAMED mode Envoy forwards only what the processor sends
+    back, so the chunk is returned; in the other modes an empty answer means
+    "continue with it as it is".
+    """
+    if body_mode == BodyMode.FULL_DUPLEX_STREAMED:
         return extproc.body_response(
-            "request", streamed_body=chunk.body, end_of_stream=chunk.end_of_stream
+            phase, streamed_body=chunk.body, end_of_stream=chunk.end_of_stream
         )
-    return extproc.body_response("request")
-
-
-def _echo_response_chunk(message: ProcessingRequest, state: RequestState) -> ProcessingResponse:
-    chunk = message.response_body
-    if state.response_body_mode == BodyMode.FULL_DUPLEX_STREAMED:
-        return extproc.body_response(
-            "response", streamed_body=chunk.body, end_of_stream=chunk.end_of_stream
-        )
-    return extproc.body_response("response")
-
-
-def _trailers(phase: extproc.Phase) -> ProcessingResponse:
-    return extproc.trailers_response(phase)
+    return extproc.body_response(phase)
 
 
 def _request_id(state: RequestState) -> str | None:

@@ -72,6 +72,17 @@ def endpoints_of(pods: tuple[Pod, ...], selector: Mapping[str, str]) -> tuple[En
     )
 
 
+def parse_selector(text: str) -> dict[str, str]:
+    """``pool=a,tier=gold`` → ``{"pool": "a", "tier": "gold"}``; empty text selects every pod."""
+    selector: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"expected key=value, got {item!r}")
+        selector[key.strip()] = value.strip()
+    return selector
+
+
 def is_ip(text: str) -> bool:
     try:
         ipaddress.ip_address(text)

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import signal
-import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, TextIO
@@ -165,24 +163,6 @@ class Health:
         while not self.ready():  # noqa: ASYNC110
             await asyncio.sleep(interval)
         await self.set_all(True)
-
-
-def configure_logging(level: str = "info") -> None:
-    """JSON log lines on stderr: one object per event, with level and timestamp."""
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[level.upper()]
-        ),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
-    )
 
 
 async def _metrics_app(registry: CollectorRegistry, host: str, port: int) -> web.AppRunner:

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
-import sys
 from collections.abc import Sequence
 from typing import Final
 
 import structlog
 
 from pods.file import PodFileError, load_pods
-from pods.model import Pod
+from pods.model import Pod, parse_selector
+from protos.logs import configure_logging
 from simulator.engine import Settings
 from simulator.server import serve_pods
 
@@ -33,15 +32,11 @@ _KNOBS: Final = (
 )
 
 
-def parse_selector(text: str) -> dict[str, str]:
-    """``key=value[,key=value]`` as a dict; an empty string selects everything."""
-    selector: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise argparse.ArgumentTypeError(f"expected key=value, got {item!r}")
-        selector[key.strip()] = value.strip()
-    return selector
+def selector(text: str) -> dict[str, str]:
+    try:
+        return parse_selector(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--pods", required=True, metavar="FILE", help="pod file (YAML, see pods/file.py)")
     add(
         "--selector",
-        type=parse_selector,
+        type=selector,
         default={},
         metavar="K=V[,K=V]",
         help="serve only the pods whose labels match every pair (default: all pods)",
@@ -81,23 +76,6 @@ def _parser() -> argparse.ArgumentParser:
     for flag, default, text in _KNOBS:
         add(flag, type=type(default), default=default, help=f"{text} (default: %(default)s)")
     return parser
-
-
-def configure_logging(level: str) -> None:
-    """JSON lines on stderr, one object per event (the same shape as the other services)."""
-    structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[level.upper()]
-        ),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
-    )
 
 
 async def run(pods: Sequence[Pod], settings: Settings, grace: float) -> None:

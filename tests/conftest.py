@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from demo.topology import Topology
+from demo.topology import Topology, free_ports
 
 POOLS = {"a": "model-a", "b": "model-b"}
 """Two pools of two replicas; pool b is FailOpen, as GIE's conformance secondary pool."""
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports that were free a moment ago (the simulator must be told its ports up front)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def write_pod_file(path: Path) -> Path:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from protos.testing import (
     running,
     set_headers,
 )
+from tests.processes import service
 
 POST = {
     ":method": "POST",
@@ -803,25 +803,7 @@ def test_bad_configuration_exits_2_with_one_line(args: list[str], message: str) 
 def test_cli_serves_then_stops_on_sigterm() -> None:
     """``python -m bbr`` serves the default chain on the ports it reports, and SIGTERM stops
     it cleanly (exit 0)."""
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "bbr",
-            "--grpc-port=0",
-            "--grpc-health-port=0",
-            "--metrics-port=0",
-            "--grace=5",
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert process.stderr is not None
-    try:
-        for line in process.stderr:
-            event = json.loads(line)
-            if event["event"] == "listening":
-                break
+    with service("bbr") as (process, event):
 
         async def go() -> list[ProcessingResponse]:
             async with ExtProcClient(f"127.0.0.1:{event['grpc_port']}") as client:
@@ -831,7 +813,3 @@ def test_cli_serves_then_stops_on_sigterm() -> None:
         assert (MODEL, "llama-3") in set_headers(replies[0])
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
-    finally:
-        process.kill()
-        process.wait()
-        process.stderr.close()

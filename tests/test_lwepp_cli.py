@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import subprocess
 import sys
@@ -13,38 +12,13 @@ import grpc
 import pytest
 
 from protos.testing import ExtProcClient, request_body, request_headers
+from tests.processes import service
 
 PODS = """
 pods:
 - {name: a-0, address: 127.0.0.1, ports: [18001], labels: {pool: a}}
 - {name: b-0, address: 127.0.0.1, ports: [18002], labels: {pool: b}}
 """
-
-
-def start(*args: str) -> tuple[subprocess.Popen[str], dict[str, int]]:
-    """Start the picker on free ports and read its ``listening`` log line."""
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "lwepp",
-            "--grpc-port=0",
-            "--grpc-health-port=0",
-            "--metrics-port=0",
-            "--grace=5",
-            *args,
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert process.stderr is not None
-    for line in process.stderr:
-        event = json.loads(line)
-        if event["event"] == "listening":
-            return process, event
-    process.wait()
-    process.stderr.close()
-    raise AssertionError(f"lwepp exited with {process.returncode} before listening")
 
 
 def test_help_explains_the_flags() -> None:
@@ -84,7 +58,6 @@ def test_bad_configuration_is_refused_with_a_precise_message(
 def test_sigterm_lets_the_in_flight_request_finish(tmp_path: Path) -> None:
     """After SIGTERM a stream already open still gets its pick; then the process exits 0."""
     (tmp_path / "pods.yaml").write_text(PODS)
-    process, ports = start("--pods", str(tmp_path / "pods.yaml"), "--selector", "pool=b")
 
     async def scenario() -> None:
         async with ExtProcClient(f"127.0.0.1:{ports['grpc_port']}") as client:
@@ -103,11 +76,7 @@ def test_sigterm_lets_the_in_flight_request_finish(tmp_path: Path) -> None:
                 pass
             assert await stream.code() == grpc.StatusCode.OK
 
-    try:
+    pods = str(tmp_path / "pods.yaml")
+    with service("lwepp", "--pods", pods, "--selector", "pool=b") as (process, ports):
         asyncio.run(scenario())
         assert process.wait(timeout=10) == 0
-    finally:
-        process.kill()
-        process.wait()
-        assert process.stderr is not None
-        process.stderr.close()

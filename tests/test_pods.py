@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pods.file import FileSource, PodFileError, parse_pods
-from pods.model import endpoints_of, join_host_port
+from pods.model import endpoints_of, join_host_port, parse_selector
 from tests.fakes import pod
 
 GOOD = """
@@ -135,3 +135,19 @@ def test_file_source_missing_file_is_an_error_not_a_crash(tmp_path: Path) -> Non
     assert not source.synced
     assert source.error is not None
     assert "absent.yaml" in source.error
+
+
+@pytest.mark.parametrize(
+    ("text", "selector"),
+    [("", {}), ("pool=a", {"pool": "a"}), ("pool=a, model=m", {"pool": "a", "model": "m"})],
+    ids=["empty", "one", "two"],
+)
+def test_selector_parsing(text: str, selector: dict[str, str]) -> None:
+    """A selector is comma-separated key=value pairs, as the CLIs' --selector takes it."""
+    assert parse_selector(text) == selector
+
+
+def test_selector_without_value_is_an_error() -> None:
+    """A pair without ``=`` is refused with the offending item."""
+    with pytest.raises(ValueError, match="expected key=value, got 'pool'"):
+        parse_selector("pool")

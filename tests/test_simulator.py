@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -21,9 +20,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from demo.topology import free_ports
 from pods.model import Pod
 from simulator import Engine, Replica, Settings, count_tokens, output_token, serve_pods
-from simulator.__main__ import main, parse_selector
+from simulator.__main__ import main
 from simulator.engine import Sleep
 from simulator.server import echo_set_headers
 
@@ -627,20 +627,8 @@ def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         assert flag in text
 
 
-@pytest.mark.parametrize(
-    ("text", "selector"),
-    [("", {}), ("pool=a", {"pool": "a"}), ("pool=a, model=m", {"pool": "a", "model": "m"})],
-    ids=["empty", "one", "two"],
-)
-def test_selector_parsing(text: str, selector: dict[str, str]) -> None:
-    """--selector takes comma-separated key=value pairs."""
-    assert parse_selector(text) == selector
-
-
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]
 
 
 def test_cli_serves_selected_pods_and_exits_on_sigterm(tmp_path: Path) -> None:

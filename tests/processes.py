@@ -1,0 +1,45 @@
+"""Running a service as an operator would: a child process on free ports."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+
+@contextlib.contextmanager
+def service(module: str, *args: str) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
+    """``python -m module`` on free ports; yields the process and its ``listening`` log line.
+
+    The process is killed on exit if the test has not already stopped it.
+    """
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            module,
+            "--grpc-port=0",
+            "--grpc-health-port=0",
+            "--metrics-port=0",
+            "--grace=5",
+            *args,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stderr is not None
+    try:
+        for line in process.stderr:
+            event = json.loads(line)
+            if event["event"] == "listening":
+                break
+        else:
+            raise AssertionError(f"{module} exited with {process.wait()} before listening")
+        yield process, event
+    finally:
+        process.kill()
+        process.wait()
+        process.stderr.close()

@@ -8,7 +8,7 @@ Picking happens in two steps, kept apart on purpose:
    ``envoy.lb.subset_hint`` / ``x-gateway-destination-endpoint-subset``; GIE's
    conformance tests pin requests with the ``test-epp-endpoint-selection``
    header instead. Both hold ``ip`` or ``ip:port`` entries.
-2. **The pick.** A ``Picker`` gets the request and the candidates and returns
+2. **The pick.** A ``Strategy`` gets the request and the candidates and returns
    endpoints in order of preference. Round-robin is the default; filters and
    scorers plug in here without touching the stream handling around it.
 """
@@ -35,8 +35,11 @@ class PickRequest:
     body: bytes | None = None
 
 
-class Picker(Protocol):
-    """Chooses endpoints for one request: the seam where smarter picking plugs in."""
+class Strategy(Protocol):
+    """Chooses endpoints for one request: the seam where smarter picking plugs in.
+
+    ``RoundRobin`` is the default strategy; a filter/scorer pipeline is another.
+    """
 
     def pick(self, request: PickRequest, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
         """Return the endpoints to use, best first.

@@ -40,9 +40,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from lwepp.picking import (
     SUBSET_NAMESPACE,
     TEST_SELECTION_HEADER,
-    Picker,
     PickRequest,
     Pool,
+    Strategy,
     allowed_entries,
     candidates,
 )
@@ -101,7 +101,7 @@ class EndpointPickerService:
     def __init__(
         self,
         pool: Pool,
-        picker: Picker,
+        picker: Strategy,
         metrics: Metrics,
         max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:

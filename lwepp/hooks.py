@@ -1,0 +1,218 @@
+"""The plugin contracts of the endpoint picker: what a filter, scorer, picker or hook is.
+
+Plugin authors import this module and nothing else of LWEPP. Each contract
+is a ``typing.Protocol``: a small class (or any object) with the right
+methods satisfies it, no base class or registration decorator needed.
+
+One request passes the plugins in this order::
+
+    prepare hooks      compute per-request data once (e.g. prefix hashes) into request.state
+    filters            candidates → the subset allowed, in order
+    scorers            each rates every remaining candidate in [0, 1]; weighted and summed
+    picker             scored candidates → endpoints, best first (primary, then fallbacks)
+    picked hooks       learn what was chosen
+    ... the request is served ...
+    response hooks     response headers, body chunks, completion (served endpoint, token usage)
+
+Rules every plugin follows:
+
+- Plugins are synchronous and pure over data they are given. Anything slow
+  (scraping metrics, listing models) is a ``DataSource`` running in the
+  background and writing ``Measurement`` snapshots; a pick never waits on it.
+- Per-request data travels in ``request.state``, a dict owned by that request;
+  plugins never keep per-request state on ``self``.
+- Raising means "this plugin failed". The pipeline logs the error naming the
+  plugin, counts it, and answers the request with plain round-robin over the
+  candidates it started with: a broken plugin never loses a request.
+- A plugin declares the endpoint attributes it ``reads`` (e.g.
+  ``"queue_depth"``); configuration fails when no data source produces one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from pods.model import Endpoint
+
+# --- what plugins see -----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """One attribute of one endpoint, and when it was measured.
+
+    ``at`` is on the clock the data source was given (``time.monotonic`` in
+    the service, an injected clock in tests), so age is ``now - at``.
+    """
+
+    value: float
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """An endpoint that may serve the request, with its attributes as last measured."""
+
+    endpoint: Endpoint
+    attributes: Mapping[str, Measurement] = field(default_factory=dict)
+
+    def value(self, name: str, now: float, max_age: float) -> float | None:
+        """The attribute's value, or None when it is unknown or older than ``max_age`` seconds.
+
+        None means "no usable measurement", never zero: each scorer documents
+        what it does with unknown data.
+        """
+        measured = self.attributes.get(name)
+        if measured is None or now - measured.at > max_age:
+            return None
+        return measured.value
+
+
+@dataclass(slots=True)
+class LLMRequest:
+    """One request as plugins see it.
+
+    ``headers`` has lower-case names and the first value of each. ``body`` and
+    ``parsed`` are set only when some plugin ``needs_body`` (only then does
+    LWEPP hold the body); ``parsed`` is a read-only view of the JSON body, or
+    None if the body is not a JSON object. ``state`` is this request's
+    scratch space shared by its plugins (keys are namespaced by convention:
+    ``"<plugin name>.<what>"``).
+    """
+
+    request_id: str
+    headers: Mapping[str, str]
+    model: str | None = None
+    body: bytes | None = None
+    parsed: Mapping[str, Any] | None = None
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """A candidate with its weighted total and each scorer's raw score (for pickers and explain)."""
+
+    candidate: Candidate
+    total: float
+    scores: Mapping[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts a model server reported in the response's ``usage`` (OpenAI shape)."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+# --- the contracts ----------------------------------------------------------------
+
+
+class Plugin(Protocol):
+    """What every plugin has.
+
+    ``name``: the instance name from the configuration (unique per picker).
+    ``reads``: endpoint attributes this plugin uses (empty if none).
+    ``needs_body``: True if the plugin reads ``request.body``/``request.parsed``;
+    LWEPP then holds the body before picking, otherwise it picks on headers.
+    """
+
+    name: str
+    reads: ClassVar[frozenset[str]]
+    needs_body: ClassVar[bool]
+
+
+class PrepareHook(Plugin, Protocol):
+    def prepare(self, request: LLMRequest) -> None:
+        """Compute per-request data once, before filtering, into ``request.state``."""
+        ...
+
+
+class Filter(Plugin, Protocol):
+    def filter(
+        self, request: LLMRequest, candidates: Sequence[Candidate], now: float
+    ) -> Sequence[Candidate]:
+        """Return the candidates the request may go to, a subset of ``candidates`` in order.
+
+        ``now`` is the pipeline's clock, for ``Candidate.value``. Returning an
+        empty sequence removes every candidate: the request is answered 503.
+        """
+        ...
+
+
+class Scorer(Plugin, Protocol):
+    def score(
+        self, request: LLMRequest, candidates: Sequence[Candidate], now: float
+    ) -> Sequence[float]:
+        """Rate each candidate, in order: one score per candidate, 1.0 best.
+
+        Scores outside [0, 1] are clamped. The pipeline multiplies each by the
+        scorer's configured weight (default 1.0) and sums per candidate.
+        """
+        ...
+
+
+class Picker(Plugin, Protocol):
+    def pick(self, request: LLMRequest, scored: Sequence[Scored]) -> Sequence[Endpoint]:
+        """Choose from the scored candidates (never empty): best first, then fallbacks.
+
+        The first endpoint is the destination; the rest are fallbacks Envoy may
+        retry in order. Returning nothing answers the request 503.
+        """
+        ...
+
+
+class PickedHook(Plugin, Protocol):
+    def picked(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None:
+        """Learn the pick (e.g. record the prompt's prefix as cached there)."""
+        ...
+
+
+class ResponseHook(Plugin, Protocol):
+    """Steps on the response. Each gets ``served``: the ``ip:port`` the gateway reports
+    (``envoy.lb`` metadata), or None if it reported nothing."""
+
+    def response_headers(
+        self, request: LLMRequest, served: str | None, headers: Mapping[str, str]
+    ) -> Mapping[str, str]:
+        """Headers to add to the response (e.g. a session token); an empty mapping for none."""
+        ...
+
+    def response_chunk(self, request: LLMRequest, chunk: bytes) -> None:
+        """One piece of the response body as it streams (only with response body streaming)."""
+        ...
+
+    def response_complete(
+        self, request: LLMRequest, served: str | None, usage: Usage | None
+    ) -> None:
+        """The response is over; ``usage`` is the model server's token count when it sent one."""
+        ...
+
+
+class AttributeWriter(Protocol):
+    """Where data sources write: each call replaces one endpoint's named measurements."""
+
+    def write(self, endpoint: str, values: Mapping[str, Measurement]) -> None: ...
+
+
+class DataSource(Protocol):
+    """Background collection of endpoint attributes (metrics, served models, ...).
+
+    ``produces`` names the attributes it writes. ``run`` loops until cancelled:
+    each round it asks ``endpoints()`` for the current endpoints and writes
+    what it measured for each, stamped with ``clock()``. A slow or dead
+    endpoint must never hold up the others, and never a pick.
+    """
+
+    name: str
+    produces: ClassVar[frozenset[str]]
+
+    async def run(
+        self,
+        endpoints: Callable[[], Sequence[Endpoint]],
+        store: AttributeWriter,
+        clock: Callable[[], float],
+    ) -> None: ...

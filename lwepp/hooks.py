@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Final, Protocol
 
 from pods.model import Endpoint
 
@@ -43,12 +43,28 @@ from pods.model import Endpoint
 class Measurement:
     """One attribute of one endpoint, and when it was measured.
 
-    ``at`` is on the clock the data source was given (``time.monotonic`` in
-    the service, an injected clock in tests), so age is ``now - at``.
+    A value is a number (queue depth, KV-cache usage 0–1, ...) or a set of
+    names (LoRA adapters running, models served). ``at`` is on the clock the
+    data source was given (``time.monotonic`` in the service, an injected
+    clock in tests), so age is ``now - at``.
     """
 
-    value: float
+    value: float | frozenset[str]
     at: float
+
+
+ATTRIBUTES: Final = {
+    "queue_depth": "requests waiting in the model server's queue",
+    "running_requests": "requests the model server is running",
+    "kv_cache_usage": "fraction of the KV cache in use, 0–1",
+    "cache_block_size": "tokens per KV-cache block",
+    "cache_num_blocks": "KV-cache blocks on the accelerator",
+    "lora_max": "how many LoRA adapters can be loaded at once",
+    "lora_running": "names of the LoRA adapters running",
+    "lora_waiting": "names of the LoRA adapters requests are waiting for",
+    "served_models": "names of the models (and adapters) the server lists",
+}
+"""The attribute names built-in data sources produce and built-in plugins read."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,13 +75,24 @@ class Candidate:
     attributes: Mapping[str, Measurement] = field(default_factory=dict)
 
     def value(self, name: str, now: float, max_age: float) -> float | None:
-        """The attribute's value, or None when it is unknown or older than ``max_age`` seconds.
+        """A numeric attribute, or None when it is unknown or older than ``max_age`` seconds.
 
         None means "no usable measurement", never zero: each scorer documents
         what it does with unknown data.
         """
         measured = self.attributes.get(name)
-        if measured is None or now - measured.at > max_age:
+        if measured is None or now - measured.at > max_age or isinstance(measured.value, frozenset):
+            return None
+        return measured.value
+
+    def names(self, name: str, now: float, max_age: float) -> frozenset[str] | None:
+        """A set-valued attribute (adapters, models), or None when unknown or stale."""
+        measured = self.attributes.get(name)
+        if (
+            measured is None
+            or now - measured.at > max_age
+            or not isinstance(measured.value, frozenset)
+        ):
             return None
         return measured.value
 

@@ -1,0 +1,20 @@
+"""Built-in plugins of the endpoint picker, and the one registry that names them.
+
+``REGISTRY`` maps each configuration ``type`` (the llm-d router's names, so
+configurations carry over) to a factory ``(name, params) -> plugin``. It is
+the only list of built-ins: nothing registers itself on import. A user's own
+plugin is named in the configuration by dotted path instead
+(``mypackage.module.ClassName``) and built the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+from lwepp.plugins.params import Params
+
+Factory = Callable[[str, Params], Any]
+"""Builds one plugin instance from its configured name and parameters."""
+
+REGISTRY: Final[dict[str, Factory]] = {}

@@ -14,6 +14,7 @@ from pods.file import PodFileError, load_pods
 from pods.model import Pod, parse_selector
 from protos.logs import configure_logging
 from simulator.engine import Settings
+from simulator.metrics import ENGINES
 from simulator.server import serve_pods
 
 log = structlog.get_logger()
@@ -73,18 +74,47 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="on SIGTERM/SIGINT, how long in-flight requests may finish (default: %(default)s)",
     )
+    add(
+        "--engine",
+        choices=ENGINES,
+        default="vllm",
+        help="whose metric names /metrics uses: vLLM, SGLang, trtllm-serve, Triton's "
+        "TensorRT-LLM backend or llama.cpp's server (default: %(default)s)",
+    )
+    add(
+        "--namespace",
+        default="",
+        help="the namespace the conformance echo reports, as echo-basic's NAMESPACE "
+        "(default: none)",
+    )
+    add(
+        "--h2c-port",
+        type=int,
+        action="append",
+        default=[],
+        metavar="PORT",
+        help="a pod port that serves only the conformance echo, over cleartext HTTP/2 "
+        "(prior knowledge), as echo-basic's h2c port; repeatable",
+    )
     for flag, default, text in _KNOBS:
         add(flag, type=type(default), default=default, help=f"{text} (default: %(default)s)")
     return parser
 
 
-async def run(pods: Sequence[Pod], settings: Settings, grace: float) -> None:
-    """Serve until SIGTERM or SIGINT, then stop (in-flight requests get ``grace`` seconds)."""
+async def run(pods: Sequence[Pod], settings: Settings, args: argparse.Namespace) -> None:
+    """Serve until SIGTERM or SIGINT, then stop (in-flight requests get ``--grace`` seconds)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with serve_pods(pods, settings, grace=grace):
+    async with serve_pods(
+        pods,
+        settings,
+        grace=args.grace,
+        dialect=args.engine,
+        namespace=args.namespace,
+        h2c_ports=frozenset(args.h2c_port),
+    ):
         await stop.wait()
 
 
@@ -107,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(str(error))
     if not pods:
         parser.error(f"no pod in {args.pods} matches the selector {args.selector}")
-    asyncio.run(run(pods, settings, args.grace))
+    asyncio.run(run(pods, settings, args))
 
 
 if __name__ == "__main__":

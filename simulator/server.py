@@ -25,7 +25,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterable
 from contextlib import aclosing, asynccontextmanager
 from typing import Any, Final
 
@@ -35,8 +35,9 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from pods.model import Pod, join_host_port
-from simulator import openai
+from simulator import metrics, openai
 from simulator.engine import Engine, Settings, Sleep
+from simulator.h2c import serve_h2c_echo
 from simulator.openai import Api, ApiError
 
 log = structlog.get_logger()
@@ -85,36 +86,6 @@ def echo_set_headers(values: Iterable[str]) -> dict[str, str]:
     return headers
 
 
-def _escape(value: str) -> str:
-    """A Prometheus label value: backslash, quote and newline escaped."""
-    return value.replace("\\", r"\\").replace('"', r"\"").replace("\n", r"\n")
-
-
-_HELP: Final = {
-    "vllm:num_requests_running": "Requests in the running batch.",
-    "vllm:num_requests_waiting": "Requests queued for a running slot.",
-    "vllm:kv_cache_usage_perc": "Fraction of the KV cache in use (1 = full).",
-    "vllm:prompt_tokens_total": "Prompt (prefill) tokens processed.",
-    "vllm:generation_tokens_total": "Output tokens generated.",
-    "vllm:lora_requests_info": "LoRA adapters running and waiting; the value is a timestamp.",
-}
-
-
-def _family(name: str, value: float, labels: Mapping[str, str]) -> list[str]:
-    """One metric family with one sample, in Prometheus text format 0.0.4.
-
-    A counter keeps its ``_total`` suffix in HELP and TYPE, as prometheus_client
-    (and so vLLM) writes it.
-    """
-    kind = "counter" if name.endswith("_total") else "gauge"
-    pairs = ",".join(f'{key}="{_escape(text)}"' for key, text in labels.items())
-    return [
-        f"# HELP {name} {_HELP[name]}",
-        f"# TYPE {name} {kind}",
-        f"{name}{{{pairs}}} {float(value)!r}",
-    ]
-
-
 @web.middleware
 async def _never_crash(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Answer an unexpected exception with a 500 error body instead of a bare one, and log it."""
@@ -130,13 +101,34 @@ async def _never_crash(request: web.Request, handler: Handler) -> web.StreamResp
 class Replica:
     """One port of one pod: an independent engine behind its own HTTP server."""
 
-    __slots__ = ("_clock", "adapters", "endpoint", "engine", "model", "pod", "port")
+    __slots__ = (
+        "_clock",
+        "adapters",
+        "dialect",
+        "endpoint",
+        "engine",
+        "model",
+        "namespace",
+        "pod",
+        "port",
+    )
 
     def __init__(
-        self, pod: Pod, port: int, engine: Engine, clock: Callable[[], float] = time.time
+        self,
+        pod: Pod,
+        port: int,
+        engine: Engine,
+        clock: Callable[[], float] = time.time,
+        *,
+        dialect: str = "vllm",
+        namespace: str = "",
     ) -> None:
         self.pod = pod
         self.port = port
+        self.dialect = dialect
+        """Whose metric names ``/metrics`` uses (``simulator.metrics.ENGINES``)."""
+        self.namespace = namespace
+        """What the conformance echo reports as the pod's namespace (echo-basic's NAMESPACE)."""
         self.endpoint = join_host_port(pod.address, port)
         self.engine = engine
         self.model = pod.labels.get("model") or DEFAULT_MODEL
@@ -163,12 +155,25 @@ class Replica:
 
     async def stamp(self, request: web.Request, response: web.StreamResponse) -> None:
         """Add the replica's identity and the echo headers to every response (module docstring)."""
-        response.headers["x-sim-pod"] = self.pod.name
-        response.headers["x-sim-endpoint"] = self.endpoint
-        for name, value in request.headers.items():
-            if name.lower().startswith("x-gateway-"):
-                response.headers.add(f"x-sim-received-{name.lower()}", value)
-        response.headers.update(echo_set_headers(request.headers.getall("X-Echo-Set-Header", [])))
+        seen: set[str] = set()
+        for name, value in self.stamp_headers(request.headers.items()):
+            if name in seen:  # a repeated x-gateway-* request header: keep every value
+                response.headers.add(name, value)
+            else:  # otherwise replace what the handler set
+                response.headers[name] = value
+                seen.add(name)
+
+    def stamp_headers(self, request_headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The headers ``stamp`` adds, given the request's: identity, received, echoed."""
+        request_headers = list(request_headers)
+        stamp = [("x-sim-pod", self.pod.name), ("x-sim-endpoint", self.endpoint)]
+        stamp += [
+            (f"x-sim-received-{name.lower()}", value)
+            for name, value in request_headers
+            if name.lower().startswith("x-gateway-")
+        ]
+        asked = [value for name, value in request_headers if name.lower() == "x-echo-set-header"]
+        return stamp + list(echo_set_headers(asked).items())
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completions")
@@ -249,50 +254,62 @@ class Replica:
         )
 
     def metrics_text(self) -> str:
-        """The engine's state in Prometheus text format, under vLLM's metric names.
-
-        Written by hand rather than with prometheus_client: a handful of
-        families, and the reader sees exactly what an endpoint picker scrapes.
-        """
-        engine, model = self.engine, {"model_name": self.model}
-        values = {
-            "vllm:num_requests_running": engine.running,
-            "vllm:num_requests_waiting": engine.waiting,
-            "vllm:kv_cache_usage_perc": engine.kv_usage,
-            "vllm:prompt_tokens_total": engine.prompt_tokens_total,
-            "vllm:generation_tokens_total": engine.generation_tokens_total,
-        }
-        lines = [line for name, value in values.items() for line in _family(name, value, model)]
+        """The engine's state in Prometheus text format, in the names of ``self.dialect``."""
+        engine = self.engine
+        lora = None
         if self.adapters:
-            # vLLM's LoRA gauge: the value is a timestamp, the labels carry the state.
             lora = {
                 "max_lora": str(len(self.adapters)),
                 "running_lora_adapters": ",".join(sorted(+engine.running_adapters)),
                 "waiting_lora_adapters": ",".join(sorted(+engine.waiting_adapters)),
             }
-            lines += _family("vllm:lora_requests_info", self._clock(), lora)
-        return "\n".join(lines) + "\n"
+        state = metrics.State(
+            model=self.model,
+            running=engine.running,
+            waiting=engine.waiting,
+            max_running=engine.settings.max_running,
+            kv_usage=engine.kv_usage,
+            kv_capacity=engine.settings.kv_capacity,
+            prompt_tokens=engine.prompt_tokens_total,
+            generation_tokens=engine.generation_tokens_total,
+            lora=lora,
+            now=self._clock(),
+        )
+        return metrics.render(self.dialect, state)
 
     async def echo(self, request: web.Request) -> web.Response:
         """The Gateway API conformance echo (echo-basic), plus GIE's ``httpPort``."""
+        proto = f"HTTP/{request.version.major}.{request.version.minor}"
+        body = self.echo_body(
+            request.method, request.raw_path, request.host, proto, request.headers.items()
+        )
+        return _json(body)
+
+    def echo_body(
+        self,
+        method: str,
+        path: str,
+        host: str,
+        proto: str,
+        request_headers: Iterable[tuple[str, str]],
+    ) -> dict[str, Any]:
+        """echo-basic's JSON for one request, whatever the HTTP version it came over."""
         headers: dict[str, list[str]] = {}
-        for name, value in request.headers.items():
+        for name, value in request_headers:
             if name.lower() != "host":  # Go moves Host out of the header map
                 headers.setdefault(_canonical(name), []).append(value)
-        return _json(
-            {
-                "path": request.raw_path,
-                "host": request.host,
-                "method": request.method,
-                "proto": f"HTTP/{request.version.major}.{request.version.minor}",
-                "headers": headers,
-                "namespace": "",
-                "ingress": "",
-                "service": "",
-                "pod": self.pod.name,
-                "httpPort": str(self.port),
-            }
-        )
+        return {
+            "path": path,
+            "host": host,
+            "method": method,
+            "proto": proto,
+            "headers": headers,
+            "namespace": self.namespace,
+            "ingress": "",
+            "service": "",
+            "pod": self.pod.name,
+            "httpPort": str(self.port),
+        }
 
 
 def _bind(address: str, port: int) -> socket.socket:
@@ -315,6 +332,9 @@ async def serve_pods(
     sleep: Sleep = asyncio.sleep,
     clock: Callable[[], float] = time.time,
     grace: float = 5.0,
+    dialect: str = "vllm",
+    namespace: str = "",
+    h2c_ports: Collection[int] = (),
 ) -> AsyncIterator[tuple[Replica, ...]]:
     """Serve every port of every pod until the block exits; yields the replicas in file order.
 
@@ -322,26 +342,44 @@ async def serve_pods(
     and fix timestamps. A port of 0 binds a free port (``Replica.endpoint``
     tells which). On exit the listeners close first, then requests still in
     flight get ``grace`` seconds to finish before they are cancelled.
+
+    ``dialect`` names the engine whose metric names ``/metrics`` uses;
+    ``namespace`` is what the conformance echo reports; a port listed in
+    ``h2c_ports`` serves only the echo, over cleartext HTTP/2
+    (``simulator.h2c``), as echo-basic's h2c port does.
     """
     settings = settings or Settings()
     sockets: list[socket.socket] = []
     runners: list[web.AppRunner] = []
+    h2c_servers: list[asyncio.Server] = []
     replicas: list[Replica] = []
     try:
         for pod in pods:
             for port in pod.ports:
                 sock = _bind(pod.address, port)
                 sockets.append(sock)
-                replica = Replica(pod, sock.getsockname()[1], Engine(settings, sleep), clock)
+                replica = Replica(
+                    pod,
+                    sock.getsockname()[1],
+                    Engine(settings, sleep),
+                    clock,
+                    dialect=dialect,
+                    namespace=namespace,
+                )
+                replicas.append(replica)
+                if port in h2c_ports:
+                    h2c_servers.append(await serve_h2c_echo(replica, sock))
+                    continue
                 runner = web.AppRunner(replica.app(), access_log=None, shutdown_timeout=grace)
                 await runner.setup()
                 runners.append(runner)
                 await web.SockSite(runner, sock).start()
-                replicas.append(replica)
         log.info("listening", endpoints=[replica.endpoint for replica in replicas])
         yield tuple(replicas)
     finally:
         log.info("stopping", grace_seconds=grace)
+        for server in h2c_servers:
+            server.close()
         # All at once: each replica's in-flight requests share the same grace period.
         await asyncio.gather(*(runner.cleanup() for runner in runners))
         for sock in sockets:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import signal
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, TextIO
 
@@ -135,42 +135,65 @@ class Ports:
 class Health:
     """The health services a replica reports, and whether it is ready to serve.
 
-    ``names`` are set SERVING once ``ready()`` first returns true (GIE's picker
-    waits for its endpoint list the same way) and NOT_SERVING when shutdown
-    starts, so a load balancer stops sending new streams before the server
-    stops accepting them.
+    ``names`` are SERVING while ``ready()`` returns true (GIE's picker waits
+    for its endpoint list the same way; a standby replica under leader
+    election is not ready) and NOT_SERVING when shutdown starts, so a load
+    balancer stops sending new streams before the server stops accepting them.
+    ``live`` names are SERVING from start to shutdown whatever ``ready()``
+    says: a liveness probe on them does not restart a healthy standby.
     """
 
     names: Sequence[str]
     ready: Callable[[], bool] = lambda: True
     servicer: Any = field(default_factory=health.aio.HealthServicer)
+    live: Sequence[str] = ()
 
-    async def set_all(self, serving: bool) -> None:
+    async def set_all(self, serving: bool, names: Sequence[str] | None = None) -> None:
+        """Set ``names`` (default: all, live ones included) to SERVING or NOT_SERVING."""
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if serving
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        for name in self.names:
+        for name in (*self.names, *self.live) if names is None else names:
             await self.servicer.set(name, status)
 
     async def watch_ready(self, interval: float = 0.1) -> None:
-        """Flip to SERVING the first time the service reports ready.
+        """Follow ``ready()``: SERVING while it holds, NOT_SERVING while it does not.
 
         Polled, as GIE's picker polls its datastore every 100 ms: readiness is a
-        property of the pod source, which has no event to wait on.
+        property of the pod source (and the lease), which have no event to wait on.
         """
-        while not self.ready():  # noqa: ASYNC110
+        await self.set_all(True, self.live)
+        serving = False
+        while True:
+            if self.ready() != serving:
+                serving = not serving
+                await self.set_all(serving, self.names)
             await asyncio.sleep(interval)
-        await self.set_all(True)
 
 
-async def _metrics_app(registry: CollectorRegistry, host: str, port: int) -> web.AppRunner:
+JsonRoutes = Mapping[str, Callable[[], bytes]]
+"""Extra GET paths on the metrics port, each answering the JSON its function returns."""
+
+
+def _json_page(render: Callable[[], bytes]) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def page(_request: web.Request) -> web.Response:
+        return web.Response(body=render(), content_type="application/json")
+
+    return page
+
+
+async def _metrics_app(
+    registry: CollectorRegistry, host: str, port: int, json_routes: JsonRoutes
+) -> web.AppRunner:
     async def metrics(_request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), content_type=CONTENT_TYPE_PLAIN_0_0_4)
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
+    for path, render in json_routes.items():
+        app.router.add_get(path, _json_page(render))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
@@ -197,8 +220,11 @@ async def serve(
     trace: TextIO | None = None,
     stop: asyncio.Event | None = None,
     on_listening: Callable[[Ports], Awaitable[None] | None] | None = None,
+    json_routes: JsonRoutes | None = None,
 ) -> None:
     """Run a service until SIGTERM/SIGINT, or, when ``stop`` is given, until it is set.
+
+    ``json_routes`` adds debug pages beside ``/metrics`` (LWEPP's ``/debug/decisions``).
 
     Order of shutdown: health goes NOT_SERVING, the ext_proc server stops
     accepting new streams and gives in-flight streams ``grace`` seconds to
@@ -219,7 +245,7 @@ async def serve(
     health_port = health_server.add_insecure_port(f"{ports.host}:{ports.health}")
     await health_state.set_all(False)
 
-    metrics = await _metrics_app(registry, ports.host, ports.metrics)
+    metrics = await _metrics_app(registry, ports.host, ports.metrics, json_routes or {})
     await health_server.start()
     await server.start()
     tasks = [asyncio.create_task(job()) for job in background]

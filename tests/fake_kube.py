@@ -26,6 +26,7 @@ import asyncio
 import copy
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +129,15 @@ class _Watch:
             kind, obj = "DELETED", copy.deepcopy(change.old or change.obj)
             obj["metadata"]["resourceVersion"] = str(change.version)
         self.queue.put_nowait(json.dumps({"type": kind, "object": obj}))
+
+
+async def eventually(check: Callable[[], bool], what: str = "condition") -> None:
+    """Wait until ``check()`` holds (events cross a real socket); fail after 5 s."""
+    deadline = asyncio.get_running_loop().time() + 5
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
 
 
 class FakeKube:

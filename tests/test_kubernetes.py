@@ -18,7 +18,7 @@ from pods.kubernetes import (
     is_ready,
     pool_spec,
 )
-from tests.fake_kube import FakeKube
+from tests.fake_kube import FakeKube, eventually
 
 NS = "models"
 PODS = f"/api/v1/namespaces/{NS}/pods"
@@ -95,15 +95,6 @@ async def tracking(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-
-
-async def eventually(check: Callable[[], bool], what: str = "condition") -> None:
-    """Wait until ``check()`` holds (events cross a real socket); fail after 5 s."""
-    deadline = asyncio.get_running_loop().time() + 5
-    while not check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 def endpoints(source: InferencePoolSource) -> set[str]:

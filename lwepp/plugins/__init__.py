@@ -12,9 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Final
 
+from lwepp.plugins import metrics_source, models_source
 from lwepp.plugins.params import Params
 
 Factory = Callable[[str, Params], Any]
 """Builds one plugin instance from its configured name and parameters."""
 
-REGISTRY: Final[dict[str, Factory]] = {}
+REGISTRY: Final[dict[str, Factory]] = {
+    # data sources
+    "metrics-data-source": metrics_source.build,
+    "models-data-source": models_source.build,
+}

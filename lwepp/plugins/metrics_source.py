@@ -1,0 +1,362 @@
+"""``metrics-data-source``: scrape each endpoint's Prometheus ``/metrics`` into endpoint attributes.
+
+Every ``refreshIntervalSeconds`` (default 0.1 s) each endpoint is asked for
+``<scheme>://<ip:port><path>``, on its own task (``polling``), and what its
+engine's mapping finds is written to the store, stamped with the source's
+clock when the answer arrived. Attributes written (``hooks.ATTRIBUTES``):
+
+==================  ==========================================================
+queue_depth         the engine's queued-requests gauge
+running_requests    the engine's running-requests gauge
+kv_cache_usage      the engine's KV-cache usage, 0–1
+cache_block_size    tokens per KV block (a label of an info gauge, or a gauge)
+cache_num_blocks    KV blocks on the accelerator (likewise)
+lora_max            ``max_lora`` of the newest LoRA info series
+lora_running        its ``running_lora_adapters`` (comma-separated → a set)
+lora_waiting        its ``waiting_lora_adapters``
+==================  ==========================================================
+
+Engines built in (the llm-d router's names and metrics, plus llama.cpp)::
+
+    vllm                 vllm:num_requests_waiting / vllm:num_requests_running /
+                         vllm:kv_cache_usage_perc / vllm:lora_requests_info /
+                         vllm:cache_config_info{block_size, num_gpu_blocks}
+    sglang               sglang:num_queue_reqs / sglang:num_running_reqs /
+                         sglang:token_usage / sglang:cache_config_info{page_size, num_pages}
+    trtllm-serve         trtllm_num_requests_waiting / trtllm_num_requests_running /
+                         trtllm_kv_cache_utilization / trtllm_kv_cache_tokens_per_block /
+                         trtllm_kv_cache_max_blocks
+    triton-tensorrt-llm  nv_trt_llm_request_metrics{request_type=waiting|scheduled} /
+                         nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=fraction|tokens_per|max}
+    llamacpp             llamacpp:requests_deferred / llamacpp:requests_processing,
+                         and no KV gauge: kv_cache_usage is never written (unknown, not 0)
+
+Parameters (the llm-d router splits them between ``metrics-data-source`` and
+``core-metrics-extractor``; here one plugin does both):
+
+- ``scheme`` (``http``), ``path`` (``/metrics``), ``insecureSkipVerify`` (true);
+- ``refreshIntervalSeconds`` (0.1; the router's default is 0.05 s: twice as long
+  here because a Python event loop shares its core with the picks, and a
+  scrape costs a few hundred µs of it — see ``bench/plugins.py``);
+- ``timeoutSeconds`` (1.0): a scrape slower than that is abandoned;
+- ``engineLabelKey`` (``llm-d.ai/engine-type``; the pod label
+  ``inference.networking.k8s.io/engine-type`` is read when it is absent);
+- ``defaultEngine`` (``vllm``): for endpoints without the label, or naming an
+  engine nobody configured;
+- ``engineConfigs``: ``[{name, queuedRequestsSpec, runningRequestsSpec,
+  kvUsageSpec, loraSpec, cacheInfoSpec, cacheBlockSizeLabelName,
+  cacheNumBlocksLabelName, cacheBlockSizeSpec, cacheNumBlocksSpec}]``, each
+  spec a selector like ``my_queue{state="waiting"}`` (exact matches only) or
+  empty; an entry replaces the built-in engine of the same name whole.
+
+Unknown and stale data: a metric missing from a page, or whose value is NaN,
+is not written, so the attribute stays unknown or keeps ageing; an endpoint
+that does not answer (refused, timed out, not 200) gets no write at all, and
+its last values grow stale. When a metric has several matching series the
+first on the page is used, except the LoRA info gauge, whose value is a
+timestamp: the newest series wins (as the router does).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final
+
+import aiohttp
+
+from lwepp.hooks import AttributeWriter
+from lwepp.plugins import polling
+from lwepp.plugins.params import Params
+from lwepp.plugins.prometheus import Families, Selector, parse, parse_selector
+from pods.model import Endpoint
+
+ENGINE_LABEL: Final = "llm-d.ai/engine-type"
+LEGACY_ENGINE_LABEL: Final = "inference.networking.k8s.io/engine-type"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMapping:
+    """Which series of one engine's ``/metrics`` carry which attribute."""
+
+    name: str
+    queue: Selector | None = None
+    running: Selector | None = None
+    kv_usage: Selector | None = None
+    lora: Selector | None = None
+    cache_info: Selector | None = None
+    cache_block_size_label: str = "block_size"
+    cache_num_blocks_label: str = "num_gpu_blocks"
+    cache_block_size: Selector | None = None
+    cache_num_blocks: Selector | None = None
+
+    @property
+    def metric_names(self) -> frozenset[str]:
+        selectors = (
+            self.queue,
+            self.running,
+            self.kv_usage,
+            self.lora,
+            self.cache_info,
+            self.cache_block_size,
+            self.cache_num_blocks,
+        )
+        return frozenset(s.name for s in selectors if s is not None)
+
+    def extract(self, families: Families) -> dict[str, float | frozenset[str]]:
+        """The attributes found in a parsed page; those not found are left out."""
+        values: dict[str, float | frozenset[str]] = {}
+        for attribute, selector in (
+            ("queue_depth", self.queue),
+            ("running_requests", self.running),
+            ("kv_cache_usage", self.kv_usage),
+            ("cache_block_size", self.cache_block_size),
+            ("cache_num_blocks", self.cache_num_blocks),
+        ):
+            value = _first(selector, families)
+            if value is not None:
+                values[attribute] = value
+        if self.cache_info is not None:
+            series = self.cache_info.select(families)
+            if series:
+                labels = series[0][0]
+                for attribute, label in (
+                    ("cache_block_size", self.cache_block_size_label),
+                    ("cache_num_blocks", self.cache_num_blocks_label),
+                ):
+                    number = _number(labels.get(label))
+                    if number is not None:
+                        values[attribute] = number
+        if self.lora is not None:
+            series = self.lora.select(families)
+            if series:
+                # The value is the series' creation time: the newest is the current state.
+                labels = max(series, key=lambda s: s[1])[0]
+                lora_max = _number(labels.get("max_lora"))
+                if lora_max is not None:
+                    values["lora_max"] = lora_max
+                values["lora_running"] = _names(labels.get("running_lora_adapters", ""))
+                values["lora_waiting"] = _names(labels.get("waiting_lora_adapters", ""))
+        return values
+
+
+def _first(selector: Selector | None, families: Families) -> float | None:
+    if selector is None:
+        return None
+    series = selector.select(families)
+    if not series or math.isnan(series[0][1]):
+        return None
+    return series[0][1]
+
+
+def _number(text: str | None) -> float | None:
+    try:
+        value = float(text) if text is not None else math.nan
+    except ValueError:
+        return None
+    return None if math.isnan(value) else value
+
+
+def _names(text: str) -> frozenset[str]:
+    return frozenset(name.strip() for name in text.split(",") if name.strip())
+
+
+def _s(text: str) -> Selector:
+    return parse_selector(text)
+
+
+BUILTIN_ENGINES: Final[Mapping[str, EngineMapping]] = {
+    m.name: m
+    for m in (
+        EngineMapping(
+            "vllm",
+            queue=_s("vllm:num_requests_waiting"),
+            running=_s("vllm:num_requests_running"),
+            kv_usage=_s("vllm:kv_cache_usage_perc"),
+            lora=_s("vllm:lora_requests_info"),
+            cache_info=_s("vllm:cache_config_info"),
+        ),
+        EngineMapping(
+            "sglang",
+            queue=_s("sglang:num_queue_reqs"),
+            running=_s("sglang:num_running_reqs"),
+            kv_usage=_s("sglang:token_usage"),
+            cache_info=_s("sglang:cache_config_info"),
+            cache_block_size_label="page_size",
+            cache_num_blocks_label="num_pages",
+        ),
+        EngineMapping(
+            "trtllm-serve",
+            queue=_s("trtllm_num_requests_waiting"),
+            running=_s("trtllm_num_requests_running"),
+            kv_usage=_s("trtllm_kv_cache_utilization"),
+            cache_block_size=_s("trtllm_kv_cache_tokens_per_block"),
+            cache_num_blocks=_s("trtllm_kv_cache_max_blocks"),
+        ),
+        EngineMapping(
+            "triton-tensorrt-llm",
+            queue=_s("nv_trt_llm_request_metrics{request_type=waiting}"),
+            running=_s("nv_trt_llm_request_metrics{request_type=scheduled}"),
+            kv_usage=_s("nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=fraction}"),
+            cache_block_size=_s(
+                "nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=tokens_per}"
+            ),
+            cache_num_blocks=_s("nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=max}"),
+        ),
+        # llama.cpp's server (--metrics): "deferred" requests wait for a slot,
+        # "processing" ones hold one. It publishes no KV-cache usage gauge.
+        EngineMapping(
+            "llamacpp",
+            queue=_s("llamacpp:requests_deferred"),
+            running=_s("llamacpp:requests_processing"),
+        ),
+    )
+}
+
+
+class MetricsDataSource:
+    """Scrapes ``/metrics`` of every endpoint; see the module docstring."""
+
+    produces: ClassVar[frozenset[str]] = frozenset(
+        {
+            "queue_depth",
+            "running_requests",
+            "kv_cache_usage",
+            "cache_block_size",
+            "cache_num_blocks",
+            "lora_max",
+            "lora_running",
+            "lora_waiting",
+        }
+    )
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        engines: Mapping[str, EngineMapping] = BUILTIN_ENGINES,
+        default_engine: str = "vllm",
+        engine_label: str = ENGINE_LABEL,
+        interval: float = 0.1,
+        timeout: float = 1.0,
+        scheme: str = "http",
+        path: str = "/metrics",
+        verify_tls: bool = False,
+    ) -> None:
+        if default_engine not in engines:
+            raise ValueError(f"default engine {default_engine!r} is not configured")
+        self.name = name
+        self.engines = dict(engines)
+        self.default_engine = default_engine
+        self.engine_label = engine_label
+        self.interval = interval
+        self.timeout = timeout
+        self.scheme = scheme
+        self.path = path
+        self.verify_tls = verify_tls
+        self._names = {key: m.metric_names for key, m in self.engines.items()}
+
+    def engine_of(self, endpoint: Endpoint) -> EngineMapping:
+        """The mapping named by the endpoint's engine label, else the default engine's."""
+        labels = endpoint.labels
+        engine = labels.get(self.engine_label) or labels.get(LEGACY_ENGINE_LABEL)
+        return self.engines.get(engine or self.default_engine) or self.engines[self.default_engine]
+
+    def read(self, endpoint: Endpoint, text: str) -> dict[str, float | frozenset[str]]:
+        """The attributes one ``/metrics`` page of ``endpoint`` holds."""
+        engine = self.engine_of(endpoint)
+        return engine.extract(parse(text, self._names[engine.name]))
+
+    async def fetch(
+        self, session: aiohttp.ClientSession, endpoint: Endpoint
+    ) -> dict[str, float | frozenset[str]]:
+        """Scrape one endpoint once; raises on a refused connection, a timeout or a non-200."""
+        async with session.get(polling.url(endpoint, self.scheme, self.path)) as response:
+            response.raise_for_status()
+            return self.read(endpoint, await response.text())
+
+    async def run(
+        self,
+        endpoints: Callable[[], Sequence[Endpoint]],
+        store: AttributeWriter,
+        clock: Callable[[], float],
+    ) -> None:
+        await polling.poll_endpoints(
+            endpoints,
+            store,
+            clock,
+            self.fetch,
+            interval=self.interval,
+            request_timeout=self.timeout,
+            verify_tls=self.verify_tls,
+            what="metrics scrape",
+        )
+
+
+_SPECS: Final = {
+    "queuedRequestsSpec": "queue",
+    "runningRequestsSpec": "running",
+    "kvUsageSpec": "kv_usage",
+    "loraSpec": "lora",
+    "cacheInfoSpec": "cache_info",
+    "cacheBlockSizeSpec": "cache_block_size",
+    "cacheNumBlocksSpec": "cache_num_blocks",
+}
+_LABEL_NAMES: Final = {
+    "cacheBlockSizeLabelName": "cache_block_size_label",
+    "cacheNumBlocksLabelName": "cache_num_blocks_label",
+}
+
+
+def _engine_config(params: Params, index: int, raw: Any) -> EngineMapping:
+    where = f"engineConfigs[{index}]"
+    if not isinstance(raw, Mapping):
+        raise params.error(where, f"expected a mapping, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - {"name", *_SPECS, *_LABEL_NAMES})
+    if unknown:
+        raise params.error(f"{where}.{unknown[0]}", "unknown field")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise params.error(f"{where}.name", "required, a non-empty string")
+    fields: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key == "name":
+            continue
+        if not isinstance(value, str):
+            raise params.error(f"{where}.{key}", f"expected str, got {type(value).__name__}")
+        if key in _LABEL_NAMES:
+            if value:
+                fields[_LABEL_NAMES[key]] = value
+        elif value:  # an empty spec leaves that attribute unmapped, as the router does
+            try:
+                fields[_SPECS[key]] = parse_selector(value)
+            except ValueError as error:
+                raise params.error(f"{where}.{key}", str(error)) from None
+    return EngineMapping(name, **fields)
+
+
+def build(name: str, params: Params) -> MetricsDataSource:
+    """The registry's factory for ``metrics-data-source``."""
+    scheme, path, interval, timeout, verify = polling.http_params(params, "/metrics", 0.1, 1.0)
+    engines = dict(BUILTIN_ENGINES)
+    configs: Sequence[Any] = params.get("engineConfigs", list, [])
+    for index, raw in enumerate(configs):
+        mapping = _engine_config(params, index, raw)
+        engines[mapping.name] = mapping  # replaces a built-in engine of the same name whole
+    default = params.get("defaultEngine", str, "vllm")
+    if default not in engines:
+        raise params.error("defaultEngine", f"no engine named {default!r}")
+    label = params.get("engineLabelKey", str, ENGINE_LABEL)
+    params.done()
+    return MetricsDataSource(
+        name,
+        engines=engines,
+        default_engine=default,
+        engine_label=label,
+        interval=interval,
+        timeout=timeout,
+        scheme=scheme,
+        path=path,
+        verify_tls=verify,
+    )

@@ -1,0 +1,132 @@
+"""Poll every endpoint over HTTP, each on its own task: the loop both data sources share.
+
+One task per endpoint, not one round over all of them: a round would wait
+for its slowest member, so one hung model server would hold up everyone's
+next measurement. Here each endpoint is asked again ``interval`` seconds
+after its previous answer (or failure), a request gives up after
+``request_timeout`` seconds, and a pick never waits on any of it: picks read what
+the store holds.
+
+What a failure leaves behind is the point of the design: nothing is written,
+so the endpoint's last measurements stay in the store with their old
+timestamps and grow stale, and each plugin's ``max_age`` turns them into
+"unknown". A dead endpoint is never reported as idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Final
+
+import aiohttp
+import structlog
+
+from lwepp.hooks import AttributeWriter, Measurement
+from lwepp.plugins.params import Params
+from pods.model import Endpoint
+
+log = structlog.get_logger()
+
+Fetch = Callable[[aiohttp.ClientSession, Endpoint], Awaitable[Mapping[str, float | frozenset[str]]]]
+"""Ask one endpoint once: its attribute values (only those it reported), or raise."""
+
+SCHEMES: Final = ("http", "https")
+
+
+async def poll_endpoints(
+    endpoints: Callable[[], Sequence[Endpoint]],
+    store: AttributeWriter,
+    clock: Callable[[], float],
+    fetch: Fetch,
+    *,
+    interval: float,
+    request_timeout: float,
+    verify_tls: bool = False,
+    what: str = "poll",
+) -> None:
+    """Keep one polling task per current endpoint until cancelled.
+
+    Every ``interval`` seconds the endpoint list is read again: a new endpoint
+    gets a task at once (its first answer arrives without waiting a round),
+    one that left has its task cancelled. An endpoint whose labels changed is
+    a new endpoint (its engine may have changed).
+    """
+    tasks: dict[Endpoint, asyncio.Task[None]] = {}
+    # One connection per endpoint at most (each task waits for its answer), so no pool limit.
+    connector = aiohttp.TCPConnector(limit=0, ssl=verify_tls)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=request_timeout)
+    ) as session:
+        try:
+            while True:
+                current = set(endpoints())
+                for gone in tasks.keys() - current:
+                    tasks.pop(gone).cancel()
+                for endpoint in current - tasks.keys():
+                    tasks[endpoint] = asyncio.create_task(
+                        _poll_one(session, endpoint, store, clock, fetch, interval, what),
+                        name=f"{what} {endpoint.hostport}",
+                    )
+                await asyncio.sleep(interval)
+        finally:
+            for task in tasks.values():
+                task.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+
+
+async def _poll_one(
+    session: aiohttp.ClientSession,
+    endpoint: Endpoint,
+    store: AttributeWriter,
+    clock: Callable[[], float],
+    fetch: Fetch,
+    interval: float,
+    what: str,
+) -> None:
+    failing = False
+    while True:
+        try:
+            values = await fetch(session, endpoint)
+        except Exception as error:  # a bad page or a bug must not end this endpoint's polling
+            if not failing:  # log the change, not every failed round
+                log.warning(f"{what} failed", endpoint=endpoint.hostport, error=repr(error))
+                failing = True
+        else:
+            if failing:
+                log.info(f"{what} recovered", endpoint=endpoint.hostport)
+                failing = False
+            if values:
+                # Stamped when the answer arrived: that is when the values were true.
+                at = clock()
+                store.write(endpoint.hostport, {k: Measurement(v, at) for k, v in values.items()})
+        await asyncio.sleep(interval)
+
+
+def url(endpoint: Endpoint, scheme: str, path: str) -> str:
+    return f"{scheme}://{endpoint.hostport}{path}"
+
+
+def http_params(
+    params: Params, path: str, interval: float, timeout: float
+) -> tuple[str, str, float, float, bool]:
+    """The parameters both HTTP sources share: scheme, path, interval, timeout, TLS check.
+
+    ``scheme``, ``path`` and ``insecureSkipVerify`` are the llm-d router's
+    (default ``http``, ``path``, true); ``refreshIntervalSeconds`` and
+    ``timeoutSeconds`` are Switchyard's (the router sets them by flag).
+    """
+    scheme = params.get("scheme", str, "http")
+    if scheme not in SCHEMES:
+        raise params.error("scheme", f"expected one of {', '.join(SCHEMES)}, got {scheme!r}")
+    path = params.get("path", str, path)
+    if not path.startswith("/"):
+        raise params.error("path", f"must start with '/', got {path!r}")
+    interval = params.get("refreshIntervalSeconds", float, interval)
+    if interval <= 0:
+        raise params.error("refreshIntervalSeconds", f"must be > 0, got {interval}")
+    timeout = params.get("timeoutSeconds", float, timeout)
+    if timeout <= 0:
+        raise params.error("timeoutSeconds", f"must be > 0, got {timeout}")
+    insecure = params.get("insecureSkipVerify", bool, True)
+    return scheme, path, interval, timeout, not insecure

@@ -12,7 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Final
 
-from lwepp.plugins import metrics_source, models_source
+from lwepp.plugins import (
+    kv_cache_scorer,
+    label_selector,
+    lora_affinity,
+    metrics_source,
+    models_source,
+    queue_scorer,
+    session_affinity,
+)
 from lwepp.plugins.params import Params
 
 Factory = Callable[[str, Params], Any]
@@ -22,4 +30,11 @@ REGISTRY: Final[dict[str, Factory]] = {
     # data sources
     "metrics-data-source": metrics_source.build,
     "models-data-source": models_source.build,
+    # filters
+    "label-selector-filter": label_selector.build,
+    # scorers
+    "queue-scorer": queue_scorer.build,
+    "kv-cache-utilization-scorer": kv_cache_scorer.build,
+    "session-affinity-scorer": session_affinity.build,
+    "lora-affinity-scorer": lora_affinity.build,
 }

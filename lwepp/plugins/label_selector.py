@@ -1,0 +1,98 @@
+"""``label-selector-filter``: keep the candidates whose labels match a Kubernetes label selector.
+
+Parameters (a ``metav1.LabelSelector``, as the llm-d router's filter takes):
+
+- ``matchLabels``: ``{key: value}``; every pair must be among the labels;
+- ``matchExpressions``: ``[{key, operator, values}]`` with the operators
+  ``In`` (the label is present with one of ``values``), ``NotIn`` (absent,
+  or present with none of them), ``Exists`` and ``DoesNotExist`` (which take
+  no ``values``).
+
+All requirements must hold. With neither field every candidate is kept, as
+an empty Kubernetes selector selects everything. Reads no attributes, so
+there is no unknown data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, Final
+
+from lwepp.hooks import Candidate, LLMRequest
+from lwepp.plugins.params import Params
+
+Requirement = Callable[[Mapping[str, str]], bool]
+OPERATORS: Final = ("In", "NotIn", "Exists", "DoesNotExist")
+
+
+def requirement(key: str, operator: str, values: frozenset[str]) -> Requirement:
+    """One ``matchExpressions`` entry as a test on a label mapping."""
+    match operator:
+        case "In":
+            return lambda labels: labels.get(key) in values
+        case "NotIn":
+            return lambda labels: labels.get(key) not in values
+        case "Exists":
+            return lambda labels: key in labels
+        case "DoesNotExist":
+            return lambda labels: key not in labels
+    raise ValueError(f"unknown operator {operator!r}")
+
+
+class LabelSelectorFilter:
+    reads: ClassVar[frozenset[str]] = frozenset()
+    needs_body: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        name: str,
+        match_labels: Mapping[str, str] | None = None,
+        requirements: Sequence[Requirement] = (),
+    ) -> None:
+        self.name = name
+        self.match_labels = dict(match_labels or {})
+        self.requirements = tuple(requirements)
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        return all(labels.get(k) == v for k, v in self.match_labels.items()) and all(
+            test(labels) for test in self.requirements
+        )
+
+    def filter(
+        self, request: LLMRequest, candidates: Sequence[Candidate], now: float
+    ) -> Sequence[Candidate]:
+        return [c for c in candidates if self.matches(c.endpoint.labels)]
+
+
+def _expression(params: Params, index: int, raw: Any) -> Requirement:
+    where = f"matchExpressions[{index}]"
+    if not isinstance(raw, Mapping):
+        raise params.error(where, f"expected a mapping, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - {"key", "operator", "values"})
+    if unknown:
+        raise params.error(f"{where}.{unknown[0]}", "unknown field")
+    key, operator, values = raw.get("key"), raw.get("operator"), raw.get("values", [])
+    if not isinstance(key, str) or not key:
+        raise params.error(f"{where}.key", "required, a non-empty string")
+    if operator not in OPERATORS:
+        raise params.error(f"{where}.operator", f"expected one of {', '.join(OPERATORS)}")
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise params.error(f"{where}.values", "expected a list of strings")
+    # Kubernetes' rules: In/NotIn need values, Exists/DoesNotExist take none.
+    if operator in ("In", "NotIn") and not values:
+        raise params.error(f"{where}.values", f"required with operator {operator}")
+    if operator in ("Exists", "DoesNotExist") and values:
+        raise params.error(f"{where}.values", f"must be empty with operator {operator}")
+    return requirement(key, operator, frozenset(values))
+
+
+def build(name: str, params: Params) -> LabelSelectorFilter:
+    """The registry's factory for ``label-selector-filter``."""
+    labels: Mapping[str, Any] = params.get("matchLabels", dict, {})
+    for key, value in labels.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise params.error(f"matchLabels.{key}", "expected a string value")
+    expressions: list[Any] = params.get("matchExpressions", list, [])
+    requirements = [_expression(params, i, raw) for i, raw in enumerate(expressions)]
+    params.done()
+    return LabelSelectorFilter(name, labels, requirements)

@@ -1,0 +1,55 @@
+"""``queue-scorer``: prefer the endpoint with the shortest model-server queue.
+
+Formula (the llm-d router's), over the candidates with a known queue depth::
+
+    score = (max_q - q) / (max_q - min_q)        1.0 for all when max_q == min_q
+
+so the shortest queue scores 1, the longest 0, and the rest in between by
+their distance. Reads ``queue_depth`` (the engine's waiting-requests gauge).
+
+Parameters: ``maxAgeSeconds`` (1.0, ``staleness``); the router's scorer has none.
+
+Unknown data: a candidate without a fresh ``queue_depth`` scores 0, as if it
+had the longest queue, and takes no part in min/max. An endpoint whose
+metrics stopped arriving is more likely overloaded or gone than idle, and
+must not win on missing data. If no candidate is known, all score 0 and the
+other scorers decide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+from lwepp.hooks import Candidate, LLMRequest
+from lwepp.plugins.params import Params
+from lwepp.plugins.staleness import MAX_AGE_SECONDS, max_age
+
+
+class QueueScorer:
+    reads: ClassVar[frozenset[str]] = frozenset({"queue_depth"})
+    needs_body: ClassVar[bool] = False
+
+    def __init__(self, name: str, max_age: float = MAX_AGE_SECONDS) -> None:
+        self.name = name
+        self.max_age = max_age
+
+    def score(
+        self, request: LLMRequest, candidates: Sequence[Candidate], now: float
+    ) -> Sequence[float]:
+        depths = [c.value("queue_depth", now, self.max_age) for c in candidates]
+        known = [q for q in depths if q is not None]
+        if not known:
+            return [0.0] * len(depths)
+        shortest, longest = min(known), max(known)
+        if longest == shortest:
+            return [0.0 if q is None else 1.0 for q in depths]
+        span = longest - shortest
+        return [0.0 if q is None else (longest - q) / span for q in depths]
+
+
+def build(name: str, params: Params) -> QueueScorer:
+    """The registry's factory for ``queue-scorer``."""
+    scorer = QueueScorer(name, max_age(params))
+    params.done()
+    return scorer

@@ -18,6 +18,7 @@ from lwepp.plugins import (
     lora_affinity,
     metrics_source,
     models_source,
+    prefix,
     queue_scorer,
     session_affinity,
 )
@@ -35,6 +36,7 @@ REGISTRY: Final[dict[str, Factory]] = {
     # scorers
     "queue-scorer": queue_scorer.build,
     "kv-cache-utilization-scorer": kv_cache_scorer.build,
+    "prefix-cache-scorer": prefix.build,
     "session-affinity-scorer": session_affinity.build,
     "lora-affinity-scorer": lora_affinity.build,
 }

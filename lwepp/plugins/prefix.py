@@ -1,0 +1,256 @@
+"""``prefix-cache-scorer``: prefer the endpoint likely to hold the prompt's prefix in its KV cache.
+
+One plugin plays the four parts the llm-d router splits between
+``prefix-cache-scorer`` and ``approx-prefix-cache-producer``:
+
+1. prepare: hash the prompt once into ``request.state`` (``prefix_index``:
+   chained xxhash64 of 4 × ``blockSizeTokens``-byte blocks, seeded with the
+   model and ``cache_salt``);
+2. score: walk the hashes from the first block; each candidate scores
+   ``blocks it holds in a row from the start / total blocks`` (0 when the
+   prompt gave no hashes);
+3. picked: record the hashes as held by the primary pick;
+4. response complete: when the gateway reports a served endpoint other than
+   the pick (it retried a fallback, or failed open), record them there too —
+   that server did prefill the prompt. The pick keeps its entry: the blocks
+   may well have been there before.
+
+Prompt text hashed, by body shape (the router's choices): chat ``messages``
+→ their JSON; completions ``prompt`` → the string, or a list of strings
+joined by spaces (token-id prompts are skipped, as the router skips them);
+Responses → JSON of ``[{instructions}, {tools}, {input}]`` (the first two
+when present); embeddings ``input`` → its JSON; conversations ``items`` →
+their JSON. A body without a model, not JSON, or with no such field gets no
+hashes. The JSON is this service's (orjson), not byte-identical to the
+router's Go encoding: the index is local, so only self-consistency matters.
+
+Parameters (the router's names and defaults):
+
+- ``autoTune`` (true): take the block size from the candidates'
+  ``cache_block_size`` and each endpoint's LRU capacity from its
+  ``cache_num_blocks`` when they are reported (> 0);
+- ``blockSizeTokens`` (16): block size otherwise (4 characters per token);
+- ``maxPrefixBlocksToMatch`` (256): text past this many blocks is ignored
+  (0 disables matching); ``maxPrefixTokensToMatch`` (0 = unset) overrides it
+  as ``tokens // blockSizeTokens``;
+- ``lruCapacityPerServer`` (31250): hashes remembered per endpoint otherwise.
+
+Endpoints are keyed by ``ip:port`` (a data-parallel pod runs one cache per
+port). Endpoints that left are forgotten: every 120 s (on the pipeline's
+clock) the index drops those that were not a candidate since the last sweep.
+
+Unknown data: without ``cache_block_size``/``cache_num_blocks`` the configured
+sizes are used; those two attributes describe the server's configuration,
+not its load, so their age does not matter. ``reads`` is empty because both
+are optional: a configuration with no metrics source still works.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final
+
+import orjson
+
+from lwepp.hooks import Candidate, LLMRequest, Usage
+from lwepp.plugins.params import Params
+from lwepp.plugins.prefix_index import PrefixIndex, block_hashes, seed
+from pods.model import Endpoint
+
+CHARS_PER_TOKEN: Final = 4
+CLEANUP_SECONDS: Final = 120.0
+
+
+def _plain(value: Any) -> Any:
+    """orjson's fallback for read-only views of the body: turn them back into dicts and lists."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        return list(value)
+    raise TypeError(f"not JSON: {type(value).__name__}")
+
+
+def _json(value: Any) -> bytes:
+    return orjson.dumps(value, default=_plain)
+
+
+def prompt_text(body: Mapping[str, Any]) -> bytes | None:
+    """The bytes the prefix hashes cover (see the module docstring), or None."""
+    if "messages" in body:
+        return _json(body["messages"])
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt.encode()
+    if isinstance(prompt, Sequence) and prompt and all(isinstance(p, str) for p in prompt):
+        return " ".join(prompt).encode()
+    if "input" in body:
+        if "instructions" in body or "tools" in body:
+            parts = [{key: body[key]} for key in ("instructions", "tools") if key in body]
+            return _json([*parts, {"input": body["input"]}])
+        return _json(body["input"])
+    if "items" in body:
+        return _json(body["items"])
+    return None
+
+
+@dataclass(slots=True)
+class Prepared:
+    """One request's prompt and its hashes (recomputed if the block size turns out different)."""
+
+    text: bytes
+    seed: int
+    block_tokens: int
+    hashes: list[int]
+
+
+class PrefixCacheScorer:
+    reads: ClassVar[frozenset[str]] = frozenset()
+    needs_body: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        auto_tune: bool = True,
+        block_tokens: int = 16,
+        max_blocks: int = 256,
+        max_tokens: int = 0,
+        lru_capacity: int = 31250,
+    ) -> None:
+        self.name = name
+        self.auto_tune = auto_tune
+        self.block_tokens = block_tokens
+        self.max_blocks = max_blocks
+        self.max_tokens = max_tokens
+        self.lru_capacity = lru_capacity
+        self.index = PrefixIndex()
+        self._key = f"{name}.prompt"
+        self._candidates = f"{name}.candidates"
+        self._learned = f"{name}.learned"
+        # The block size prompts are hashed with before candidates are known:
+        # the last one the candidates reported (they rarely change).
+        self._tuned_tokens = block_tokens
+        self._seen: set[str] = set()
+        self._swept: float | None = None
+
+    # --- prepare ---------------------------------------------------------------
+
+    def prepare(self, request: LLMRequest) -> None:
+        body = request.parsed
+        if body is None:
+            return
+        text = prompt_text(body)
+        model = request.model or body.get("model")
+        if text is None or not isinstance(model, str) or not model:
+            return
+        salt = body.get("cache_salt")
+        start = seed(model, salt if isinstance(salt, str) else "")
+        tokens = self._tuned_tokens
+        request.state[self._key] = Prepared(text, start, tokens, self._hash(text, start, tokens))
+
+    def _hash(self, text: bytes, start: int, tokens: int) -> list[int]:
+        if tokens <= 0:
+            return []
+        blocks = self.max_tokens // tokens if self.max_tokens > 0 else self.max_blocks
+        return block_hashes(text, start, tokens * CHARS_PER_TOKEN, blocks)
+
+    # --- score -----------------------------------------------------------------
+
+    def score(
+        self, request: LLMRequest, candidates: Sequence[Candidate], now: float
+    ) -> Sequence[float]:
+        keys = [c.endpoint.hostport for c in candidates]
+        self._sweep(keys, now)
+        prepared: Prepared | None = request.state.get(self._key)
+        if prepared is None:
+            return [0.0] * len(keys)
+        if self.auto_tune:
+            request.state[self._candidates] = candidates  # for the LRU size of the pick
+            tokens = self._reported(candidates, "cache_block_size") or self.block_tokens
+            if tokens != prepared.block_tokens:
+                self._tuned_tokens = prepared.block_tokens = tokens
+                prepared.hashes = self._hash(prepared.text, prepared.seed, tokens)
+        total = len(prepared.hashes)
+        if not total:
+            return [0.0] * len(keys)
+        matched = self.index.match(prepared.hashes, keys)
+        return [matched[key] / total for key in keys]
+
+    @staticmethod
+    def _reported(candidates: Sequence[Candidate], attribute: str) -> int:
+        """The first positive value of a configuration attribute among ``candidates``, or 0."""
+        for candidate in candidates:
+            value = candidate.value(attribute, 0.0, math.inf)
+            if value is not None and value >= 1:
+                return int(value)
+        return 0
+
+    def _sweep(self, keys: list[str], now: float) -> None:
+        self._seen.update(keys)
+        if self._swept is None:
+            self._swept = now
+        elif now - self._swept >= CLEANUP_SECONDS:
+            self.index.retain(self._seen)
+            self._seen = set(keys)
+            self._swept = now
+
+    # --- learn -----------------------------------------------------------------
+
+    def picked(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None:
+        if endpoints and self._learn(request, endpoints[0].hostport):
+            request.state[self._learned] = endpoints[0].hostport
+
+    def response_headers(
+        self, request: LLMRequest, served: str | None, headers: Mapping[str, str]
+    ) -> Mapping[str, str]:
+        return {}
+
+    def response_chunk(self, request: LLMRequest, chunk: bytes) -> None:
+        return None
+
+    def response_complete(
+        self, request: LLMRequest, served: str | None, usage: Usage | None
+    ) -> None:
+        if served and served != request.state.get(self._learned):
+            self._learn(request, served)
+
+    def _learn(self, request: LLMRequest, endpoint: str) -> bool:
+        prepared: Prepared | None = request.state.get(self._key)
+        if prepared is None or not prepared.hashes:
+            return False
+        capacity = self.lru_capacity
+        if self.auto_tune:
+            candidates: Sequence[Candidate] = request.state.get(self._candidates, ())
+            same = [c for c in candidates if c.endpoint.hostport == endpoint]
+            capacity = self._reported(same, "cache_num_blocks") or capacity
+        self.index.add(endpoint, prepared.hashes, capacity)
+        self._seen.add(endpoint)
+        return True
+
+
+def build(name: str, params: Params) -> PrefixCacheScorer:
+    """The registry's factory for ``prefix-cache-scorer``."""
+    auto_tune = params.get("autoTune", bool, True)
+    block_tokens = params.get("blockSizeTokens", int, 16)
+    if block_tokens < 0 or (block_tokens == 0 and not auto_tune):
+        raise params.error("blockSizeTokens", f"must be > 0 without autoTune, got {block_tokens}")
+    max_blocks = params.get("maxPrefixBlocksToMatch", int, 256)
+    if max_blocks < 0:
+        raise params.error("maxPrefixBlocksToMatch", f"must be >= 0, got {max_blocks}")
+    max_tokens = params.get("maxPrefixTokensToMatch", int, 0)
+    if max_tokens < 0:
+        raise params.error("maxPrefixTokensToMatch", f"must be >= 0, got {max_tokens}")
+    capacity = params.get("lruCapacityPerServer", int, 31250)
+    if capacity <= 0:
+        raise params.error("lruCapacityPerServer", f"must be > 0, got {capacity}")
+    params.done()
+    return PrefixCacheScorer(
+        name,
+        auto_tune=auto_tune,
+        block_tokens=block_tokens,
+        max_blocks=max_blocks,
+        max_tokens=max_tokens,
+        lru_capacity=capacity,
+    )

@@ -1,4 +1,4 @@
-"""Command line: ``python -m lwepp --pods pods.yaml --selector pool=a``."""
+"""Command line: ``python -m lwepp --pods pods.yaml --selector pool=a`` or ``--pool-name NAME``."""
 
 from __future__ import annotations
 
@@ -11,10 +11,13 @@ from typing import TextIO
 
 from prometheus_client import CollectorRegistry
 
+from lwepp.leader import LeaderElector, LeaseTimings
 from lwepp.picking import Pool, RoundRobin
 from lwepp.server import MAX_BODY_BYTES, EndpointPickerService, Metrics
 from pods.file import FileSource, PodFileError, load_pods
-from pods.model import parse_selector
+from pods.kubeapi import ConfigError, load_config
+from pods.kubernetes import DEFAULT_GROUP, InferencePoolSource
+from pods.model import PodSource, parse_selector
 from protos.logs import configure_logging
 from protos.server import EXT_PROC_SERVICE, Health, Ports, serve
 
@@ -35,9 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Lightweight endpoint picker: an Envoy ext_proc service that names, for "
         "each request, the model-server endpoint to send it to (round-robin).",
     )
-    parser.add_argument(
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument(
         "--pods",
-        required=True,
         help="YAML pod file listing the model-server pods (name, address, ports, labels, "
         "ready); re-read when it changes, keeping the last good list on a broken edit",
     )
@@ -47,6 +50,54 @@ def build_parser() -> argparse.ArgumentParser:
         default={},
         help="labels a pod must carry to be in this picker's pool, as key=value[,key=value] "
         "(like an InferencePool's spec.selector.matchLabels); default: every pod",
+    )
+    where.add_argument(
+        "--pool-name",
+        help="the InferencePool to serve, read from the Kubernetes API with its pods "
+        "(instead of --pods): its selector and targetPorts decide the endpoints",
+    )
+    parser.add_argument(
+        "--pool-namespace",
+        help="the InferencePool's namespace (default: this pod's namespace from its service "
+        "account, or the kubeconfig context's, else 'default')",
+    )
+    parser.add_argument(
+        "--pool-group",
+        default=DEFAULT_GROUP,
+        help="API group of the InferencePool (default %(default)s)",
+    )
+    parser.add_argument(
+        "--kubeconfig",
+        help="kubeconfig file for --pool-name (default: the in-cluster service account, "
+        "from KUBERNETES_SERVICE_HOST/PORT and the mounted token)",
+    )
+    parser.add_argument(
+        "--leader-elect",
+        action="store_true",
+        help="with --pool-name: only the replica holding a Lease serves; standbys report "
+        "NOT_SERVING on the readiness health services (liveness and '' stay SERVING)",
+    )
+    parser.add_argument(
+        "--leader-elect-lease-name",
+        help="the Lease, in the pool's namespace (default: lwepp-<pool-name>)",
+    )
+    parser.add_argument(
+        "--leader-elect-lease-duration",
+        type=float,
+        default=15.0,
+        help="seconds a standby waits for a silent leader's lease to expire (default 15)",
+    )
+    parser.add_argument(
+        "--leader-elect-renew-deadline",
+        type=float,
+        default=10.0,
+        help="seconds a leader keeps failing to renew before it stands down (default 10)",
+    )
+    parser.add_argument(
+        "--leader-elect-retry-period",
+        type=float,
+        default=2.0,
+        help="seconds between tries to acquire or renew the lease (default 2)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument(
@@ -91,21 +142,61 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def run(args: argparse.Namespace, trace: TextIO | None) -> None:
-    source = FileSource(args.pods, interval=args.pods_interval)
-    source.reload()
+def pod_source(args: argparse.Namespace) -> tuple[PodSource, LeaderElector | None]:
+    """The pod list the flags name (a file, or an InferencePool) and the optional elector.
+
+    Raises ``PodFileError``, ``ConfigError`` or ``ValueError`` with a message
+    naming the file, variable or flag at fault.
+    """
+    if args.pods is not None:
+        if args.leader_elect:
+            raise ValueError("--leader-elect needs --pool-name (the Lease lives in the cluster)")
+        load_pods(args.pods)  # fail fast on a broken file at start-up
+        source = FileSource(args.pods, interval=args.pods_interval)
+        source.reload()
+        return source, None
+    if args.selector:
+        raise ValueError("--selector is for --pods; an InferencePool brings its own selector")
+    config = load_config(args.kubeconfig)
+    namespace = args.pool_namespace or config.namespace
+    pool = InferencePoolSource(config, args.pool_name, namespace, group=args.pool_group)
+    if not args.leader_elect:
+        return pool, None
+    timings = LeaseTimings(
+        args.leader_elect_lease_duration,
+        args.leader_elect_renew_deadline,
+        args.leader_elect_retry_period,
+    )
+    lease = args.leader_elect_lease_name or f"lwepp-{args.pool_name}"
+    return pool, LeaderElector(config, namespace, lease, timings=timings)
+
+
+async def run(
+    args: argparse.Namespace,
+    trace: TextIO | None,
+    source: PodSource,
+    elector: LeaderElector | None = None,
+) -> None:
     pool = Pool(source, args.selector)
     registry = CollectorRegistry()
     service = EndpointPickerService(pool, RoundRobin(), Metrics(registry), args.max_body_bytes)
     ports = Ports(args.host, args.grpc_port, args.grpc_health_port, args.metrics_port)
     health = Health(HEALTH_SERVICES, ready=lambda: source.synced)
+    if elector is not None:
+        # A standby is alive but not ready: only readiness names follow the lease.
+        live = ("", "liveness")
+        health = Health(
+            [name for name in HEALTH_SERVICES if name not in live],
+            ready=lambda: source.synced and elector.is_leader,
+            live=live,
+        )
     await serve(
         "lwepp",
         service,
         ports,
         health,
         registry,
-        background=[source.run],
+        background=[source.run] if elector is None else [source.run, elector.run],
         grace=args.grace,
         trace=trace,
     )
@@ -115,12 +206,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
     try:
-        load_pods(args.pods)  # fail fast on a broken file at start-up
-    except PodFileError as error:
+        source, elector = pod_source(args)
+    except (PodFileError, ConfigError, ValueError) as error:
         sys.exit(f"lwepp: {error}")
     with contextlib.ExitStack() as files:
         trace = files.enter_context(open(args.trace_messages, "a")) if args.trace_messages else None
-        asyncio.run(run(args, trace))
+        asyncio.run(run(args, trace, source, elector))
 
 
 if __name__ == "__main__":

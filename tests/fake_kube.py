@@ -26,13 +26,16 @@ import asyncio
 import copy
 import json
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 Object = dict[str, Any]
+T = TypeVar("T")
 
 _PATH = re.compile(
     r"^(?P<api>/api/v1|/apis/[^/]+/[^/]+)/namespaces/(?P<ns>[^/]+)/(?P<res>[^/]+)(?:/(?P<name>[^/]+))?$"
@@ -350,3 +353,48 @@ class FakeKube:
             return response  # the client went away mid-write
         finally:
             self.watches.remove(watch)
+
+
+class ThreadedFakeKube:
+    """A ``FakeKube`` on its own event loop in a thread, for tests that drive child processes.
+
+    ``do(fn)`` runs ``fn(fake)`` on that loop (the fake is not thread-safe) and
+    returns its result.
+    """
+
+    def __init__(self) -> None:
+        self.fake = FakeKube()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def __enter__(self) -> ThreadedFakeKube:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.fake.start(), self._loop).result(10)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self.fake.stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    @property
+    def url(self) -> str:
+        return self.fake.url
+
+    def do(self, fn: Callable[[FakeKube], T]) -> T:
+        async def call() -> T:
+            return fn(self.fake)
+
+        return asyncio.run_coroutine_threadsafe(call(), self._loop).result(10)
+
+    def kubeconfig(self, path: Path, namespace: str = "default") -> Path:
+        """A kubeconfig file pointing at this fake, with a token and a default namespace."""
+        path.write_text(
+            "apiVersion: v1\nkind: Config\ncurrent-context: fake\n"
+            f"contexts: [{{name: fake, context: {{cluster: fake, user: fake, "
+            f"namespace: {namespace}}}}}]\n"
+            f"clusters: [{{name: fake, cluster: {{server: '{self.url}'}}}}]\n"
+            "users: [{name: fake, user: {token: fake-token}}]\n"
+        )
+        return path

@@ -8,7 +8,6 @@ import shutil
 import ssl
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from pods.kubeapi import (
     in_cluster_namespace,
     kubeconfig_config,
 )
-from tests.fake_kube import FakeKube
+from tests.fake_kube import FakeKube, ThreadedFakeKube
 
 PODS = "/api/v1/namespaces/default/pods"
 
@@ -99,17 +98,9 @@ def sent_token(config: ClusterConfig, fake: FakeKube) -> str:
 
 @pytest.fixture
 def fake() -> Iterator[FakeKube]:
-    """A fake API server running on a loop in a background thread for sync tests."""
-    server = FakeKube()
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    asyncio.run_coroutine_threadsafe(server.start(), loop).result(5)
-    yield server
-    asyncio.run_coroutine_threadsafe(server.stop(), loop).result(5)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
-    loop.close()
+    """A fake API server on a loop in a background thread, for these synchronous tests."""
+    with ThreadedFakeKube() as threaded:
+        yield threaded.fake
 
 
 def test_kubeconfig_token_and_namespace(tmp_path: Path, fake: FakeKube) -> None:

@@ -155,14 +155,7 @@ def grpc_cluster(
     Envoy from "panicking" and trying the unhealthy host anyway.
     """
     result = _static_cluster(name, [_endpoint(host, port, health_port)])
-    http2 = upstream_http.HttpProtocolOptions(
-        explicit_http_config=upstream_http.HttpProtocolOptionsExplicitHttpConfig(
-            http2_protocol_options=core.Http2ProtocolOptions()
-        )
-    )
-    result.typed_extension_protocol_options = {
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _any(http2)
-    }
+    result.typed_extension_protocol_options = http2_upstream()
     if health_port:
         second = timedelta(seconds=1)
         check = core.HealthCheck(
@@ -178,6 +171,21 @@ def grpc_cluster(
             healthy_panic_threshold=types.Percent(value=0)
         )
     return result
+
+
+def http2_upstream() -> dict[str, AnyMessage]:
+    """A cluster's ``typed_extension_protocol_options`` for HTTP/2 to its hosts.
+
+    HTTP/2 from the first byte ("prior knowledge"), without TLS: what gRPC
+    needs, and what an ``appProtocol: kubernetes.io/h2c`` InferencePool asks
+    for its model servers.
+    """
+    http2 = upstream_http.HttpProtocolOptions(
+        explicit_http_config=upstream_http.HttpProtocolOptionsExplicitHttpConfig(
+            http2_protocol_options=core.Http2ProtocolOptions()
+        )
+    )
+    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _any(http2)}
 
 
 def picked_endpoint_cluster(pool: Pool) -> cluster.Cluster:
@@ -204,6 +212,12 @@ def _host_port(hostport: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def fallback_cluster(pool: Pool) -> cluster.Cluster:
+    """A FailOpen pool's replicas, which Envoy round-robins itself while the picker is down."""
+    replicas = [_endpoint(*_host_port(e)) for e in pool.endpoints]
+    return _static_cluster(f"pool-{pool.name}-fallback", replicas)
+
+
 def clusters(gateway: Gateway) -> list[cluster.Cluster]:
     """BBR, and per pool: its picker, its picked endpoints, and for FailOpen its replicas."""
     host = gateway.host
@@ -212,8 +226,7 @@ def clusters(gateway: Gateway) -> list[cluster.Cluster]:
         result.append(grpc_cluster(f"lwepp-{pool.name}", host, pool.picker_port, pool.health_port))
         result.append(picked_endpoint_cluster(pool))
         if pool.fail_open:
-            replicas = [_endpoint(*_host_port(e)) for e in pool.endpoints]
-            result.append(_static_cluster(f"pool-{pool.name}-fallback", replicas))
+            result.append(fallback_cluster(pool))
     return result
 
 
@@ -349,13 +362,13 @@ def _header(name: str, exact: str | None = None) -> route.HeaderMatcher:
     return route.HeaderMatcher(name=name, string_match=matcher.StringMatcher(exact=exact))
 
 
-def _pickers_off(pools: Sequence[Pool]) -> dict[str, AnyMessage]:
+def pickers_off(pools: Sequence[Pool]) -> dict[str, AnyMessage]:
     """Virtual-host default: every pool's picker is switched off."""
     off = _any(ext_proc.ExtProcPerRoute(disabled=True))
     return {f"lwepp-{pool.name}": off for pool in pools}
 
 
-def _picker_on(pool: Pool) -> dict[str, AnyMessage]:
+def picker_on(pool: Pool) -> dict[str, AnyMessage]:
     """On this pool's routes, switch its picker back on.
 
     A set of ``overrides`` on a route, even an empty one, beats a ``disabled``
@@ -378,7 +391,7 @@ def _to_cluster(
         name=name,
         match=route.RouteMatch(prefix="/", headers=match),
         route=route.RouteAction(cluster=target, timeout=ROUTE_TIMEOUT),
-        typed_per_filter_config=_picker_on(pool),
+        typed_per_filter_config=picker_on(pool),
     )
 
 
@@ -420,13 +433,21 @@ def _not_found(
     )
 
 
-def route_config(pools: Sequence[Pool]) -> route.RouteConfiguration:
-    """The pool routes by model, then the two 404s; Envoy takes the first route that matches."""
-    served = core.HeaderValueOption(
+def served_endpoint_header() -> core.HeaderValueOption:
+    """For a virtual host's ``response_headers_to_add``: the address that really served.
+
+    ``%UPSTREAM_HOST%`` is the ``ip:port`` the router connected to; the
+    ``served-endpoint`` filter moves it into ``envoy.lb`` metadata.
+    """
+    return core.HeaderValueOption(
         header=core.HeaderValue(key=SERVED_KEY, value="%UPSTREAM_HOST%"),
         # Overwrite: a replica must not be able to claim another address.
         append_action=core.HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
     )
+
+
+def route_config(pools: Sequence[Pool]) -> route.RouteConfiguration:
+    """The pool routes by model, then the two 404s; Envoy takes the first route that matches."""
     models = ", ".join(model for pool in pools for model in pool.models)
     routes = [r for pool in pools for r in _pool_routes(pool)]
     unknown = f"no pool serves model '%REQ({MODEL_HEADER})%'"
@@ -436,8 +457,8 @@ def route_config(pools: Sequence[Pool]) -> route.RouteConfiguration:
         name="gateway",
         domains=["*"],
         routes=routes,
-        response_headers_to_add=[served],
-        typed_per_filter_config=_pickers_off(pools),
+        response_headers_to_add=[served_endpoint_header()],
+        typed_per_filter_config=pickers_off(pools),
     )
     return route.RouteConfiguration(name="gateway", virtual_hosts=[gateway])
 

@@ -141,7 +141,7 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def _wait(service: Service, what: str, probe: Callable[[], T | None], timeout: float) -> T:
+def wait_for(service: Service, what: str, probe: Callable[[], T | None], timeout: float) -> T:
     """Call ``probe`` until it returns a value; fail if the service dies or time runs out."""
     deadline = time.monotonic() + timeout
     while (result := probe()) is None:
@@ -153,7 +153,7 @@ def _wait(service: Service, what: str, probe: Callable[[], T | None], timeout: f
     return result
 
 
-def _listening_line(service: Service) -> dict[str, Any] | None:
+def listening_line(service: Service) -> dict[str, Any] | None:
     for line in service.log.read_text(errors="replace").splitlines():
         with contextlib.suppress(ValueError):
             record = json.loads(line)
@@ -174,7 +174,7 @@ def _serving(port: int) -> bool | None:
     return True if reply.status == health_pb2.HealthCheckResponse.SERVING else None
 
 
-def _get(url: str) -> str | None:
+def http_get(url: str) -> str | None:
     """The body of a 200 answer, or None (refused, timed out, or an error status)."""
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
@@ -269,12 +269,12 @@ class Topology:
         self._ext_proc("bbr", "bbr")
         # All started at once, so they come up in parallel; now wait for each.
         for service in self.services.values():
-            service.listening = _wait(
-                service, "listening", functools.partial(_listening_line, service), self._timeout
+            service.listening = wait_for(
+                service, "listening", functools.partial(listening_line, service), self._timeout
             )
             if "health_port" in service.listening:
                 serving = functools.partial(_serving, service.listening["health_port"])
-                _wait(service, "SERVING", serving, self._timeout)
+                wait_for(service, "SERVING", serving, self._timeout)
         self.pools = [
             dataclasses.replace(
                 pool,
@@ -316,17 +316,21 @@ class Topology:
         def admin_address() -> str | None:
             return (address_file.read_text().strip() or None) if address_file.exists() else None
 
-        self.admin_port = int(_wait(service, "up", admin_address, self._timeout).rpartition(":")[2])
+        self.admin_port = int(
+            wait_for(service, "up", admin_address, self._timeout).rpartition(":")[2]
+        )
         # /ready answers 200 once the listener is bound and every cluster has
         # had its first health check.
-        _wait(service, "ready", functools.partial(_get, f"{self.admin_url}/ready"), self._timeout)
-        listeners = json.loads(_get(f"{self.admin_url}/listeners?format=json") or "{}")
+        wait_for(
+            service, "ready", functools.partial(http_get, f"{self.admin_url}/ready"), self._timeout
+        )
+        listeners = json.loads(http_get(f"{self.admin_url}/listeners?format=json") or "{}")
         (status,) = listeners["listener_statuses"]
         self.port = status["local_address"]["socket_address"]["port_value"]
 
     def envoy_sees_healthy(self, cluster: str) -> bool:
         """Whether Envoy's active health check passes for ``cluster``'s hosts (admin /clusters)."""
-        lines = (_get(f"{self.admin_url}/clusters") or "").splitlines()
+        lines = (http_get(f"{self.admin_url}/clusters") or "").splitlines()
         flags = [
             line for line in lines if line.startswith(f"{cluster}::") and "::health_flags::" in line
         ]
@@ -345,7 +349,7 @@ class Topology:
             def noticed() -> bool | None:
                 return True if not self.envoy_sees_healthy(name) else None
 
-            _wait(envoy, "aware of the stop", noticed, self._timeout)
+            wait_for(envoy, "aware of the stop", noticed, self._timeout)
 
     def close(self) -> None:
         """Stop everything: Envoy first (no new requests), then the rest together.

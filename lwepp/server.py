@@ -63,9 +63,12 @@ MAX_BODY_BYTES: Final = 10 * 1024 * 1024
 class Refusal(Exception):
     """A request the picker answers with an HTTP error instead of an endpoint."""
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(
+        self, status: int, reason: str, message: str, headers: Sequence[tuple[str, str]] = ()
+    ) -> None:
         super().__init__(message)
         self.status, self.reason, self.message = status, reason, message
+        self.headers = headers
 
 
 @dataclass(slots=True)
@@ -79,6 +82,8 @@ class RequestState:
     deferred: bool = False
     chunks: list[bytes] = field(default_factory=list)
     size: int = 0
+    exchange: Any = None
+    """What a hosted pipeline keeps from the pick for the response side (``lwepp/hooked.py``)."""
 
 
 class Metrics:
@@ -130,12 +135,11 @@ class EndpointPickerService:
                             extproc.trailers_response("request"),
                         ]
                     case "response_headers":
-                        replies = [served_endpoint_reply(message)]
+                        replies = self.on_response_headers(message, state)
                     case "response_body":
-                        chunk, mode = message.response_body, state.response_body_mode
-                        replies = [pass_chunk("response", chunk, mode)]
+                        replies = self.on_response_body(message, state)
                     case "response_trailers":
-                        replies = [extproc.trailers_response("response")]
+                        replies = self.on_response_trailers(state)
                     case other:
                         raise Refusal(500, "unexpected_message", f"unexpected message {other!r}")
             except Refusal as refusal:
@@ -189,7 +193,7 @@ class EndpointPickerService:
             return []
         state.deferred = False
         body, state.chunks = b"".join(state.chunks), []
-        return [self.pick(state), *extproc.streamed_body_responses("request", body)]
+        return [self.pick(state, body), *extproc.streamed_body_responses("request", body)]
 
     def candidates_for(
         self, message: ProcessingRequest, headers: Sequence[tuple[str, str]]
@@ -210,14 +214,20 @@ class EndpointPickerService:
             )
         return found
 
-    def pick(self, state: RequestState) -> ProcessingResponse:
-        """Ask the picker, then build the headers reply that routes to its choice."""
-        body = b"".join(state.chunks) if state.chunks else None
-        chosen = self.picker.pick(PickRequest(state.headers, body), state.candidates)
+    def pick(self, state: RequestState, body: bytes | None = None) -> ProcessingResponse:
+        """Ask the picker (given the body, when it was held), then route to its choice."""
+        return self.route(self.picker.pick(PickRequest(state.headers, body), state.candidates))
+
+    def route(self, chosen: Sequence[Endpoint]) -> ProcessingResponse:
+        """The headers reply sending the request to ``chosen[0]``, the others being fallbacks.
+
+        Several endpoints travel as one ordered list, ``ip:port,ip:port`` (GIE
+        protocol v0.4.0): the proxy uses the first and walks the list on retries.
+        """
         if not chosen:
             raise Refusal(503, "no_pick", "no endpoint accepted the request")
-        endpoint = chosen[0].hostport
-        self.metrics.picks.labels(endpoint).inc()
+        self.metrics.picks.labels(chosen[0].hostport).inc()
+        endpoint = ",".join(e.hostport for e in chosen) if len(chosen) > 1 else chosen[0].hostport
         reply = self._routing_replies.get(endpoint)
         if reply is None:
             if len(self._routing_replies) > 4096:  # endpoints come and go: stay bounded
@@ -233,7 +243,24 @@ class EndpointPickerService:
             reason=refusal.reason,
             request_id=_request_id(state),
         )
-        await stream.send(extproc.immediate_response(refusal.status, refusal.message))
+        reply = extproc.immediate_response(refusal.status, refusal.message, refusal.headers)
+        await stream.send(reply)
+
+    # --- response side ----------------------------------------------------------
+
+    def on_response_headers(
+        self, message: ProcessingRequest, state: RequestState
+    ) -> list[ProcessingResponse]:
+        """Report the served endpoint; a hosted pipeline adds its hooks' headers (``hooked``)."""
+        return [served_endpoint_reply(message)]
+
+    def on_response_body(
+        self, message: ProcessingRequest, state: RequestState
+    ) -> list[ProcessingResponse]:
+        return [pass_chunk("response", message.response_body, state.response_body_mode)]
+
+    def on_response_trailers(self, state: RequestState) -> list[ProcessingResponse]:
+        return [extproc.trailers_response("response")]
 
 
 def routing_reply(endpoint: str) -> ProcessingResponse:
@@ -253,11 +280,14 @@ def routing_reply(endpoint: str) -> ProcessingResponse:
 # --- response side ---------------------------------------------------------------
 
 
-def served_endpoint_reply(message: ProcessingRequest) -> ProcessingResponse:
+def served_endpoint_reply(
+    message: ProcessingRequest, extra: Sequence[tuple[str, str]] = ()
+) -> ProcessingResponse:
     """Report, as a response header, the endpoint the gateway says served the request.
 
     The protocol has the data plane put it in ``envoy.lb`` metadata under
     ``x-gateway-destination-endpoint-served``; the failure strings are GIE's.
+    ``extra`` headers follow the report.
     """
     lb = extproc.filter_metadata(message, extproc.LB_NAMESPACE)
     served = (lb or {}).get(SERVED)
@@ -266,7 +296,7 @@ def served_endpoint_reply(message: ProcessingRequest) -> ProcessingResponse:
     elif not isinstance(served, str):
         served = "fail: missing destination endpoint served metadata"
     return extproc.headers_response(
-        "response", [(SERVED_REPORT, served), ("x-went-into-resp-headers", "true")]
+        "response", [(SERVED_REPORT, served), ("x-went-into-resp-headers", "true"), *extra]
     )
 
 

@@ -19,7 +19,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client import CollectorRegistry
 
 from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse, struct
-from protos.server import EXT_PROC_SERVICE, Handler, Health, Ports, serve
+from protos.server import EXT_PROC_SERVICE, Handler, Health, JsonRoutes, Ports, serve
 
 Headers = Mapping[str, str] | Sequence[tuple[str, str]]
 
@@ -168,6 +168,7 @@ async def running(
     *,
     background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
     grace: float = 2.0,
+    json_routes: JsonRoutes | None = None,
 ) -> AsyncIterator[Ports]:
     """Serve ``handler`` in this event loop on free 127.0.0.1 ports; stop on exit."""
     stop = asyncio.Event()
@@ -183,6 +184,7 @@ async def running(
             grace=grace,
             stop=stop,
             on_listening=listening.set_result,
+            json_routes=json_routes,
         )
     )
     waiting: list[asyncio.Future[Any]] = [task, listening]

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Final, Protocol
+from typing import Any, Final, Protocol
 
 from pods.model import Endpoint
 
@@ -145,11 +145,19 @@ class Plugin(Protocol):
     ``reads``: endpoint attributes this plugin uses (empty if none).
     ``needs_body``: True if the plugin reads ``request.body``/``request.parsed``;
     LWEPP then holds the body before picking, otherwise it picks on headers.
+
+    ``reads`` and ``needs_body`` are usually class attributes; a plugin whose
+    answer depends on its parameters sets them per instance instead (both
+    satisfy these read-only properties).
     """
 
     name: str
-    reads: ClassVar[frozenset[str]]
-    needs_body: ClassVar[bool]
+
+    @property
+    def reads(self) -> frozenset[str]: ...
+
+    @property
+    def needs_body(self) -> bool: ...
 
 
 class PrepareHook(Plugin, Protocol):
@@ -235,7 +243,11 @@ class DataSource(Protocol):
     """
 
     name: str
-    produces: ClassVar[frozenset[str]]
+
+    @property
+    def produces(self) -> frozenset[str]:
+        """A class attribute, or set per instance when it depends on parameters."""
+        ...
 
     async def run(
         self,

@@ -18,6 +18,7 @@ from lwepp.plugins import (
     lora_affinity,
     metrics_source,
     models_source,
+    pickers,
     prefix,
     queue_scorer,
     session_affinity,
@@ -39,4 +40,8 @@ REGISTRY: Final[dict[str, Factory]] = {
     "prefix-cache-scorer": prefix.build,
     "session-affinity-scorer": session_affinity.build,
     "lora-affinity-scorer": lora_affinity.build,
+    # pickers
+    "max-score-picker": pickers.max_score,
+    "random-picker": pickers.random_picker,
+    "weighted-random-picker": pickers.weighted_random,
 }

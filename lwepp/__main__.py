@@ -7,10 +7,12 @@ import asyncio
 import contextlib
 import sys
 from collections.abc import Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
 from prometheus_client import CollectorRegistry
 
+from lwepp import config as picker_config
+from lwepp.hooked import host
 from lwepp.leader import LeaderElector, LeaseTimings
 from lwepp.picking import Pool, RoundRobin
 from lwepp.server import MAX_BODY_BYTES, EndpointPickerService, Metrics
@@ -30,6 +32,24 @@ def selector(text: str) -> dict[str, str]:
         return parse_selector(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def pipeline_config(path: str) -> picker_config.PickerConfig:
+    try:
+        return picker_config.load_config(path)
+    except picker_config.ConfigErrors as error:
+        raise argparse.ArgumentTypeError(f"\n{error}") from None
+
+
+class CheckConfig(argparse.Action):
+    """``--check-config FILE``: print the pipeline it makes (exit 0) or its errors (exit 1)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        try:
+            print(picker_config.load_config(args[1]).describe())
+        except picker_config.ConfigErrors as error:
+            parser.exit(1, f"{error}\n")
+        parser.exit(0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +118,34 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=2.0,
         help="seconds between tries to acquire or renew the lease (default 2)",
+    )
+    parser.add_argument(
+        "--config",
+        type=pipeline_config,
+        metavar="FILE",
+        help="an EndpointPickerConfig (the llm-d router's YAML format): filters, scorers, a "
+        "picker and data sources instead of plain round-robin (format: lwepp/config.py)",
+    )
+    parser.add_argument(
+        "--check-config",
+        action=CheckConfig,
+        metavar="FILE",
+        help="check a configuration file, print the pipeline it makes (or its errors), and exit",
+    )
+    parser.add_argument(
+        "--explain",
+        choices=["header", "all", "off"],
+        default="header",
+        help="with --config: explain decisions in the response header x-switchyard-decision "
+        "when a request asks (x-switchyard-explain: 1), for every request, or never",
+    )
+    parser.add_argument(
+        "--debug-decisions",
+        type=int,
+        default=100,
+        metavar="N",
+        help="with --config: how many explained decisions and fallbacks "
+        "GET /debug/decisions on the metrics port keeps",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument(
@@ -179,7 +227,20 @@ async def run(
 ) -> None:
     pool = Pool(source, args.selector)
     registry = CollectorRegistry()
-    service = EndpointPickerService(pool, RoundRobin(), Metrics(registry), args.max_body_bytes)
+    service: EndpointPickerService
+    jobs, pages = [], {}
+    if args.config is None:
+        service = EndpointPickerService(pool, RoundRobin(), Metrics(registry), args.max_body_bytes)
+    else:
+        hosted = host(
+            args.config,
+            pool,
+            registry,
+            max_body_bytes=args.max_body_bytes,
+            explain=args.explain,
+            keep_decisions=args.debug_decisions,
+        )
+        service, jobs, pages = hosted.service, hosted.background, hosted.json_routes
     ports = Ports(args.host, args.grpc_port, args.grpc_health_port, args.metrics_port)
     health = Health(HEALTH_SERVICES, ready=lambda: source.synced)
     if elector is not None:
@@ -196,7 +257,8 @@ async def run(
         ports,
         health,
         registry,
-        background=[source.run] if elector is None else [source.run, elector.run],
+        background=[source.run, *jobs] if elector is None else [source.run, elector.run, *jobs],
+        json_routes=pages,
         grace=args.grace,
         trace=trace,
     )

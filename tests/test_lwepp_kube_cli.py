@@ -13,7 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from lwepp.__main__ import main
+from lwepp.__main__ import build_parser, pod_source
+from pods.file import PodFileError
+from pods.kubeapi import ConfigError
 from protos.testing import ExtProcClient, request_headers, set_headers
 from tests.fake_kube import ThreadedFakeKube
 from tests.processes import service
@@ -77,10 +79,15 @@ def test_exactly_one_source_with_a_clear_error(
         "current-context: c\ncontexts: [{name: c, context: {cluster: c}}]\n"
         "clusters: [{name: c, cluster: {server: 'http://127.0.0.1:1'}}]\n"
     )
-    with pytest.raises(SystemExit) as exited:
-        main([a.format(pods=tmp_path / "pods.yaml", config=config) for a in args])
-    assert exited.value.code != 0
-    assert message in f"{exited.value.code} {capsys.readouterr().err}"
+    argv = [a.format(pods=tmp_path / "pods.yaml", config=config) for a in args]
+    # What main() does before it configures logging and serves.
+    with pytest.raises((SystemExit, ConfigError, PodFileError, ValueError)) as refused:
+        pod_source(build_parser().parse_args(argv))
+    if isinstance(refused.value, SystemExit):
+        assert refused.value.code == 2
+        assert message in capsys.readouterr().err
+    else:
+        assert message in str(refused.value)
 
 
 async def wait_serving(port: int, name: str = "inference-extension") -> None:

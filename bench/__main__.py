@@ -5,7 +5,7 @@ from __future__ import annotations
 import platform
 import sys
 
-from bench import codec, streams
+from bench import codec, plugins, streams
 
 
 def main() -> None:
@@ -14,6 +14,8 @@ def main() -> None:
     )
     print("\n## Codec: per-message cost\n", flush=True)
     print(codec.table(codec.run()), flush=True)
+    print("\n## Plugins: per-call cost (filters, scorers, data-source steps)\n", flush=True)
+    print(plugins.table(*plugins.run()), flush=True)
     print(
         "\n## Whole ext_proc streams on one core (headers + 4 KB body, full-duplex)\n", flush=True
     )

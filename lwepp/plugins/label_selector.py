@@ -54,9 +54,13 @@ class LabelSelectorFilter:
         self.requirements = tuple(requirements)
 
     def matches(self, labels: Mapping[str, str]) -> bool:
-        return all(labels.get(k) == v for k, v in self.match_labels.items()) and all(
-            test(labels) for test in self.requirements
-        )
+        for key, value in self.match_labels.items():
+            if labels.get(key) != value:
+                return False
+        for test in self.requirements:  # noqa: SIM110 (a plain loop: no generator per candidate)
+            if not test(labels):
+                return False
+        return True
 
     def filter(
         self, request: LLMRequest, candidates: Sequence[Candidate], now: float

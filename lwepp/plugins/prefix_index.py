@@ -105,17 +105,20 @@ class PrefixIndex:
         """
         matched = dict.fromkeys(endpoints, 0)
         alive = set(matched)
+        if not alive:
+            return matched
         depth = 0
         for block in hashes:
             holders = self._holders.get(block)
             if not holders:
                 break
-            still = alive & holders
-            if not still:
-                break
-            for gone in alive - still:
-                matched[gone] = depth
-            alive = still
+            if not holders.issuperset(alive):  # usually all still match: no new set then
+                still = alive & holders
+                if not still:
+                    break
+                for gone in alive - still:
+                    matched[gone] = depth
+                alive = still
             depth += 1
         for endpoint in alive:
             matched[endpoint] = depth

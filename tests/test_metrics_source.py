@@ -497,21 +497,36 @@ def test_endpoints_that_leave_are_no_longer_scraped() -> None:
     run(test)
 
 
-def test_reads_the_simulator() -> None:
-    """The project's simulator, scraped as vLLM: idle engine, LoRA slots from its adapters."""
+# The simulator's --engine names, and the engine label values the router (and this source) use.
+DIALECTS = {
+    "vllm": "vllm",
+    "sglang": "sglang",
+    "trtllm": "trtllm-serve",
+    "triton": "triton-tensorrt-llm",
+    "llamacpp": "llamacpp",
+}
+
+
+@pytest.mark.parametrize("dialect", list(DIALECTS))
+def test_reads_every_simulator_dialect(dialect: str) -> None:
+    """The project's simulator in each engine's names: an idle engine, geometry where published."""
 
     async def test() -> None:
         store = RecordingStore()
         pod = Pod("sim", "127.0.0.1", (0,), {"model": "m", "adapters": "sql,chat"})
-        async with serve_pods([pod], Settings(time_scale=0), grace=0.1) as replicas:
-            target = endpoint(replicas[0].port, "sim")
+        async with serve_pods([pod], Settings(time_scale=0), grace=0.1, dialect=dialect) as sims:
+            target = endpoint(sims[0].port, "sim", **{ENGINE: DIALECTS[dialect]})
             async with running(fast(), lambda: [target], store, Clock()):
                 await store.until(lambda: target.hostport in store.writes)
         values = written(store, target.hostport)
-        assert values["queue_depth"] == 0.0
-        assert values["running_requests"] == 0.0
-        assert values["kv_cache_usage"] == 0.0
-        assert values["lora_max"] == 2.0
-        assert values["lora_running"] == frozenset()
+        assert (values["queue_depth"], values["running_requests"]) == (0.0, 0.0)
+        if dialect == "llamacpp":
+            assert set(values) == {"queue_depth", "running_requests"}  # no KV gauge: unknown
+        else:
+            assert values["kv_cache_usage"] == 0.0
+            assert values["cache_block_size"] == 16.0
+            assert "cache_num_blocks" in values
+        if dialect == "vllm":
+            assert (values["lora_max"], values["lora_running"]) == (2.0, frozenset())
 
     run(test)

@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench clean
+.PHONY: demo test lint typecheck unit bench conformance clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
+
+## conformance: GIE's conformance tests through a real Envoy and at the pickers; prints the
+## table and writes docs/conformance/report-<version>.yaml
+conformance: $(STAMP)
+	$(PY) -m conformance
 
 ## bench: codec and stream benchmarks, reported as ratios to baselines from the same run
 bench: $(STAMP)

@@ -1,0 +1,71 @@
+"""``python -m conformance`` (``make conformance``): run the suite, print a table, report."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from conformance import report
+from conformance.cases import CASES, NOT_APPLICABLE
+from conformance.client import Timing
+from conformance.run import details, run_suite, table
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m conformance",
+        description="Run GIE's conformance tests locally: echo pods on 127.X.Y.0/24, one "
+        "LWEPP per InferencePool, a real Envoy with a listener per Gateway. Every test runs "
+        "twice, against the pickers alone and through the gateway, with the original's "
+        "requests and pass criteria. Prints a table, writes a report in GIE's format, and "
+        "exits 0 only if no test failed.",
+    )
+    add = parser.add_argument
+    add(
+        "--report",
+        type=Path,
+        default=report.default_path(),
+        help="where to write the report (default: %(default)s)",
+    )
+    add("--work-dir", type=Path, help="logs, pod files and Envoy's config (default: a temp dir)")
+    add(
+        "--test",
+        action="append",
+        default=[],
+        metavar="NAME",
+        choices=[case.name for case in CASES] + list(NOT_APPLICABLE),
+        help="run only this test; repeatable",
+    )
+    add(
+        "--max-time-to-consistency",
+        type=float,
+        default=Timing().max_time_to_consistency,
+        metavar="SECONDS",
+        help="how long a check may take to pass three times in a row (GIE: %(default)s)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    timing = Timing(max_time_to_consistency=args.max_time_to_consistency)
+    with tempfile.TemporaryDirectory(prefix="conformance-") as scratch:
+        work_dir = args.work_dir or Path(scratch)
+        print(f"Running GIE's conformance tests (logs in {work_dir}) ...", flush=True)
+        suite = asyncio.run(run_suite(work_dir, timing, args.test))
+    print(table(suite))
+    print()
+    print(details(suite))
+    print()
+    print(f"Topology up in {suite.startup_seconds:.1f} s; whole run {suite.seconds:.1f} s.")
+    print(f"Report: {report.write(suite, args.report)}")
+    if not suite.passed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

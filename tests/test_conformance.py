@@ -1,0 +1,96 @@
+"""GIE's conformance tests, reproduced locally (``make conformance``), as part of every test run.
+
+One run of the whole suite (echo pods, five LWEPPs, a real Envoy) is shared
+by the module: each GIE test is then one pytest test, passing when it passed
+through the gateway and at the picker alone. The requests, counts and
+tolerances are the originals'; only the bound on waiting for consistency is
+shorter than GIE's 300 s (a conformant gateway passes in its first tries).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conformance import report
+from conformance.cases import CASES, GIE_ORDER, NOT_APPLICABLE
+from conformance.client import Timing
+from conformance.run import CaseResult, Suite, run_suite, table
+
+pytestmark = pytest.mark.e2e
+
+TIMING = Timing(max_time_to_consistency=30.0)
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory: pytest.TempPathFactory) -> Suite:
+    """One run of the whole suite; the topology is stopped before the first test reads it."""
+    return asyncio.run(run_suite(tmp_path_factory.mktemp("conformance"), TIMING))
+
+
+def result_of(suite: Suite, name: str) -> CaseResult:
+    (found,) = [result for result in suite.results if result.name == name]
+    return found
+
+
+@pytest.mark.parametrize("name", [case.name for case in CASES])
+def test_applicable_test_passes_through_the_gateway_and_at_the_picker(
+    suite: Suite, name: str
+) -> None:
+    """Each reproduced test passes both ways (or is skipped at the picker with a reason)."""
+    result = result_of(suite, name)
+    assert result.gateway.outcome == "passed", result.gateway.detail
+    assert result.picker.outcome in ("passed", "skipped"), result.picker.detail
+    if result.picker.outcome == "skipped":
+        assert result.picker.detail
+
+
+@pytest.mark.parametrize("name", list(NOT_APPLICABLE))
+def test_status_only_tests_are_skipped_with_their_reason(suite: Suite, name: str) -> None:
+    result = result_of(suite, name)
+    assert (result.gateway.outcome, result.picker.outcome) == ("skipped", "skipped")
+    assert "status" in result.gateway.detail
+
+
+def test_every_gie_test_is_accounted_for(suite: Suite) -> None:
+    """All of GIE's tests appear, in GIE's order, then Switchyard's own."""
+    names = [result.name for result in suite.results]
+    assert names[: len(GIE_ORDER)] == list(GIE_ORDER)
+    assert set(names[len(GIE_ORDER) :]) == {c.name for c in CASES if c.origin != "GIE"}
+    assert "| EppUnAvailableFailOpen | passed | passed |" in table(suite)
+
+
+def normalised(document: dict[str, Any]) -> dict[str, Any]:
+    """A report without what changes from run to run (the date, measured figures)."""
+    document = {**document, "date": None}
+    for profile in document["profiles"]:
+        for test in profile["tests"] + profile.get("extraTests", []):
+            test.pop("note", None)
+    return document
+
+
+def test_report_has_gies_shape_and_matches_the_one_checked_in(suite: Suite, tmp_path: Path) -> None:
+    """The harness writes GIE's report format; docs/conformance holds this version's, unchanged."""
+    written = yaml.safe_load(report.write(suite, tmp_path / "report.yaml").read_text())
+    assert written["kind"] == "ConformanceReport"
+    assert written["implementation"]["project"] == "switchyard"
+    gateway, epp = written["profiles"]
+    assert (gateway["name"], epp["name"]) == ("Gateway", "EPP")
+    assert gateway["core"]["result"] == "partial"  # the status-only tests are skipped
+    assert gateway["core"]["statistics"] == {
+        "Passed": len(GIE_ORDER) - len(NOT_APPLICABLE),
+        "Failed": 0,
+        "Skipped": len(NOT_APPLICABLE),
+    }
+    assert sorted(gateway["core"]["skippedTests"]) == sorted(NOT_APPLICABLE)
+    for test in gateway["tests"]:
+        assert test["result"] in ("passed", "skipped")
+        if test["result"] == "skipped":
+            assert test["reason"]
+    checked_in = report.default_path()
+    assert checked_in.exists(), "run `make conformance` and commit the report"
+    assert normalised(yaml.safe_load(checked_in.read_text())) == normalised(written)

@@ -10,16 +10,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from demo.topology import free_ports
 from lwepp.hooks import Candidate, DataSource
 from lwepp.plugins import REGISTRY
-from lwepp.plugins.metrics_source import MetricsDataSource, build
+from lwepp.plugins.metrics_source import BUILTIN_ENGINES, MetricsDataSource, build
 from lwepp.plugins.params import ConfigError, Params
+from lwepp.plugins.prometheus import parse
 from pods.model import Endpoint, Pod
 from simulator import Settings, serve_pods
 from tests.fakes import RecordingStore
@@ -530,3 +533,45 @@ def test_reads_every_simulator_dialect(dialect: str) -> None:
             assert (values["lora_max"], values["lora_running"]) == (2.0, frozenset())
 
     run(test)
+
+
+SAMPLES = Path(__file__).parent / "data" / "metrics"
+
+
+@pytest.mark.parametrize(
+    ("sample", "expected"),
+    [
+        ("vllm", {"queue_depth": 1.0, "running_requests": 2.0, "kv_cache_usage": 0.3412}),
+        ("sglang", {"queue_depth": 0.0, "running_requests": 3.0, "kv_cache_usage": 0.18}),
+        ("llamacpp", {"queue_depth": 1.0, "running_requests": 2.0}),
+    ],
+    ids=["vllm", "sglang", "llamacpp"],
+)
+def test_reads_the_representative_engine_pages(sample: str, expected: dict[str, float]) -> None:
+    """The shared sample pages (``tests/data/metrics``) give their stated load signals."""
+    text = (SAMPLES / f"{sample}.txt").read_text()
+    values = source().read(endpoint(8000, "p", **{ENGINE: DIALECTS[sample]}), text)
+    assert {k: values.get(k) for k in expected} == expected
+    if sample == "vllm":  # the newest LoRA series, and the geometry labels
+        assert values["lora_running"] == frozenset({"sql-lora", "tweet-lora"})
+        assert (values["cache_block_size"], values["cache_num_blocks"]) == (16.0, 27264.0)
+
+
+@pytest.mark.parametrize("sample", list(DIALECTS))
+def test_parser_agrees_with_prometheus_client_on_every_sample(sample: str) -> None:
+    """For every name an engine mapping reads, both parsers find the same series."""
+    text = (SAMPLES / f"{sample}.txt").read_text()
+    names = BUILTIN_ENGINES[DIALECTS[sample]].metric_names
+    ours = {
+        (name, tuple(sorted(labels.items())), value)
+        for name, series in parse(text, names).items()
+        for labels, value in series
+    }
+    theirs = {
+        (s.name, tuple(sorted(s.labels.items())), s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name in names
+    }
+    assert ours == theirs
+    assert ours  # the sample does carry the engine's metrics

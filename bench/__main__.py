@@ -5,7 +5,7 @@ from __future__ import annotations
 import platform
 import sys
 
-from bench import codec, plugins, streams
+from bench import codec, hooks, plugins, streams
 
 
 def main() -> None:
@@ -16,6 +16,10 @@ def main() -> None:
     print(codec.table(codec.run()), flush=True)
     print("\n## Plugins: per-call cost (filters, scorers, data-source steps)\n", flush=True)
     print(plugins.table(*plugins.run()), flush=True)
+    print("\n## Hooks: what the pipeline adds per request (do-nothing plugins)\n", flush=True)
+    print(hooks.table(hooks.run()), flush=True)
+    print("", flush=True)
+    print(hooks.stream_table(hooks.stream_rows()), flush=True)
     print(
         "\n## Whole ext_proc streams on one core (headers + 4 KB body, full-duplex)\n", flush=True
     )

@@ -71,6 +71,10 @@ def handler_for(kind: str) -> grpc.GenericRpcHandler:
             service = EndpointPickerService(pool, RoundRobin(), Metrics(CollectorRegistry()))
         case "bbr":
             service = BodyBasedRouter(CollectorRegistry())
+        case hooked if hooked.startswith("lwepp-hooks-"):  # the pipeline (bench/hooks.py)
+            from bench.hooks import service as pipeline_service
+
+            service = pipeline_service(int(hooked.removeprefix("lwepp-hooks-")))
         case _:
             raise SystemExit(f"unknown server kind {kind!r}")
     return ext_proc_handler(service)

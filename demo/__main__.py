@@ -31,6 +31,14 @@ def _parser() -> argparse.ArgumentParser:
     add("--work-dir", type=Path, default=Path("run/demo"), help="logs and Envoy's bootstrap")
     add("--pods", type=Path, help="pod file (default: the demo's, demo/pods.yaml)")
     add(
+        "--picker-config",
+        type=Path,
+        metavar="FILE",
+        help="run every pool's LWEPP with this EndpointPickerConfig (e.g. "
+        "demo/configs/prefix-aware.yaml); requests sent with x-switchyard-explain: 1 "
+        "then learn why they went where they went (x-switchyard-decision)",
+    )
+    add(
         "--fail-open",
         action="append",
         metavar="POOL",
@@ -60,6 +68,16 @@ def examples(topology: Topology) -> list[str]:
                 _curl(url, "/v1/chat/completions", {**chat, "stream": True}, stream=True),
                 "",
             ]
+    if topology.picker_config is not None:
+        pool = topology.pools[0]
+        prompt = "Say hello, twice: the second request finds the prefix cached"
+        ask = {"model": pool.models[0], "prompt": prompt, "max_tokens": 8}
+        lines += [
+            f"# why did it go there? ({topology.picker_config.name}): "
+            "the decision comes back in x-switchyard-decision",
+            _curl(url, "/v1/completions", ask) + " -H 'x-switchyard-explain: 1'",
+            "",
+        ]
     lines += [
         "# not JSON: BBR refuses it (400)",
         _curl(url, "/v1/completions", '{"model": '),
@@ -113,7 +131,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         pods = args.pods or default_pods
         try:
             topology = Topology(
-                args.work_dir, pods, port=args.port, admin_port=args.admin_port, fail_open=fail_open
+                args.work_dir,
+                pods,
+                port=args.port,
+                admin_port=args.admin_port,
+                fail_open=fail_open,
+                picker_config=args.picker_config,
             )
             print(f"Starting the gateway (logs in {args.work_dir}) ...", flush=True)
             with topology:

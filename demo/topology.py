@@ -191,6 +191,8 @@ class Topology:
     ``simulator_args``: extra ``python -m simulator`` flags (``--time-scale 0.1``).
     ``trace``: BBR and the pickers write every ext_proc message to
     ``<work dir>/<name>.trace`` (``--trace-messages``), as the walkthrough shows.
+    ``picker_config``: an EndpointPickerConfig every pool's LWEPP runs with
+    (``--config``); None: plain round-robin.
     """
 
     def __init__(
@@ -205,8 +207,10 @@ class Topology:
         log_level: str = "info",
         startup_timeout: float = 30.0,
         trace: bool = False,
+        picker_config: Path | None = None,
     ) -> None:
         self.work_dir = work_dir
+        self.picker_config = picker_config.resolve() if picker_config else None
         self.pod_file = pod_file.resolve()
         self.pools = pools_of(self.pod_file, fail_open)
         self.port, self.admin_port = port, admin_port
@@ -264,7 +268,10 @@ class Topology:
         self._python("simulator", "simulator", "--pods", pods, *self._simulator_args)
         for pool in self.pools:
             self._ext_proc(
-                f"lwepp-{pool.name}", "lwepp", "--pods", pods, "--selector", f"pool={pool.name}"
+                f"lwepp-{pool.name}",
+                "lwepp",
+                *("--pods", pods, "--selector", f"pool={pool.name}"),
+                *(("--config", str(self.picker_config)) if self.picker_config else ()),
             )
         self._ext_proc("bbr", "bbr")
         # All started at once, so they come up in parallel; now wait for each.

@@ -43,7 +43,7 @@ from typing import Any, Final
 import structlog
 from prometheus_client import CollectorRegistry, Counter
 
-from lwepp.attributes import NO_ATTRIBUTES, AttributeStore, plain
+from lwepp.attributes import NO_ATTRIBUTES, AttributeStore, Snapshot, plain
 from lwepp.body import parse_request
 from lwepp.hooks import (
     Candidate,
@@ -159,6 +159,7 @@ class Pipeline:
         """True when some plugin reads the body: only then is it parsed."""
         self.reads: frozenset[str] = frozenset().union(*(p.reads for p in plugins))
         self._fallback = RoundRobin()
+        self._last: _Candidates | None = None
 
     # --- request side ------------------------------------------------------------
 
@@ -168,9 +169,8 @@ class Pipeline:
 
     def request_of(self, request: PickRequest) -> LLMRequest:
         """The request as plugins see it: headers (lower-case, first value), model, body."""
-        headers: dict[str, str] = {}
-        for name, value in request.headers:
-            headers.setdefault(name.lower(), value)
+        # Envoy sends header names lower-case; read backwards, the first value is the one kept.
+        headers = dict(reversed(request.headers))
         body = parsed = None
         if self.needs_body and request.body is not None:
             body, parsed = request.body, parse_request(request.body)
@@ -207,8 +207,8 @@ class Pipeline:
         self, request: LLMRequest, endpoints: Sequence[Endpoint], record: Explanation | None
     ) -> tuple[Endpoint, ...]:
         now = self.clock()
-        snapshot = self.store.snapshot
-        candidates = [Candidate(e, snapshot.get(e.hostport, NO_ATTRIBUTES)) for e in endpoints]
+        given = self.candidates(endpoints)
+        candidates: Sequence[Candidate] = given.candidates
 
         for hook in self.prepare:
             try:
@@ -219,8 +219,8 @@ class Pipeline:
         for step in self.filters:
             try:
                 kept = list(step.filter(request, candidates, now))
-                given = {id(c) for c in candidates}
-                if any(id(c) not in given for c in kept):
+                ids = {id(c) for c in candidates}
+                if any(id(c) not in ids for c in kept):
                     raise ValueError("returned a candidate it was not given")
             except Exception as error:
                 raise PluginFailure.of(step, "filter", error) from error
@@ -230,6 +230,7 @@ class Pipeline:
             if not candidates:
                 return ()
 
+        unfiltered = candidates is given.candidates
         totals = [0.0] * len(candidates)
         raw: list[dict[str, float]] = [{} for _ in candidates] if self.scorers else []
         for weighted in self.scorers:
@@ -244,16 +245,19 @@ class Pipeline:
                     totals[i] += weighted.weight * score
             except Exception as error:
                 raise PluginFailure.of(scorer, "score", error) from error
-        scored = [
-            Scored(c, total, raw[i] if raw else NO_SCORES)
-            for i, (c, total) in enumerate(zip(candidates, totals, strict=True))
-        ]
+        if unfiltered and not self.scorers:
+            scored: Sequence[Scored] = given.unscored
+        else:
+            scored = [
+                Scored(c, total, raw[i] if raw else NO_SCORES)
+                for i, (c, total) in enumerate(zip(candidates, totals, strict=True))
+            ]
         if record is not None:
             record.scored(self.scorers, scored, self.reads, now)
 
         try:
             chosen = tuple(self.picker.pick(request, scored))
-            allowed = {c.endpoint.hostport for c in candidates}
+            allowed = given.hostports if unfiltered else {c.endpoint.hostport for c in candidates}
             for endpoint in chosen:
                 if endpoint.hostport not in allowed:  # the subset hint is the protocol's hard rule
                     raise ValueError(f"chose {endpoint.hostport}, which is not a candidate")
@@ -262,6 +266,27 @@ class Pipeline:
         if record is not None:
             record.picked(self.picker.name, chosen)
         return chosen
+
+    def candidates(self, endpoints: Sequence[Endpoint]) -> _Candidates:
+        """The endpoints as candidates, each with its attributes as last measured.
+
+        They depend only on the endpoint tuple and the store's snapshot, both
+        replaced whole on a change, and they are immutable: the last ones are
+        reused until either is a different object (most picks, in steady traffic).
+        """
+        snapshot, last = self.store.snapshot, self._last
+        if last is None or last.endpoints is not endpoints or last.snapshot is not snapshot:
+            candidates = tuple(
+                Candidate(e, snapshot.get(e.hostport, NO_ATTRIBUTES)) for e in endpoints
+            )
+            last = self._last = _Candidates(
+                endpoints,
+                snapshot,
+                candidates,
+                frozenset(e.hostport for e in endpoints),
+                tuple(Scored(c, 0.0, NO_SCORES) for c in candidates),
+            )
+        return last
 
     # --- response side -----------------------------------------------------------
 
@@ -304,6 +329,18 @@ class Pipeline:
             request_id=request.request_id,
             exc_info=failure.__cause__,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidates:
+    """One endpoint list as candidates, with what a pick without filters or scorers needs."""
+
+    endpoints: Sequence[Endpoint]
+    snapshot: Snapshot
+    candidates: tuple[Candidate, ...]
+    hostports: frozenset[str]
+    unscored: tuple[Scored, ...]
+    """Every candidate with a total of 0: the scored list when no scorer is configured."""
 
 
 class Explanation:

@@ -1,0 +1,185 @@
+"""What the hook machinery costs per request: LWEPP's pick with 0, 1 and 5 plugins vs round-robin.
+
+The plugins measured here do (almost) nothing — a scorer returning 1.0 for
+each candidate, a filter keeping every candidate, a prepare/picked hook that
+returns — so what is timed is the machinery itself: the request view
+(headers into a dict), the candidates with their attribute snapshots, one
+loop per stage, the weighted totals, the picker, the checks, the reply.
+What real plugins cost on top is ``bench/plugins.py``'s table.
+
+Two measurements, each a ratio to plain round-robin in the same run:
+
+1. **The pick**, in process: the core ``EndpointPickerService.pick`` with
+   ``RoundRobin`` against ``HookedService.pick`` with each pipeline, 8
+   candidates, the 15 request headers of ``bench.streams``.
+2. **Whole ext_proc streams** (``bench.streams``: headers + a 4 KB body in
+   full-duplex mode, server on one core): server CPU per stream, where the
+   pick is one step among the gRPC and protobuf work.
+
+Zero plugins is the pipeline with its default picker (``max-score-picker``,
+ties in turn); one is a scorer; five are a filter, three scorers and a
+prepare/picked hook.
+"""
+
+from __future__ import annotations
+
+import sys
+import timeit
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from bench.server import PODS
+from bench.streams import HEADERS, measure
+from lwepp.hooked import EXPLAIN_HEADER, HookedService
+from lwepp.hooks import Candidate, LLMRequest
+from lwepp.picking import Pool, RoundRobin
+from lwepp.pipeline import Pipeline, Weighted
+from lwepp.server import EndpointPickerService, Metrics, RequestState
+from pods.model import Endpoint, StaticSource
+
+PLUGINS = (0, 1, 5)
+
+
+class Constant:
+    """A scorer that rates every candidate 1.0."""
+
+    reads: frozenset[str] = frozenset()
+    needs_body = False
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def score(
+        self, request: LLMRequest, candidates: Sequence[Candidate], now: float
+    ) -> list[float]:
+        return [1.0] * len(candidates)
+
+
+class KeepAll:
+    """A filter that keeps every candidate."""
+
+    name = "keep-all"
+    reads: frozenset[str] = frozenset()
+    needs_body = False
+
+    def filter(
+        self, request: LLMRequest, candidates: Sequence[Candidate], now: float
+    ) -> Sequence[Candidate]:
+        return candidates
+
+
+class Nothing:
+    """A prepare and picked hook that does nothing."""
+
+    name = "nothing"
+    reads: frozenset[str] = frozenset()
+    needs_body = False
+
+    def prepare(self, request: LLMRequest) -> None:
+        return None
+
+    def picked(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None:
+        return None
+
+
+def _label(plugins: int) -> str:
+    return f"pipeline, {plugins} plugin{'' if plugins == 1 else 's'}"
+
+
+def pipeline(plugins: int) -> Pipeline:
+    """A pipeline of 0, 1 or 5 do-nothing plugins."""
+    if plugins == 0:
+        return Pipeline()
+    if plugins == 1:
+        return Pipeline(scorers=[Weighted(Constant("one"))])
+    hook = Nothing()
+    return Pipeline(
+        prepare=[hook],
+        filters=[KeepAll()],
+        scorers=[Weighted(Constant(f"s{i}")) for i in range(3)],
+        picked=[hook],
+    )
+
+
+def pool() -> Pool:
+    return Pool(StaticSource(*PODS), {"pool": "a"})
+
+
+def service(plugins: int | None) -> EndpointPickerService:
+    """The core with round-robin (None), or the hooked service with a pipeline of ``plugins``."""
+    if plugins is None:
+        return EndpointPickerService(pool(), RoundRobin(), Metrics(CollectorRegistry()))
+    return HookedService(pool(), pipeline(plugins), Metrics(CollectorRegistry()))
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    what: str
+    us: float
+    baseline_us: float
+
+    @property
+    def ratio(self) -> float:
+        return self.us / self.baseline_us
+
+
+def _pick(
+    picker: EndpointPickerService, headers: Sequence[tuple[str, str]]
+) -> Callable[[], object]:
+    state = RequestState(headers=list(headers), candidates=picker.pool.endpoints)
+    return lambda: picker.pick(state)
+
+
+def _us_per_call(fn: Callable[[], object], budget: float) -> float:
+    """Best-of-5 µs per call, each run about ``budget`` seconds (sized from a 100-call probe)."""
+    timer = timeit.Timer(fn)
+    number = max(1, int(budget / (timer.timeit(100) / 100)))
+    return min(timer.repeat(5, number)) / number * 1e6
+
+
+def run(budget: float = 0.3, rounds: int = 3) -> list[Row]:
+    """Per-pick µs of each variant, interleaved ``rounds`` times, best round kept."""
+    variants: list[tuple[str, Callable[[], object]]] = [
+        ("round-robin (the core)", _pick(service(None), HEADERS)),
+        *((_label(n), _pick(service(n), HEADERS)) for n in PLUGINS),
+        ("pipeline, 5 plugins, explained", _pick(service(5), [*HEADERS, (EXPLAIN_HEADER, "1")])),
+    ]
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, fn in variants:
+            us = _us_per_call(fn, budget)
+            best[name] = min(us, best.get(name, us))
+    base = best[variants[0][0]]
+    return [Row(name, best[name], base) for name, _ in variants]
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| picker | µs per pick | vs round-robin |", "|---|---:|---:|"]
+    lines += [f"| {r.what} | {r.us:.2f} | {r.ratio:.2f}× |" for r in rows]
+    return "\n".join(lines)
+
+
+STREAM_KINDS = ("lwepp", *(f"lwepp-hooks-{n}" for n in PLUGINS))
+"""``bench.server`` kinds: the core, then the hooked service with each pipeline."""
+
+
+def stream_rows(streams: int = 2000, concurrency: int = 16, rounds: int = 3) -> list[Row]:
+    """Server CPU µs per whole stream, as ratios to the core's round-robin."""
+    results = measure(list(STREAM_KINDS), streams, concurrency, rounds)
+    base = results[0].cpu_us_per_stream
+    names = ["round-robin (the core)", *(_label(n) for n in PLUGINS)]
+    return [Row(n, r.cpu_us_per_stream, base) for n, r in zip(names, results, strict=True)]
+
+
+def stream_table(rows: list[Row]) -> str:
+    lines = ["| picker | server CPU µs/stream | vs round-robin |", "|---|---:|---:|"]
+    lines += [f"| {r.what} | {r.us:,.0f} | {r.ratio:.2f}× |" for r in rows]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table(run()), flush=True)
+    if "--streams" in sys.argv:
+        print(stream_table(stream_rows()))

@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m lwepp",
         description="Lightweight endpoint picker: an Envoy ext_proc service that names, for "
-        "each request, the model-server endpoint to send it to (round-robin).",
+        "each request, the model-server endpoint to send it to (round-robin, or the filters "
+        "and scorers of --config).",
     )
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument(

@@ -28,8 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     add(
         "--report",
         type=Path,
-        default=report.default_path(),
-        help="where to write the report (default: %(default)s)",
+        help=f"where to write the report (default: {report.default_path()}, this version's "
+        "checked-in report; with --picker-arg, conformance-report.yaml here)",
     )
     add("--work-dir", type=Path, help="logs, pod files and Envoy's config (default: a temp dir)")
     add(
@@ -39,6 +39,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME",
         choices=[case.name for case in CASES] + list(NOT_APPLICABLE),
         help="run only this test; repeatable",
+    )
+    add(
+        "--picker-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an extra flag for every LWEPP, e.g. --picker-arg=--config=my-picker.yaml to "
+        "hold a configured picker to the same tests; repeatable",
     )
     add(
         "--max-time-to-consistency",
@@ -56,13 +64,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="conformance-") as scratch:
         work_dir = args.work_dir or Path(scratch)
         print(f"Running GIE's conformance tests (logs in {work_dir}) ...", flush=True)
-        suite = asyncio.run(run_suite(work_dir, timing, args.test))
+        suite = asyncio.run(run_suite(work_dir, timing, args.test, args.picker_arg))
     print(table(suite))
     print()
     print(details(suite))
     print()
     print(f"Topology up in {suite.startup_seconds:.1f} s; whole run {suite.seconds:.1f} s.")
-    print(f"Report: {report.write(suite, args.report)}")
+    default = Path("conformance-report.yaml") if args.picker_arg else report.default_path()
+    print(f"Report: {report.write(suite, args.report or default)}")
     if not suite.passed:
         sys.exit(1)
 

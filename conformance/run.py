@@ -80,14 +80,20 @@ async def _run_one(case: Case, trial: Trial) -> Result:
 
 
 async def run_suite(
-    work_dir: Path, timing: Timing | None = None, only: Collection[str] = ()
+    work_dir: Path,
+    timing: Timing | None = None,
+    only: Collection[str] = (),
+    picker_args: Sequence[str] = (),
 ) -> Suite:
-    """Start the topology in ``work_dir``, run the tests (all, or those named), stop it."""
+    """Start the topology in ``work_dir``, run the tests (all, or those named), stop it.
+
+    ``picker_args`` are extra flags for every LWEPP (``Topology``).
+    """
     timing = timing or Timing()
     cases: Sequence[Case] = [case for case in CASES if not only or case.name in only]
     suite = Suite()
     began = time.monotonic()
-    with Topology(work_dir) as topology:
+    with Topology(work_dir, picker_args=picker_args) as topology:
         suite.startup_seconds = time.monotonic() - began
         pods_by_ip = {pod.ip: pod.name for pods in topology.pods.values() for pod in pods}
         pickers = {
@@ -150,7 +156,11 @@ def details(suite: Suite) -> str:
     """Notes, reasons and failures, test by test."""
     lines = []
     for result in suite.results:
-        for mode, outcome in (("gateway", result.gateway), ("picker", result.picker)):
+        gateway, picker = result.gateway, result.picker
+        if gateway.detail and (gateway.outcome, gateway.detail) == (picker.outcome, picker.detail):
+            lines.append(f"- {result.name} (both ways, {gateway.outcome}): {gateway.detail}")
+            continue
+        for mode, outcome in (("gateway", gateway), ("picker", picker)):
             if outcome.detail:
                 lines.append(f"- {result.name} ({mode}, {outcome.outcome}): {outcome.detail}")
     return "\n".join(lines)

@@ -163,9 +163,14 @@ def _health(address: str) -> bool | None:
 class Topology:
     """Echo pods, pickers and Envoy, as a context manager; ``apply`` sets the routes."""
 
-    def __init__(self, work_dir: Path, startup_timeout: float = 30.0) -> None:
+    def __init__(
+        self, work_dir: Path, startup_timeout: float = 30.0, picker_args: Sequence[str] = ()
+    ) -> None:
+        """``picker_args``: extra flags for every LWEPP (``--config my-picker.yaml``), to
+        hold a configured picker to the same tests."""
         self.work_dir = work_dir
         self.timeout = startup_timeout
+        self.picker_args = list(picker_args)
         self.services: dict[str, Service] = {}
         self.prefix = ""
         self.pods: dict[str, tuple[EchoPod, ...]] = {}
@@ -283,6 +288,7 @@ class Topology:
             *("--pods", str(self.picker_file(pool)), "--selector", f"app={spec.app}"),
             *("--host", self.pools[pool].picker, "--grpc-port", "9002"),
             *("--grpc-health-port", "9003", "--metrics-port", "9090"),
+            *self.picker_args,
         )
         if wait:
             self._wait_serving(pool)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from envoy_data_plane.envoy.config.core import v3 as core
 
 from conformance import cases
 from conformance.cases import Trial, dp_header, weighted_tolerance
@@ -33,7 +34,9 @@ from conformance.envoy import (
     write_routes,
 )
 from conformance.picker import PickerTransport
+from conformance.run import run_suite
 from conformance.topology import EchoPod
+from demo import envoy as demo
 from protos import extproc
 from protos.server import Stream
 from protos.testing import running
@@ -258,3 +261,26 @@ def test_a_picker_whose_header_and_metadata_disagree_breaks_the_protocol() -> No
                 await run_case(target, case("GatewayDestinationEndpointServed"))
 
     asyncio.run(asyncio.wait_for(test(), 30))
+
+
+# --- a wiring fault is caught through the gateway only --------------------------------
+
+
+@pytest.mark.e2e
+def test_a_gateway_that_does_not_report_the_served_endpoint_fails_only_through_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the served-endpoint header (so no envoy.lb metadata), the picker still passes
+    GatewayDestinationEndpointServed alone, and the gateway fails it: the table points at the
+    gateway's wiring."""
+    unrelated = core.HeaderValueOption(header=core.HeaderValue(key="x-unrelated", value="x"))
+    monkeypatch.setattr(demo, "served_endpoint_header", lambda: unrelated)
+    suite = asyncio.run(
+        run_suite(
+            tmp_path, Timing(max_time_to_consistency=1.0), ["GatewayDestinationEndpointServed"]
+        )
+    )
+    (result,) = suite.results
+    assert result.picker.outcome == "passed"
+    assert result.gateway.outcome == "failed"
+    assert "fail: missing destination endpoint served metadata" in result.gateway.detail

@@ -148,8 +148,15 @@ def _path_match(prefix: str, headers: list[route.HeaderMatcher]) -> route.RouteM
     return route.RouteMatch(path_separated_prefix=prefix.rstrip("/"), headers=headers)
 
 
-def _action(rule: Rule, pools: Mapping[str, InferencePool], *, fallback: bool) -> route.Route:
-    """Send to the rule's pool, or split across its pools by weight.
+def _to_pools(
+    name: str,
+    match: route.RouteMatch,
+    rule: Rule,
+    pools: Mapping[str, InferencePool],
+    *,
+    fallback: bool,
+) -> route.Route:
+    """A route that sends to the rule's pool, or splits across its pools by weight.
 
     With ``fallback`` (the route taken when no picker named an endpoint), a
     FailOpen pool's share goes to its static cluster of replicas instead.
@@ -162,6 +169,8 @@ def _action(rule: Rule, pools: Mapping[str, InferencePool], *, fallback: bool) -
     if len(rule.backends) == 1:
         (ref,) = rule.backends
         return route.Route(
+            name=name,
+            match=match,
             route=route.RouteAction(cluster=target(ref), timeout=demo.ROUTE_TIMEOUT),
             typed_per_filter_config=demo.picker_on(pools[ref.pool].demo_pool()),
         )
@@ -178,9 +187,11 @@ def _action(rule: Rule, pools: Mapping[str, InferencePool], *, fallback: bool) -
         for ref in rule.backends
     ]
     return route.Route(
+        name=name,
+        match=match,
         route=route.RouteAction(
             weighted_clusters=route.WeightedCluster(clusters=weights), timeout=demo.ROUTE_TIMEOUT
-        )
+        ),
     )
 
 
@@ -188,25 +199,19 @@ def envoy_routes(http_route: HTTPRoute, pools: Mapping[str, InferencePool]) -> l
     """The Envoy routes of one HTTPRoute, each rule's FailOpen fallback after it."""
     result = []
     for i, rule in enumerate(http_route.rules):
-        name = f"{http_route.name}/rule-{i}"
+        name, prefix = f"{http_route.name}/rule-{i}", rule.path_prefix
         if any(pools[ref.pool].fail_open for ref in rule.backends):
             # As in the demo: the first route requires the picker's header; a
             # request that comes through without one (picker down, FailOpen)
             # takes the second, to the replicas Envoy balances itself.
-            picked = _action(rule, pools, fallback=False)
-            picked.name = f"{name}/picked"
             has_endpoint = route.HeaderMatcher(name=demo.ENDPOINT_HEADER, present_match=True)
-            picked.match = _path_match(rule.path_prefix, [has_endpoint])
-            result.append(picked)
-            fail_open = _action(rule, pools, fallback=True)
-            fail_open.name = f"{name}/fail-open"
-            fail_open.match = _path_match(rule.path_prefix, [])
-            result.append(fail_open)
+            picked = _path_match(prefix, [has_endpoint])
+            result.append(_to_pools(f"{name}/picked", picked, rule, pools, fallback=False))
+            anything = _path_match(prefix, [])
+            result.append(_to_pools(f"{name}/fail-open", anything, rule, pools, fallback=True))
         else:
-            plain = _action(rule, pools, fallback=False)
-            plain.name = name
-            plain.match = _path_match(rule.path_prefix, [])
-            result.append(plain)
+            matched = _path_match(prefix, [])
+            result.append(_to_pools(name, matched, rule, pools, fallback=False))
     return result
 
 
@@ -307,7 +312,9 @@ def routes_file(work_dir: Path, gateway: Gateway) -> Path:
 # --- listeners and the bootstrap ------------------------------------------------------
 
 
-def _listener(gateway: Gateway, pools: Sequence[InferencePool], work_dir: Path) -> Any:
+def _listener(
+    gateway: Gateway, pools: Sequence[InferencePool], work_dir: Path
+) -> listener.Listener:
     path = routes_file(work_dir, gateway)
     rds = hcm.Rds(
         route_config_name=gateway.name,

@@ -237,7 +237,11 @@ class Topology:
 
     def _python(self, name: str, module: str, *args: str) -> Service:
         argv = [sys.executable, "-m", module, *args, "--log-level", "info"]
-        service = Service(name, argv, self.work_dir / f"{name}.log")
+        log = self.work_dir / f"{name}.log"
+        restarts = 1
+        while log.exists():  # a restarted picker keeps its earlier logs
+            log, restarts = self.work_dir / f"{name}.{restarts}.log", restarts + 1
+        service = Service(name, argv, log)
         self.services[name] = service
         return service
 

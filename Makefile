@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench conformance clean
+.PHONY: demo test lint typecheck unit bench conformance images images-oci images-test lock clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,30 @@ conformance: $(STAMP)
 ## bench: codec and stream benchmarks, reported as ratios to baselines from the same run
 bench: $(STAMP)
 	$(PY) -m bench
+
+## images: the service images with Docker (or any BuildKit builder):
+## $(IMAGE_PREFIX)/lwepp, /bbr and /simulator, tagged $(IMAGE_TAG)
+IMAGE_PREFIX ?= switchyard
+IMAGE_TAG ?= 0.1.0
+DOCKER ?= docker
+images:
+	for target in lwepp bbr simulator; do \
+	  $(DOCKER) build --target $$target -t $(IMAGE_PREFIX)/$$target:$(IMAGE_TAG) . || exit 1; \
+	done
+
+## images-oci: the same images with no daemon, from Debian's packages (mmdebstrap, as root),
+## as one OCI layout in build/oci (push with: skopeo copy oci:build/oci:lwepp docker://...)
+images-oci: $(STAMP)
+	command -v mmdebstrap >/dev/null || { apt-get update -qq && apt-get install -y -qq mmdebstrap; }
+	$(PY) -m images.build --out build/oci
+
+## images-test: build build/oci, then run each image's service inside it as its user (~1-2 min)
+images-test: images-oci
+	SWITCHYARD_IMAGE_TEST=1 SWITCHYARD_OCI=build/oci $(PY) -m pytest tests/test_images.py
+
+## lock: re-pin images/requirements.lock after changing pyproject's dependencies
+lock: $(STAMP)
+	$(PY) -m images.lock
 
 clean:
 	rm -rf $(VENV) run .mypy_cache .ruff_cache

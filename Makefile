@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench conformance images images-oci images-test lock clean
+.PHONY: demo test lint typecheck unit bench bench-micro bench-overhead bench-routing bench-live conformance images images-oci images-test lock clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,9 +32,15 @@ typecheck: $(STAMP)
 conformance: $(STAMP)
 	$(PY) -m conformance
 
-## bench: codec and stream benchmarks, reported as ratios to baselines from the same run
+## bench: every benchmark part (micro, overhead, routing, live), as ratios to baselines
+## measured in the same run; writes $(BENCH_OUT)/results.md, results.json and plots.
+## One part alone: make bench-micro | bench-overhead | bench-routing | bench-live
+BENCH_OUT ?= bench-results
+SEED ?= 0
 bench: $(STAMP)
-	$(PY) -m bench
+	$(PY) -m bench --seed $(SEED) --out $(BENCH_OUT)
+bench-micro bench-overhead bench-routing bench-live: $(STAMP)
+	$(PY) -m bench $(@:bench-%=%) --seed $(SEED) --out $(BENCH_OUT)
 
 ## images: the service images with Docker (or any BuildKit builder):
 ## $(IMAGE_PREFIX)/lwepp, /bbr and /simulator, tagged $(IMAGE_TAG)

@@ -1,31 +1,61 @@
-"""``make bench``: every benchmark, printed as Markdown tables of ratios to same-run baselines."""
+"""``make bench``: every benchmark part, written as Markdown, JSON and plots.
+
+``python -m bench [PART ...] [--seed N] [--quick] [--out DIR]``; the parts
+are ``micro`` (codec, plugins, hook pipeline), ``overhead`` (what the
+gateway path adds, through a real Envoy), ``routing`` (what picking buys,
+in virtual time) and ``live`` (the demo gateway beside peer routers over
+HTTP). With no part named, all run in that order. Results go to
+``DIR/results.md``, ``DIR/results.json`` and one PNG and SVG per plot; the
+Markdown is printed as well.
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import platform
-import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Final
 
-from bench import codec, hooks, plugins, streams
+from bench.report import Options, Section, progress, write
+
+PARTS: Final = ("micro", "overhead", "routing", "live")
 
 
-def main() -> None:
-    print(
-        f"# Switchyard benchmarks ({platform.python_implementation()} {platform.python_version()})"
+def parse(argv: Sequence[str] | None = None) -> tuple[list[str], Options]:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "parts", nargs="*", choices=[*PARTS, []], metavar="PART", help=", ".join(PARTS)
     )
-    print("\n## Codec: per-message cost\n", flush=True)
-    print(codec.table(codec.run()), flush=True)
-    print("\n## Plugins: per-call cost (filters, scorers, data-source steps)\n", flush=True)
-    print(plugins.table(*plugins.run()), flush=True)
-    print("\n## Hooks: what the pipeline adds per request (do-nothing plugins)\n", flush=True)
-    print(hooks.table(hooks.run()), flush=True)
-    print("", flush=True)
-    print(hooks.stream_table(hooks.stream_rows()), flush=True)
-    print(
-        "\n## Whole ext_proc streams on one core (headers + 4 KB body, full-duplex)\n", flush=True
+    parser.add_argument("--seed", type=int, default=0, help="random seed of every workload (0)")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke size: seconds, numbers meaningless"
     )
-    kinds = sys.argv[1:] or list(streams.KINDS)
-    print(f"  measuring {', '.join(kinds)} in interleaved rounds ...", file=sys.stderr, flush=True)
-    print(streams.table(streams.measure(kinds)))
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+    args = parser.parse_args(argv)
+    for part in args.parts:
+        if part not in PARTS:
+            parser.error(f"unknown part {part!r}: choose from {', '.join(PARTS)}")
+    return list(args.parts) or list(PARTS), Options(seed=args.seed, quick=args.quick, out=args.out)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parts, options = parse(argv)
+    sections: list[Section] = []
+    for part in parts:
+        progress(f"{part}: starting")
+        module = importlib.import_module(f"bench.{part}")
+        sections.append(module.run(options))
+        progress(f"{part}: done")
+    header = (
+        f"# Switchyard benchmarks\n\n{platform.python_implementation()} "
+        f"{platform.python_version()}, {platform.machine()}, seed {options.seed}"
+        + (", **quick (smoke) run: the numbers mean nothing**" if options.quick else "")
+    )
+    paths = write(sections, options.out, header=header)
+    print(paths[0].read_text(), flush=True)
+    progress(f"wrote {', '.join(str(p) for p in paths[:2])} and {len(paths) - 2} plot files")
 
 
 if __name__ == "__main__":

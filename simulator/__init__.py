@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
-from simulator.engine import Engine, Settings, count_tokens, output_token
+from simulator.legacy import Engine, Settings
 from simulator.server import DEFAULT_MODEL, Replica, serve_pods
+from simulator.tokenizer import count_tokens, output_token
 
 __all__ = [
     "DEFAULT_MODEL",

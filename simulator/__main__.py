@@ -13,7 +13,7 @@ import structlog
 from pods.file import PodFileError, load_pods
 from pods.model import Pod, parse_selector
 from protos.logs import configure_logging
-from simulator.engine import Settings
+from simulator.legacy import Settings
 from simulator.metrics import ENGINES
 from simulator.server import serve_pods
 

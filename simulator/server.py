@@ -36,8 +36,8 @@ from aiohttp.typedefs import Handler
 
 from pods.model import Pod, join_host_port
 from simulator import metrics, openai
-from simulator.engine import Engine, Settings, Sleep
 from simulator.h2c import serve_h2c_echo
+from simulator.legacy import Engine, Settings, Sleep
 from simulator.openai import Api, ApiError
 
 log = structlog.get_logger()

@@ -24,7 +24,7 @@ from demo.topology import free_ports
 from pods.model import Pod
 from simulator import Engine, Replica, Settings, count_tokens, output_token, serve_pods
 from simulator.__main__ import main
-from simulator.engine import Sleep
+from simulator.legacy import Sleep
 from simulator.server import echo_set_headers
 
 INSTANT = Settings(time_scale=0)

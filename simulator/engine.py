@@ -1,0 +1,627 @@
+"""One simulated vLLM engine: continuous batching, chunked prefill, a block KV cache, preemption.
+
+The model follows vLLM V1's scheduler and KV-cache manager closely enough
+that a router sees the same signals (queue, batch, KV usage, prefix hits)
+and the same consequences (a hit skips prefill, a full cache preempts), and
+it is clock-agnostic: the engine never sleeps and never reads a clock. A
+driver (``simulator.clocks``) calls ``step(now)`` to schedule a batch, waits
+``step.duration`` in its own time (virtual, or real times ``time_scale``),
+then calls ``finish(step, now)`` to apply the results and get the events.
+
+**One step** (vLLM V1's ``Scheduler.schedule``, FCFS policy):
+
+1. The running sequences, in admission order, each get their next tokens
+   within the step's token budget (``max_num_batched_tokens``): one for a
+   decoding sequence, the rest of its prompt (or as much as the budget
+   allows: chunked prefill) for one still in prefill. Only the newest
+   running sequence can be mid-prefill (a chunk is cut only when the budget
+   runs out, and nothing is admitted after it in that step), so decodes come
+   first and the prefill chunk last.
+2. A running sequence that needs a new block when none is free preempts the
+   most recently admitted running sequence (recompute mode): its blocks are
+   freed, it goes back to the front of the waiting queue, and it later
+   recomputes its prompt and the tokens it had generated, hitting whatever
+   of them is still cached. If it is itself the newest, it preempts itself.
+3. If nothing was preempted, waiting requests are admitted first come, first
+   served while the budget lasts, fewer than ``max_num_seqs`` run and the KV
+   cache can hold the request's first chunk. A request's prefill starts
+   after its longest cached prefix (full blocks only, and never the whole
+   sequence: the last token is always computed, as vLLM recomputes it to
+   get logits). A request whose adapter would make more than ``max_loras``
+   distinct adapters run at once is skipped (it keeps its place) and the
+   next is tried, as vLLM does.
+
+**Step time** is ``Profile.step_time(prefill tokens, decoding sequences,
+attended context tokens)``, plus ``lora_load_time`` for each adapter the
+batch needs that is not resident (vLLM loads adapters into their GPU slots
+before running the batch). Resident adapters are an LRU set of
+``max_loras``; adapters of running requests are never evicted.
+
+**Tokens.** A step that completes a sequence's prefill samples its first
+token (time to first token ends there); every later step samples one more.
+Output token ``i`` is ``simulator.tokenizer.output_token(i)``, with a known
+id, so blocks holding generated tokens are hashed and cached like prompt
+blocks. A request ends after exactly ``max_tokens`` tokens (no EOS).
+
+**KV cache**: ``simulator.kvcache``. Blocks are registered in the prefix
+cache when the step that filled them finishes. ``kv_usage`` is blocks in use
+over ``num_blocks``; cached blocks nobody uses do not count.
+
+**Faults** (``Faults``): injected errors, a stall mid-stream, dead metrics
+(the HTTP layer's) and a crash after N requests.
+
+**Cost.** ``step`` and ``finish`` are O(running + admitted) with no
+per-token work for a prefill: a request's block hashes are computed once (a
+tuple hash per block) and kept on the request.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+from simulator.kvcache import BlockPool, extend_hashes
+from simulator.profiles import Profile
+from simulator.tokenizer import count_tokens, output_token, output_token_id
+
+__all__ = [
+    "Engine",
+    "Event",
+    "Faults",
+    "Request",
+    "Step",
+    "count_tokens",
+    "output_token",
+]
+
+INJECTED_ERROR: Final = "injected error (fault error_rate)"
+CRASHED: Final = "engine crashed (fault crash_after)"
+
+
+@dataclass(frozen=True, slots=True)
+class Faults:
+    """Failures a replica can be told to show, to test what a router does about them."""
+
+    error_rate: float = 0.0
+    """Fraction of requests answered with an error at once (a seeded random draw per request)."""
+    stall_after_tokens: int | None = None
+    """Every stream stops producing after this many tokens ..."""
+    stall_seconds: float = 0.0
+    """... for this long (``math.inf``: forever); the sequence keeps its slot and blocks."""
+    dead_metrics: bool = False
+    """``/metrics`` answers 503 (the engine itself keeps working)."""
+    crash_after: int | None = None
+    """The replica serves this many requests; the next one crashes it, cutting off every
+    request in flight, and it serves nothing afterwards."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.error_rate <= 1:
+            raise ValueError("error_rate: must be between 0 and 1")
+        if self.stall_after_tokens is not None and self.stall_after_tokens < 1:
+            raise ValueError("stall_after_tokens: must be at least 1")
+        if self.stall_seconds < 0:
+            raise ValueError("stall_seconds: must not be negative")
+        if self.crash_after is not None and self.crash_after < 0:
+            raise ValueError("crash_after: must not be negative")
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation request: the prompt's token ids and how many tokens to produce.
+
+    The engine fills in the fields after ``adapter`` as the request runs.
+    The hash chain of the request's full blocks is computed once and kept
+    here, so every engine (and a router asking ``cached_prefix``) reuses it.
+    """
+
+    id: str
+    tokens: Sequence[int] = field(repr=False)
+    """Prompt token ids (``simulator.tokenizer.tokenize``)."""
+    max_tokens: int
+    arrival: float
+    """When the request was added, on the engine's clock."""
+    adapter: str | None = None
+    """LoRA adapter name, or None for the base model."""
+    cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache when the request was first scheduled."""
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    generated: int = 0
+    preemptions: int = 0
+    error: str | None = None
+    _hashes: list[int] = field(default_factory=list, init=False, repr=False, compare=False)
+    _hash_block_size: int = field(default=0, init=False, repr=False, compare=False)
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first token, once there is one."""
+        return None if self.first_token_at is None else self.first_token_at - self.arrival
+
+    def sequence(self, start: int, end: int) -> Sequence[int]:
+        """Token ids ``start:end`` of the sequence: the prompt, then the output tokens."""
+        prompt = self.tokens
+        size = len(prompt)
+        if end <= size:
+            return prompt[start:end]
+        head = list(prompt[start:size]) if start < size else []
+        return head + [output_token_id(i) for i in range(max(start - size, 0), end - size)]
+
+    def block_hashes(self, blocks: int, block_size: int) -> list[int]:
+        """The hash chain of the sequence's first ``blocks`` full blocks (computed once, kept)."""
+        if self._hash_block_size != block_size:
+            self._hashes = []
+            self._hash_block_size = block_size
+        if len(self._hashes) < blocks:
+            extend_hashes(self._hashes, blocks, block_size, self.adapter or "", self.sequence)
+        return self._hashes
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """What happened to a request at the end of a step."""
+
+    request: Request
+    kind: Literal["token", "done", "error"]
+    """``token``: output token ``request.generated - 1`` was produced; ``done``: the last one
+    was; ``error``: the request failed (``request.error`` says why)."""
+
+
+class _Seq:
+    """The engine's bookkeeping for one request it holds."""
+
+    __slots__ = (
+        "blocks",
+        "computed",
+        "hashed",
+        "live",
+        "prompt_len",
+        "request",
+        "running",
+        "scheduled_before",
+        "stall_until",
+    )
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.prompt_len = len(request.tokens)
+        self.blocks: list[int] = []
+        self.computed = 0  # tokens whose KV is in the cache (vLLM's num_computed_tokens)
+        self.hashed = 0  # leading blocks registered in the prefix cache
+        self.live = True
+        self.running = False
+        self.scheduled_before = False
+        self.stall_until = -math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One scheduled batch: how long it takes, and what ``finish`` applies."""
+
+    duration: float
+    """Seconds this batch takes on the modelled hardware."""
+    start: float
+    prefill_tokens: int
+    decode_seqs: int
+    context_tokens: int
+    """KV tokens attended by the decoding sequences."""
+    lora_loads: tuple[str, ...]
+    """Adapters loaded before the batch ran."""
+    preempted: int
+    """Sequences preempted while scheduling this batch."""
+    batch: tuple[tuple[_Seq, int], ...] = field(repr=False)
+
+
+class Engine:
+    """The state of one engine; ``step``/``finish`` advance it (see the module docstring)."""
+
+    __slots__ = (
+        "_last_now",
+        "_loaded",
+        "_outbox",
+        "_pending",
+        "_pool",
+        "_rng",
+        "_running",
+        "_seqs",
+        "_waiting",
+        "all_tokens",
+        "crashed",
+        "errors_total",
+        "faults",
+        "generation_tokens_total",
+        "preemptions_total",
+        "prefix_hits_total",
+        "prefix_queries_total",
+        "profile",
+        "prompt_tokens_total",
+        "requests_total",
+        "running_adapters",
+        "waiting_adapters",
+    )
+
+    def __init__(
+        self,
+        profile: Profile,
+        *,
+        faults: Faults = Faults(),
+        seed: int = 0,
+        all_tokens: bool = True,
+    ) -> None:
+        """``all_tokens=False`` reports only the first token and ``done`` of each request (a
+        benchmark that needs only time to first token and completion saves one event per token)."""
+        self.profile = profile
+        self.faults = faults
+        self.all_tokens = all_tokens
+        self._rng = random.Random(seed)
+        self._pool = BlockPool(profile.num_blocks)
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._seqs: dict[str, _Seq] = {}
+        self._outbox: list[Event] = []
+        self._loaded: OrderedDict[str, None] = OrderedDict()
+        self._pending = 0
+        self._last_now = -math.inf
+        self.crashed = False
+        self.running_adapters: Counter[str] = Counter()
+        self.waiting_adapters: Counter[str] = Counter()
+        self.requests_total = 0
+        self.errors_total = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.prefix_queries_total = 0
+        self.prefix_hits_total = 0
+        self.preemptions_total = 0
+
+    # --- state ---------------------------------------------------------------------------
+
+    @property
+    def running(self) -> int:
+        """Sequences in the running batch (vLLM's ``num_requests_running``)."""
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting to be scheduled, preempted ones included."""
+        return len(self._waiting)
+
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_blocks
+
+    @property
+    def used_blocks(self) -> int:
+        return self._pool.used
+
+    @property
+    def kv_usage(self) -> float:
+        """Blocks in use over all blocks, 0-1 (cached blocks nobody holds do not count)."""
+        return self._pool.used / self._pool.num_blocks
+
+    @property
+    def loaded_adapters(self) -> tuple[str, ...]:
+        """Resident LoRA adapters, least recently used first."""
+        return tuple(self._loaded)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to run and nothing to report."""
+        return not (self._running or self._waiting or self._outbox)
+
+    @property
+    def wake_at(self) -> float | None:
+        """When a stalled sequence resumes, if the engine has nothing else to do until then."""
+        ends = [s.stall_until for s in self._running if s.stall_until > self._last_now]
+        soonest = min(ends, default=math.inf)
+        return None if math.isinf(soonest) else soonest
+
+    def cached_prefix(self, tokens: Sequence[int] | Request, adapter: str | None = None) -> int:
+        """Leading prompt tokens that would hit the prefix cache now; no side effects.
+
+        Full blocks only, and at most all tokens but the last, as in scheduling.
+        Given a ``Request``, its kept hash chain is used (and its adapter).
+        """
+        size = self.profile.block_size
+        if isinstance(tokens, Request):
+            count = len(tokens.tokens)
+            hashes = tokens.block_hashes(count // size, size)
+        else:
+            count = len(tokens)
+            probe = Request("", tokens, 1, 0.0, adapter)
+            hashes = probe.block_hashes(count // size, size)
+        return self._pool.hit_length(hashes, (count - 1) // size) * size
+
+    def pending_tokens(self) -> int:
+        """Tokens still to run through the model for every request held: the rest of each
+        prompt (after what hit the cache) plus each remaining output token; for a queue
+        estimate. Kept as a running total, so reading it is O(1)."""
+        return self._pending
+
+    def validate(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why the engine would refuse a request of this size, or None if it would run it.
+
+        vLLM refuses an empty prompt, and a sequence longer than the KV cache
+        can hold (it could never run, not even alone).
+        """
+        if prompt_tokens < 1:
+            return "the prompt must have at least one token"
+        if max_tokens < 1:
+            return "max_tokens must be at least 1"
+        size = self.profile.block_size
+        blocks = -(-(prompt_tokens + max_tokens - 1) // size)
+        if blocks > self._pool.num_blocks:
+            return (
+                f"{prompt_tokens} prompt tokens and {max_tokens} output tokens need {blocks} "
+                f"KV blocks of {size} tokens; the cache has {self._pool.num_blocks}"
+            )
+        return None
+
+    # --- requests ------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Put a request at the back of the waiting queue.
+
+        A request that cannot run, an injected error and a crash are reported
+        as an ``error`` event by the next ``finish`` (the next ``step`` is
+        then never None), with ``request.error`` set at once.
+        """
+        if request.id in self._seqs:
+            raise ValueError(f"request {request.id!r} is already in the engine")
+        earlier = self.requests_total
+        self.requests_total += 1
+        crash_after = self.faults.crash_after
+        if not self.crashed and crash_after is not None and earlier >= crash_after:
+            self._crash(request.arrival)
+        if self.crashed:
+            self._fail(request, CRASHED, request.arrival)
+            return
+        problem = self.validate(len(request.tokens), request.max_tokens)
+        if problem is not None:
+            self._fail(request, problem, request.arrival)
+            return
+        if self.faults.error_rate and self._rng.random() < self.faults.error_rate:
+            self._fail(request, INJECTED_ERROR, request.arrival)
+            return
+        seq = _Seq(request)
+        self._seqs[request.id] = seq
+        self._waiting.append(seq)
+        self._pending += seq.prompt_len + request.max_tokens - 1
+        if request.adapter:
+            self.waiting_adapters[request.adapter] += 1
+
+    def abort(self, request_id: str) -> None:
+        """The client went away: drop the request wherever it is and free its blocks."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return
+        if seq.running:
+            self._running.remove(seq)
+            self._leave_running(seq)
+        else:
+            self._waiting.remove(seq)
+            self._leave_waiting(seq)
+        self._drop(seq)
+
+    # --- stepping ------------------------------------------------------------------------
+
+    def step(self, now: float) -> Step | None:
+        """Schedule one batch at ``now``; None when there is nothing to run or report."""
+        self._last_now = now
+        profile = self.profile
+        size = profile.block_size
+        pool = self._pool
+        running = self._running
+        budget = profile.max_num_batched_tokens
+        batch: list[tuple[_Seq, int]] = []
+        prefill = decodes = context = preempted = 0
+
+        index = 0
+        while index < len(running) and budget > 0:
+            seq = running[index]
+            if seq.stall_until > now:
+                index += 1
+                continue
+            remaining = seq.prompt_len + seq.request.generated - seq.computed
+            count = min(remaining, budget)
+            need = (seq.computed + count + size - 1) // size - len(seq.blocks)
+            if need > 0:
+                new = pool.allocate(need)
+                while new is None:
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted += 1
+                    if victim is seq:
+                        break
+                    new = pool.allocate(need)
+                if new is None:
+                    break  # ``seq`` was the newest and preempted itself
+                seq.blocks += new
+            batch.append((seq, count))
+            budget -= count
+            if remaining == 1 and seq.request.generated:
+                decodes += 1
+                context += seq.computed + 1
+            else:
+                prefill += count
+            index += 1
+
+        loads: list[str] = []
+        if not preempted:
+            waiting = self._waiting
+            skipped: list[_Seq] = []
+            loras = self.running_adapters
+            while waiting and budget > 0 and len(running) < profile.max_num_seqs:
+                seq = waiting[0]
+                request = seq.request
+                adapter = request.adapter
+                if adapter and adapter not in loras and len(loras) >= profile.max_loras:
+                    skipped.append(waiting.popleft())
+                    continue
+                total = seq.prompt_len + request.generated
+                hashes = request.block_hashes(total // size, size)
+                hits = pool.hits(hashes, (total - 1) // size)
+                computed = len(hits) * size
+                count = min(total - computed, budget)
+                need = (computed + count + size - 1) // size - len(hits)
+                if need > pool.free - pool.evictable(hits):
+                    break  # the head waits for blocks; FCFS does not look past it
+                pool.touch(hits)
+                new = pool.allocate(need)
+                assert new is not None
+                seq.blocks = hits + new
+                seq.computed = computed
+                seq.hashed = len(hits)
+                self._pending -= computed
+                if not seq.scheduled_before:
+                    seq.scheduled_before = True
+                    request.cached_tokens = computed
+                    self.prefix_queries_total += seq.prompt_len
+                    self.prefix_hits_total += computed
+                waiting.popleft()
+                self._leave_waiting(seq)
+                running.append(seq)
+                seq.running = True
+                if adapter:
+                    loras[adapter] += 1
+                    if adapter in self._loaded:
+                        self._loaded.move_to_end(adapter)
+                    else:
+                        loads.append(adapter)
+                        self._load(adapter)
+                batch.append((seq, count))
+                budget -= count
+                if count == 1 and request.generated:
+                    decodes += 1
+                    context += computed + 1
+                else:
+                    prefill += count
+            if skipped:
+                waiting.extendleft(reversed(skipped))
+
+        if not batch and not self._outbox:
+            return None
+        duration = 0.0
+        if batch:
+            duration = profile.step_time(prefill, decodes, context)
+            duration += profile.lora_load_time * len(loads)
+        return Step(duration, now, prefill, decodes, context, tuple(loads), preempted, tuple(batch))
+
+    def finish(self, step: Step, now: float) -> list[Event]:
+        """Apply a batch's results at ``now`` (its end) and return what happened, in order."""
+        events = self._outbox
+        self._outbox = []
+        size = self.profile.block_size
+        pool = self._pool
+        faults = self.faults
+        all_tokens = self.all_tokens
+        done = False
+        for seq, count in step.batch:
+            if not seq.live:
+                continue  # aborted while the step ran
+            request = seq.request
+            seq.computed += count
+            self._pending -= count
+            full = seq.computed // size
+            if full > seq.hashed:
+                hashes = request.block_hashes(full, size)
+                blocks = seq.blocks
+                for index in range(seq.hashed, full):
+                    pool.register(blocks[index], hashes[index])
+                seq.hashed = full
+            if seq.computed < seq.prompt_len + request.generated:
+                continue  # a prefill chunk: no token yet
+            request.generated += 1
+            self.generation_tokens_total += 1
+            if request.generated == 1:
+                request.first_token_at = now
+                self.prompt_tokens_total += seq.prompt_len
+                events.append(Event(request, "token"))
+            elif all_tokens:
+                events.append(Event(request, "token"))
+            if request.generated >= request.max_tokens:
+                request.finished_at = now
+                events.append(Event(request, "done"))
+                seq.live = False
+                del self._seqs[request.id]
+                self._leave_running(seq)
+                pool.release(seq.blocks)
+                seq.blocks = []
+                done = True
+            elif request.generated == faults.stall_after_tokens and faults.stall_seconds:
+                seq.stall_until = now + faults.stall_seconds
+        if done:
+            self._running = [seq for seq in self._running if seq.live]
+        return events
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _preempt(self, seq: _Seq) -> None:
+        """Recompute-mode preemption: free the blocks, back to the front of the queue."""
+        self._pool.release(seq.blocks)
+        seq.blocks = []
+        self._pending += seq.computed
+        seq.computed = 0
+        seq.hashed = 0
+        seq.request.preemptions += 1
+        self.preemptions_total += 1
+        self._leave_running(seq)
+        self._waiting.appendleft(seq)
+        if seq.request.adapter:
+            self.waiting_adapters[seq.request.adapter] += 1
+
+    def _leave_running(self, seq: _Seq) -> None:
+        seq.running = False
+        adapter = seq.request.adapter
+        if adapter:
+            _decrement(self.running_adapters, adapter)
+            if adapter in self._loaded:
+                self._loaded.move_to_end(adapter)
+
+    def _leave_waiting(self, seq: _Seq) -> None:
+        if seq.request.adapter:
+            _decrement(self.waiting_adapters, seq.request.adapter)
+
+    def _drop(self, seq: _Seq) -> None:
+        """Forget a request that leaves before finishing: free its blocks and pending work."""
+        seq.live = False
+        self._pool.release(seq.blocks)
+        seq.blocks = []
+        self._pending -= seq.prompt_len + seq.request.max_tokens - 1 - seq.computed
+
+    def _load(self, adapter: str) -> None:
+        """Make ``adapter`` resident, evicting the least recently used idle one if full."""
+        self._loaded[adapter] = None
+        if len(self._loaded) > self.profile.max_loras:
+            for name in self._loaded:
+                if name not in self.running_adapters:
+                    del self._loaded[name]
+                    break
+
+    def _fail(self, request: Request, reason: str, now: float) -> None:
+        request.error = reason
+        request.finished_at = now
+        self.errors_total += 1
+        self._outbox.append(Event(request, "error"))
+
+    def _crash(self, now: float) -> None:
+        """The replica dies: every request it holds fails, and it takes no more."""
+        self.crashed = True
+        for seq in [*self._running, *self._waiting]:
+            self._drop(seq)
+            self._fail(seq.request, CRASHED, now)
+        self._running.clear()
+        self._waiting.clear()
+        self._seqs.clear()
+        self.running_adapters.clear()
+        self.waiting_adapters.clear()
+
+
+def _decrement(counter: Counter[str], key: str) -> None:
+    """Count one less, deleting the key at zero (so ``len`` counts only present keys)."""
+    if counter[key] <= 1:
+        counter.pop(key, None)
+    else:
+        counter[key] -= 1

@@ -1,0 +1,454 @@
+"""The engine model in virtual time: step timing, chunked prefill, prefix caching, queues,
+preemption, LoRA loading and faults. No sleeps: every test runs on a ``VirtualLoop``."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+import pytest
+
+from simulator.clocks import VirtualEngine, VirtualLoop
+from simulator.engine import CRASHED, INJECTED_ERROR, Engine, Event, Faults, Request
+from simulator.kvcache import block_hashes
+from simulator.profiles import PROFILES, Profile
+from simulator.tokenizer import (
+    count_tokens,
+    output_token,
+    output_token_id,
+    text_block,
+    token_block,
+    tokenize,
+)
+
+H100 = PROFILES["llama-3.1-8b-h100"]
+
+
+class Run:
+    """One engine on a virtual loop, recording every event per request."""
+
+    def __init__(
+        self, profile: Profile = H100, faults: Faults | None = None, seed: int = 0
+    ) -> None:
+        faults = faults or Faults()
+        self.loop = VirtualLoop()
+        self.engine = Engine(profile, faults=faults, seed=seed)
+        self.events: dict[str, list[tuple[str, int, float]]] = defaultdict(list)
+        self.driver = VirtualEngine(self.engine, self.loop, self.record)
+        self.requests: dict[str, Request] = {}
+
+    def record(self, event: Event) -> None:
+        request = event.request
+        self.events[request.id].append((event.kind, request.generated, self.loop.now))
+
+    def submit(
+        self, rid: str, tokens: list[int], max_tokens: int = 1, adapter: str | None = None
+    ) -> Request:
+        request = Request(rid, tokens, max_tokens, self.loop.now, adapter)
+        self.requests[rid] = request
+        self.driver.submit(request)
+        return request
+
+    def at(self, when: float, rid: str, tokens: list[int], max_tokens: int = 1) -> None:
+        def submit() -> None:
+            self.submit(rid, tokens, max_tokens)
+
+        self.loop.at(when, submit)
+
+    def run(self, until: float | None = None) -> None:
+        self.loop.run(until)
+
+    def token_times(self, rid: str) -> list[float]:
+        return [when for kind, _, when in self.events[rid] if kind == "token"]
+
+
+def prompt(seed: int, tokens: int) -> list[int]:
+    return token_block(seed, tokens)
+
+
+def fit_line(xs: Iterable[float], ys: Iterable[float]) -> tuple[float, float, float]:
+    """Least squares: slope, intercept and the largest residual."""
+    x, y = list(xs), list(ys)
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    slope = sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True)) / sum(
+        (a - mx) ** 2 for a in x
+    )
+    intercept = my - slope * mx
+    residual = max(abs(b - (slope * a + intercept)) for a, b in zip(x, y, strict=True))
+    return slope, intercept, residual
+
+
+# --- tokenizer ------------------------------------------------------------------------------
+
+
+def test_tokenizer_is_deterministic_and_concatenates() -> None:
+    """Equal text gives equal ids; blocks concatenate at the token level; counts agree."""
+    assert tokenize("Hello, world!") == tokenize("Hello, world!")
+    assert count_tokens("Hello, world!") == len(tokenize("Hello, world!")) == 4
+    a, b = text_block(1, 40), text_block(2, 25)
+    assert tokenize(a + b) == tokenize(a) + tokenize(b)
+    assert len(tokenize(a)) == 40
+    assert text_block(1, 40) == a
+    assert text_block(1, 10) == " ".join(a.split()[:10]) + " "
+    assert token_block(1, 40) == tokenize(a)
+    assert tokenize("".join(output_token(i) for i in range(12))) == [
+        output_token_id(i) for i in range(12)
+    ]
+
+
+# --- step time and prefill --------------------------------------------------------------------
+
+
+def test_ttft_is_linear_in_uncached_prompt_tokens() -> None:
+    """On an idle engine, TTFT = step_overhead + prefill_per_token * prompt tokens, exactly."""
+    lengths = [1, 16, 100, 777, 2048, 8000]
+    ttfts = []
+    for length in lengths:
+        run = Run()
+        request = run.submit("r", prompt(length, length))
+        run.run()
+        assert request.ttft is not None
+        ttfts.append(request.ttft)
+    slope, intercept, residual = fit_line(lengths, ttfts)
+    assert slope == pytest.approx(H100.prefill_per_token, rel=1e-9)
+    assert intercept == pytest.approx(H100.step_overhead, rel=1e-9)
+    assert residual < 1e-12
+
+
+def test_a_repeated_long_prompt_costs_about_one_step() -> None:
+    """The second time, all full blocks but the one holding the last token hit: TTFT collapses."""
+    run = Run()
+    tokens = prompt(7, 4000)
+    first = run.submit("first", tokens)
+    run.run()
+    again = run.submit("again", tokens)
+    run.run()
+    assert first.cached_tokens == 0
+    assert again.cached_tokens == (4000 - 1) // 16 * 16 == 3984
+    assert again.ttft == pytest.approx(H100.step_time(16, 0, 0))
+    assert first.ttft is not None
+    assert again.ttft is not None
+    assert again.ttft < first.ttft / 10
+    assert run.engine.prefix_hits_total == 3984
+    assert run.engine.prefix_queries_total == 8000
+
+
+def test_ttft_counts_only_the_uncached_tokens() -> None:
+    """A shared 1024-token prefix then a private tail: TTFT is linear in the tail alone."""
+    run = Run()
+    shared = prompt(1, 1024)
+    run.submit("warm", shared + prompt(2, 50))
+    run.run()
+    for index, tail in enumerate([10, 200, 1500]):
+        request = run.submit(f"r{index}", shared + prompt(100 + index, tail))
+        run.run()
+        assert request.cached_tokens == 1024
+        assert request.ttft == pytest.approx(H100.step_time(tail, 0, 0))
+
+
+def test_long_prompts_are_prefilled_in_chunks_with_decodes_first() -> None:
+    """A prompt over the token budget takes several steps; a decoding stream keeps getting a
+    token every one of those steps (decodes are scheduled first, the chunk takes the rest)."""
+    profile = H100.replace(max_num_batched_tokens=512)
+    run = Run(profile)
+    run.submit("decoder", prompt(1, 10), max_tokens=30)
+    run.run(until=0.05)  # decoding by now
+    before = len(run.token_times("decoder"))
+    long = run.submit("long", prompt(2, 1500), max_tokens=1)
+    run.run()
+    decoder = run.token_times("decoder")
+    assert long.first_token_at is not None
+    during = [t for t in decoder[before:] if t <= long.first_token_at]
+    # The step in flight when it arrived, then 1500 tokens at 511 per step (one budget token
+    # goes to the decoder): 3 steps, each with a decoder token.
+    assert len(during) == 1 + 3
+    gaps = [b - a for a, b in itertools.pairwise(decoder)]
+    assert max(gaps) < H100.step_time(512, 1, 100)  # never blocked for the whole prefill
+
+
+# --- prefix caching ---------------------------------------------------------------------------
+
+
+def shared_prefix_workload(
+    run: Run, groups: int, users: int, prefix: int, question: int, gap: float = 1.0
+) -> None:
+    """``groups`` system prompts of ``prefix`` tokens, each followed by ``users`` different
+    questions of ``question`` tokens; requests arrive ``gap`` seconds apart, round-robin over
+    the groups, so each has finished before the next arrives."""
+    when = 0.0
+    for user in range(users):
+        for group in range(groups):
+            tokens = prompt(group, prefix) + prompt(1000 + group * users + user, question)
+            run.at(when, f"g{group}u{user}", tokens, max_tokens=8)
+            when += gap
+    run.run()
+
+
+def test_hit_rate_matches_the_workload_structure_with_an_unbounded_cache() -> None:
+    """Every request after the first of its group hits the prefix's full blocks, no more."""
+    groups, users, prefix, question = 5, 6, 200, 37
+    run = Run(H100)
+    shared_prefix_workload(run, groups, users, prefix, question)
+    hits_each = prefix // 16 * 16  # the block holding the prefix's end also holds the question
+    assert run.engine.prefix_hits_total == groups * (users - 1) * hits_each
+    assert run.engine.prefix_queries_total == groups * users * (prefix + question)
+    assert all(len(run.events[rid]) == 9 for rid in run.requests)  # 8 tokens and done
+
+
+def test_hit_rate_falls_as_the_cache_shrinks() -> None:
+    """With fewer blocks, prefixes are evicted between reuses: hits fall, monotonically."""
+    hits = []
+    for blocks in (100_000, 120, 80, 50, 30):
+        run = Run(H100.replace(num_blocks=blocks))
+        shared_prefix_workload(run, groups=6, users=5, prefix=160, question=40)
+        hits.append(run.engine.prefix_hits_total)
+    assert hits[0] == 6 * 4 * 160
+    assert all(a >= b for a, b in itertools.pairwise(hits)), hits
+    assert hits[-1] < hits[0] / 2, hits
+
+
+def test_cached_prefix_reports_without_side_effects() -> None:
+    """``cached_prefix`` tells what would hit, leaves the cache as it was, and agrees with
+    what the engine then finds."""
+    run = Run(H100.replace(num_blocks=64))
+    shared = prompt(3, 320)
+    run.submit("a", shared + prompt(4, 30))
+    run.run()
+    probe = shared + prompt(5, 9)
+    free_before = run.engine.used_blocks
+    assert run.engine.cached_prefix(probe) == 320
+    assert run.engine.cached_prefix(probe, adapter="other") == 0  # adapters never share KV
+    assert run.engine.used_blocks == free_before
+    request = Request("b", probe, 1, run.loop.now)
+    assert run.engine.cached_prefix(request) == 320
+    run.driver.submit(request)
+    run.run()
+    assert request.cached_tokens == 320
+
+
+def test_block_hashes_chain_on_the_parent() -> None:
+    """Equal blocks after different prefixes hash differently; only full blocks are hashed."""
+    a = block_hashes([1] * 16 + [2] * 16 + [3] * 5)
+    b = block_hashes([9] * 16 + [2] * 16)
+    assert len(a) == 2
+    assert len(b) == 2
+    assert a[1] != b[1]
+    assert block_hashes([1] * 16 + [2] * 16) == a
+
+
+def test_kv_usage_counts_blocks_in_use_not_cached_blocks() -> None:
+    """While a request runs its blocks are used; afterwards they stay cached but count as free."""
+    run = Run(H100.replace(num_blocks=10))
+    run.submit("r", prompt(1, 40), max_tokens=3)
+    run.loop.run(until=0.0)  # the first step is scheduled, not finished
+    assert run.engine.kv_usage == pytest.approx(3 / 10)
+    run.run()
+    assert run.engine.kv_usage == 0
+    assert run.engine.cached_prefix(prompt(1, 40)) == 32
+
+
+# --- queues and preemption --------------------------------------------------------------------
+
+
+def test_requests_beyond_max_num_seqs_wait() -> None:
+    """Twelve requests at once with room for four: eight wait, and TTFT grows in steps of a
+    batch's service time, first come first served."""
+    run = Run(H100.replace(max_num_seqs=4))
+    for index in range(12):
+        run.submit(f"r{index}", prompt(index, 100), max_tokens=20)
+    run.loop.run(until=0.0)
+    assert (run.engine.running, run.engine.waiting) == (4, 8)
+    run.run()
+    ttfts = [run.requests[f"r{index}"].ttft or 0.0 for index in range(12)]
+    assert ttfts[0] == ttfts[3] < ttfts[4] == ttfts[7] < ttfts[8] == ttfts[11]
+
+
+@pytest.mark.parametrize("gap", [0.2, 0.03], ids=["under-capacity", "over-capacity"])
+def test_arrivals_above_token_throughput_build_a_queue(gap: float) -> None:
+    """2000-token prompts: an engine prefills ~33k tokens/s, so one every 30 ms is too many
+    (the queue and TTFT grow without bound) while one every 200 ms is not (TTFT stays flat)."""
+    run = Run()
+    waiting: list[int] = []
+    for index in range(40):
+        run.at(index * gap, f"r{index}", prompt(index, 2000), max_tokens=2)
+        run.loop.at((index + 0.5) * gap, lambda: waiting.append(run.engine.waiting))
+    run.run()
+    ttfts = [run.requests[f"r{index}"].ttft or 0.0 for index in range(40)]
+    if gap > 0.1:
+        assert max(ttfts) == pytest.approx(min(ttfts))
+        assert max(waiting) == 0
+    else:
+        assert ttfts[-1] > 10 * ttfts[0]
+        assert waiting[-1] > waiting[len(waiting) // 2] > 0
+
+
+def test_preemption_frees_the_newest_and_recomputes_it_correctly() -> None:
+    """Three long generations in a 20-block cache: the most recently admitted is preempted,
+    requeued at the front, recomputed (hitting its own cached blocks), and every stream still
+    gets exactly its tokens, in order, once each."""
+    profile = H100.replace(num_blocks=20)
+    run = Run(profile)
+    engine = run.engine
+    requests = [Request(f"r{i}", prompt(i, 64), 150, 0.0) for i in range(3)]
+    for request in requests:
+        engine.add(request)
+    events: list[Event] = []
+    prefill = 0
+    now = 0.0
+    indices: dict[str, list[int]] = defaultdict(list)
+    while (step := engine.step(now)) is not None:
+        prefill += step.prefill_tokens
+        now += step.duration
+        for event in engine.finish(step, now):
+            events.append(event)
+            if event.kind == "token":
+                indices[event.request.id].append(event.request.generated - 1)
+    first, _, newest = requests
+    assert engine.preemptions_total > 0
+    assert first.preemptions == 0
+    assert newest.preemptions > 0
+    for request in requests:
+        assert indices[request.id] == list(range(150))
+        assert [e.kind for e in events if e.request is request][-1] == "done"
+    # Recomputation costs less than everything again: some of the victims' blocks still hit.
+    assert 3 * 64 < prefill < 3 * 64 + sum(r.preemptions * (64 + 150) for r in requests)
+    assert engine.kv_usage == 0
+    assert engine.pending_tokens() == 0
+
+
+def test_a_request_too_large_for_the_cache_is_refused() -> None:
+    """A sequence that could never fit, even alone, is an error at once (vLLM refuses it too)."""
+    run = Run(H100.replace(num_blocks=4))
+    request = run.submit("big", prompt(1, 60), max_tokens=10)
+    run.run()
+    assert request.error is not None
+    assert "KV blocks" in request.error
+    assert run.events["big"] == [("error", 0, 0.0)]
+
+
+# --- LoRA -------------------------------------------------------------------------------------
+
+
+def test_an_adapter_that_is_not_resident_costs_a_load() -> None:
+    """The first request for an adapter waits lora_load_time more; while it stays resident
+    later ones do not; with max_loras 2 the least recently used idle adapter is evicted."""
+    profile = H100.replace(max_loras=2, lora_load_time=0.05)
+    run = Run(profile)
+    base = profile.step_time(100, 0, 0)
+    ttft: dict[str, float] = {}
+    for index, adapter in enumerate(["a", "a", "b", "a", "c", "b", "a"]):
+        request = run.submit(f"r{index}", prompt(index, 100), adapter=adapter)
+        run.run()
+        assert request.ttft is not None
+        ttft[f"{index}{adapter}"] = request.ttft - base
+    assert ttft == pytest.approx(
+        {"0a": 0.05, "1a": 0, "2b": 0.05, "3a": 0, "4c": 0.05, "5b": 0.05, "6a": 0.05}
+    )
+    assert run.engine.loaded_adapters == ("b", "a")
+
+
+def test_max_loras_limits_distinct_adapters_in_a_batch() -> None:
+    """With max_loras 1, a request for a second adapter waits while the first runs, without
+    blocking a base-model request behind it."""
+    run = Run(H100.replace(max_loras=1))
+    first = run.submit("a", prompt(1, 50), max_tokens=5, adapter="a")
+    other = run.submit("b", prompt(2, 50), max_tokens=5, adapter="b")
+    base = run.submit("base", prompt(3, 50), max_tokens=5)
+    run.loop.run(until=0.0)
+    assert (run.engine.running, run.engine.waiting) == (2, 1)
+    assert dict(run.engine.running_adapters) == {"a": 1}
+    assert dict(run.engine.waiting_adapters) == {"b": 1}
+    run.run()
+    assert first.finished_at is not None
+    assert other.first_token_at is not None
+    assert other.first_token_at > first.finished_at
+    assert base.ttft == first.ttft
+
+
+# --- faults -----------------------------------------------------------------------------------
+
+
+def test_error_rate_fails_that_fraction_of_requests_reproducibly() -> None:
+    """error_rate 0.3: a seeded draw per request; the same seed fails the same requests."""
+
+    def failed(seed: int) -> list[str]:
+        run = Run(faults=Faults(error_rate=0.3), seed=seed)
+        for index in range(200):
+            run.submit(f"r{index}", prompt(index, 20))
+        run.run()
+        return [rid for rid, events in run.events.items() if events[-1][0] == "error"]
+
+    once = failed(1)
+    assert 40 < len(once) < 80
+    assert failed(1) == once
+    assert failed(2) != once
+    run = Run(faults=Faults(error_rate=1.0))
+    request = run.submit("r", prompt(1, 20))
+    run.run()
+    assert request.error == INJECTED_ERROR
+    assert run.events["r"] == [("error", 0, 0.0)]
+
+
+def test_stall_stops_a_stream_mid_way_for_the_stall_time() -> None:
+    """After stall_after_tokens tokens a stream pauses for stall_seconds, then finishes."""
+    run = Run(faults=Faults(stall_after_tokens=3, stall_seconds=2.0))
+    run.submit("r", prompt(1, 20), max_tokens=6)
+    run.run()
+    times = run.token_times("r")
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert len(times) == 6
+    assert gaps[2] >= 2.0
+    assert max(gaps[:2] + gaps[3:]) < 0.1
+
+
+def test_a_stall_forever_holds_the_slot_until_aborted() -> None:
+    """stall_seconds inf: the stream never resumes; aborting it frees its blocks."""
+    run = Run(faults=Faults(stall_after_tokens=1, stall_seconds=math.inf))
+    run.submit("r", prompt(1, 40), max_tokens=5)
+    run.run()
+    assert len(run.token_times("r")) == 1
+    assert run.engine.running == 1
+    assert run.engine.kv_usage > 0
+    run.driver.abort("r")
+    run.run()
+    assert run.engine.running == 0
+    assert run.engine.kv_usage == 0
+
+
+def test_crash_after_n_requests_fails_everything_after() -> None:
+    """crash_after 2: two requests run; the third crashes the engine, failing those in flight,
+    and every later request fails too."""
+    run = Run(faults=Faults(crash_after=2))
+    run.submit("a", prompt(1, 20), max_tokens=100)
+    run.submit("b", prompt(2, 20), max_tokens=100)
+    run.run(until=0.1)
+    run.submit("c", prompt(3, 20))
+    run.run()
+    run.submit("d", prompt(4, 20))
+    run.run()
+    for rid in "abcd":
+        assert run.events[rid][-1][0] == "error"
+        assert run.requests[rid].error == CRASHED
+    assert 0 < len(run.token_times("a")) < 100
+    assert run.engine.crashed
+    assert run.engine.kv_usage == 0
+
+
+# --- the virtual loop -------------------------------------------------------------------------
+
+
+def test_virtual_loop_runs_callbacks_in_time_then_insertion_order() -> None:
+    """Events run in time order; equal times keep the order they were added in."""
+    loop = VirtualLoop()
+    seen: list[str] = []
+    loop.at(2.0, lambda: seen.append("c"))
+    loop.at(1.0, lambda: seen.append("a"))
+    loop.at(1.0, lambda: seen.append("b"))
+    loop.run(until=1.5)
+    assert (seen, loop.now) == (["a", "b"], 1.5)
+    loop.run()
+    assert (seen, loop.now) == (["a", "b", "c"], 2.0)
+    with pytest.raises(ValueError, match="before now"):
+        loop.at(1.0, lambda: None)

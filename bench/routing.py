@@ -1,0 +1,723 @@
+"""``python -m bench routing``: what picking buys, with LWEPP's real pick path, in virtual time.
+
+Eight simulated engines (``simulator.engine.Engine``, one named profile from
+``simulator.profiles``) run on one ``VirtualLoop``: no network, no asyncio,
+no wall clock, so a run is deterministic for its seed and takes as long as
+its Python work, not as long as the traffic it models.
+
+Each strategy is a way to choose one of the eight for every request:
+
+================  ==========================================================
+round-robin       ``Pipeline()`` with no plugins: LWEPP's default
+random            ``bench/configs/random.yaml`` (random-picker)
+least-queue       ``bench/configs/least-queue.yaml`` (metrics-data-source + queue-scorer)
+prefix-aware      ``demo/configs/prefix-aware.yaml``, exactly the example users get
+oracle            ``bench/oracle.py``: reads every engine's cache and queue directly
+================  ==========================================================
+
+The first four are the picker users run: ``lwepp.config.load_config(path)
+.pipeline(store, clock)`` with the virtual clock, each request routed with
+``pipeline.decide(pipeline.request_of(PickRequest(headers, body)), endpoints)``,
+the body handed over only when a plugin needs it (as ``lwepp.hooked`` does).
+The metrics a configured ``metrics-data-source`` would scrape are what the
+simulator's HTTP server would serve: each engine's state rendered as vLLM's
+``/metrics`` page (``simulator.metrics.render``), read by that plugin's own
+``read`` and written to the pipeline's ``AttributeStore`` stamped with the
+virtual clock, every ``refreshIntervalSeconds`` (the plugin's default unless
+the file sets it) per endpoint, the endpoints' scrapes staggered across the
+interval as independent pollers drift apart. The scrape itself takes no
+virtual time (a loopback scrape takes well under a millisecond). The
+response side is told what ``lwepp.hooked`` tells it: ``response_headers``
+with the served endpoint when the first token comes back, and
+``response_complete`` with the served endpoint and the token usage when the
+stream ends.
+
+Measured per run (workload × strategy, × rate for the swept workload): time
+to first token (arrival to first token) p50/p90/p99; inter-token latency,
+the gaps between consecutive tokens of a request, mean and p90 over every
+gap; throughput, output tokens and requests per second of the run
+(first arrival to last completion); prefix-hit rate, hit tokens over
+queried prompt tokens summed over the engines' own prefix-cache counters;
+load spread, requests per engine as max/mean and coefficient of variation;
+failures, requests answered with an error or refused (no endpoint picked).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import statistics
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Final, Protocol
+
+from bench import workloads
+from bench.oracle import Oracle
+from bench.report import Options, Plot, Section, Series, Table, Target, percentile, progress
+from bench.workloads import Arrival, MultiTurn, Replay, SharedPrefix
+from lwepp.attributes import AttributeStore
+from lwepp.config import load_config
+from lwepp.hooks import DataSource, LLMRequest, Measurement, Usage
+from lwepp.picking import PickRequest
+from lwepp.pipeline import Pipeline
+from lwepp.plugins.metrics_source import MetricsDataSource
+from lwepp.plugins.pickers import RandomPicker, WeightedRandomPicker
+from pods.model import Endpoint
+from simulator import metrics
+from simulator.clocks import VirtualEngine, VirtualLoop
+from simulator.engine import Engine, Event, Request
+from simulator.profiles import PROFILES, Profile
+
+ROOT: Final = Path(__file__).resolve().parent.parent
+CONFIGS: Final = Path(__file__).resolve().parent / "configs"
+PREFIX_AWARE: Final = ROOT / "demo" / "configs" / "prefix-aware.yaml"
+TRACES: Final = Path(os.environ.get("SWITCHYARD_TRACES", "/work/shared/data/traces"))
+"""Where the public traces are (``README.md`` there); ``SWITCHYARD_TRACES`` overrides it."""
+
+ENGINES: Final = 8
+PROFILE: Final = "llama-3.1-8b-h100"
+STRATEGIES: Final = ("round-robin", "random", "least-queue", "prefix-aware", "oracle")
+CONFIG_FILES: Final = {
+    "random": CONFIGS / "random.yaml",
+    "least-queue": CONFIGS / "least-queue.yaml",
+    "prefix-aware": PREFIX_AWARE,
+}
+
+
+# --- routers -------------------------------------------------------------------------
+
+
+class Router(Protocol):
+    """One strategy, bound to one cluster: picks an engine and hears how the request went."""
+
+    name: str
+    sources: Sequence[DataSource]
+    store: AttributeStore | None
+
+    def choose(self, arrival: Arrival, request: Request) -> tuple[int | None, Any]:
+        """The engine's index (None: refused) and what the response side needs later."""
+        ...
+
+    def first_token(self, arrival: Arrival, index: int, handle: Any) -> None: ...
+
+    def complete(self, arrival: Arrival, index: int, handle: Any, request: Request) -> None: ...
+
+
+class PipelineRouter:
+    """LWEPP's pipeline, exactly as the hooked service drives it (see the module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        pipeline: Pipeline,
+        sources: Sequence[DataSource],
+        endpoints: Sequence[Endpoint],
+    ) -> None:
+        self.name = name
+        self.pipeline = pipeline
+        self.sources = sources
+        self.store: AttributeStore | None = pipeline.store
+        self.endpoints = tuple(endpoints)  # one tuple for every pick: the pipeline caches by it
+        self.index = {e.hostport: i for i, e in enumerate(self.endpoints)}
+        self.fallbacks = 0
+
+    def choose(self, arrival: Arrival, request: Request) -> tuple[int | None, Any]:
+        pipeline = self.pipeline
+        headers = (
+            (":method", "POST"),
+            (":path", arrival.path),
+            ("content-type", "application/json"),
+            ("x-request-id", arrival.request_id),
+            ("x-gateway-model-name", str(arrival.body.get("model", ""))),
+        )
+        body = arrival.body_bytes() if pipeline.needs_body else None
+        llm_request = pipeline.request_of(PickRequest(headers, body))
+        decision = pipeline.decide(llm_request, self.endpoints)
+        if decision.failure is not None:
+            self.fallbacks += 1
+        if not decision.endpoints:
+            return None, llm_request
+        return self.index[decision.endpoints[0].hostport], llm_request
+
+    def first_token(self, arrival: Arrival, index: int, handle: Any) -> None:
+        if self.pipeline.responses:
+            served = self.endpoints[index].hostport
+            self.pipeline.response_headers(handle, served, _STREAM_HEADERS)
+
+    def complete(self, arrival: Arrival, index: int, handle: Any, request: Request) -> None:
+        if self.pipeline.responses:
+            usage = (
+                None
+                if request.error
+                else Usage(len(request.tokens), request.generated, request.cached_tokens)
+            )
+            llm_request: LLMRequest = handle
+            self.pipeline.response_complete(llm_request, self.endpoints[index].hostport, usage)
+
+
+_STREAM_HEADERS: Final = {":status": "200", "content-type": "text/event-stream"}
+
+
+class OracleRouter:
+    """``bench.oracle.Oracle`` as a router: no pipeline, no scrapes."""
+
+    def __init__(self, engines: Sequence[Engine], profile: Profile) -> None:
+        self.name = "oracle"
+        self.oracle = Oracle(engines, profile)
+        self.sources: Sequence[DataSource] = ()
+        self.store: AttributeStore | None = None
+        self.fallbacks = 0
+
+    def choose(self, arrival: Arrival, request: Request) -> tuple[int | None, Any]:
+        return self.oracle.choose(request), None
+
+    def first_token(self, arrival: Arrival, index: int, handle: Any) -> None:
+        self.oracle.prefilled(arrival.request_id)
+
+    def complete(self, arrival: Arrival, index: int, handle: Any, request: Request) -> None:
+        self.oracle.prefilled(arrival.request_id)  # a request that failed before its first token
+
+
+def endpoints(count: int = ENGINES) -> tuple[Endpoint, ...]:
+    """The simulated pool: one endpoint per engine, as an InferencePool lists them."""
+    return tuple(
+        Endpoint(f"sim-{i}", f"10.0.0.{i + 1}", 8000, {"app": "sim"}) for i in range(count)
+    )
+
+
+def router(
+    strategy: str,
+    engines: Sequence[Engine],
+    profile: Profile,
+    clock: Callable[[], float],
+    seed: int,
+) -> PipelineRouter | OracleRouter:
+    """A fresh router for ``strategy`` over ``engines`` (fresh plugin state for every run)."""
+    if strategy == "oracle":
+        return OracleRouter(engines, profile)
+    pool = endpoints(len(engines))
+    if strategy == "round-robin":
+        return PipelineRouter(strategy, Pipeline(clock=clock), (), pool)
+    config = load_config(CONFIG_FILES[strategy])
+    if isinstance(config.picker, RandomPicker | WeightedRandomPicker):
+        config.picker.rng = random.Random(seed)  # the pickers take an injected rng; seeded here
+    return PipelineRouter(strategy, config.pipeline(AttributeStore(), clock), config.sources, pool)
+
+
+# --- one run -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one run of one workload under one strategy measured (seconds, tokens, counts)."""
+
+    workload: str
+    strategy: str
+    rate: float | None
+    requests: int
+    completed: int
+    failed: int
+    fallbacks: int
+    ttft_p50: float
+    ttft_p90: float
+    ttft_p99: float
+    itl_mean: float
+    itl_p90: float
+    output_tokens_per_s: float
+    requests_per_s: float
+    hit_rate: float
+    per_engine: tuple[int, ...]
+    spread_max_mean: float
+    spread_cv: float
+    virtual_seconds: float
+    wall_seconds: float
+    scrapes: int
+
+    def row(self) -> list[object]:
+        """The table row: latencies in milliseconds."""
+        return [
+            *([] if self.rate is None else [self.rate]),
+            self.strategy,
+            self.ttft_p50 * 1e3,
+            self.ttft_p90 * 1e3,
+            self.ttft_p99 * 1e3,
+            self.itl_mean * 1e3,
+            self.itl_p90 * 1e3,
+            self.output_tokens_per_s,
+            self.requests_per_s,
+            self.hit_rate,
+            self.spread_max_mean,
+            self.spread_cv,
+            self.failed,
+        ]
+
+
+COLUMNS: Final = [
+    "strategy",
+    "TTFT p50 ms",
+    "TTFT p90 ms",
+    "TTFT p99 ms",
+    "ITL mean ms",
+    "ITL p90 ms",
+    "out tok/s",
+    "req/s",
+    "hit rate",
+    "load max/mean",
+    "load CV",
+    "failed",
+]
+
+
+@dataclass(slots=True)
+class _Flight:
+    """One request in flight: where it went and what the router wants back."""
+
+    arrival: Arrival
+    index: int
+    handle: Any
+    last_token: float = 0.0
+
+
+@dataclass(slots=True)
+class _Run:
+    """The mutable state of one simulation, closed over by the loop's callbacks."""
+
+    arrivals: Sequence[Arrival]
+    router: PipelineRouter | OracleRouter
+    loop: VirtualLoop
+    engines: list[Engine]
+    pool: tuple[Endpoint, ...]
+    drivers: list[VirtualEngine] = field(default_factory=list)
+    flights: dict[str, _Flight] = field(default_factory=dict)
+    ttfts: list[float] = field(default_factory=list)
+    gaps: array[float] = field(default_factory=lambda: array("d"))
+    remaining: int = 0
+    failed: int = 0
+    scrapes: int = 0
+    last_done: float = 0.0
+
+
+def simulate(
+    workload: str,
+    arrivals: Sequence[Arrival],
+    strategy: str,
+    profile: Profile,
+    *,
+    engines: int = ENGINES,
+    seed: int = 0,
+    rate: float | None = None,
+) -> Outcome:
+    """Replay ``arrivals`` on fresh engines routed by ``strategy``; account for every request."""
+    started = time.perf_counter()
+    loop = VirtualLoop()
+    fleet = [Engine(profile, seed=seed * 1000 + i) for i in range(engines)]
+    pool = endpoints(engines)
+    run = _Run(
+        arrivals, router(strategy, fleet, profile, lambda: loop.now, seed), loop, fleet, pool
+    )
+    run.remaining = len(arrivals)
+    run.drivers = [VirtualEngine(engine, loop, _on_event(run)) for engine in fleet]
+    for arrival in arrivals:
+        loop.at(arrival.at, _arrive(run, arrival))
+    for source in run.router.sources:
+        if isinstance(source, MetricsDataSource):
+            interval = source.interval
+            for i in range(engines):
+                loop.at(interval * i / engines, _scrape(run, source, i, interval))
+    loop.run()
+    return _outcome(workload, strategy, rate, run, time.perf_counter() - started)
+
+
+def _arrive(run: _Run, arrival: Arrival) -> Callable[[], None]:
+    def arrive() -> None:
+        request = Request(
+            arrival.request_id, arrival.prompt_tokens, arrival.max_tokens, run.loop.now
+        )
+        index, handle = run.router.choose(arrival, request)
+        if index is None:
+            run.failed += 1
+            run.remaining -= 1
+            return
+        run.flights[arrival.request_id] = _Flight(arrival, index, handle)
+        run.drivers[index].submit(request)
+
+    return arrive
+
+
+def _on_event(run: _Run) -> Callable[[Event], None]:
+    loop, flights, gaps, ttfts, router_ = run.loop, run.flights, run.gaps, run.ttfts, run.router
+
+    def on_event(event: Event) -> None:
+        request = event.request
+        flight = flights[request.id]
+        now = loop.now
+        if event.kind == "token":
+            if request.generated == 1:
+                ttfts.append(now - flight.arrival.at)
+                router_.first_token(flight.arrival, flight.index, flight.handle)
+            else:
+                gaps.append(now - flight.last_token)
+            flight.last_token = now
+            return
+        del flights[request.id]
+        if event.kind == "error":
+            run.failed += 1
+        run.remaining -= 1
+        run.last_done = now
+        router_.complete(flight.arrival, flight.index, flight.handle, request)
+
+    return on_event
+
+
+def engine_state(engine: Engine, now: float, model: str = workloads.MODEL) -> metrics.State:
+    """What the simulator's server puts on ``/metrics`` for ``engine`` (vLLM names)."""
+    profile: Profile = engine.profile
+    return metrics.State(
+        model=model,
+        running=engine.running,
+        waiting=engine.waiting,
+        max_running=profile.max_num_seqs,
+        kv_usage=engine.kv_usage,
+        kv_capacity=profile.num_blocks * profile.block_size,
+        prompt_tokens=engine.prompt_tokens_total,
+        generation_tokens=engine.generation_tokens_total,
+        lora=None,
+        now=now,
+    )
+
+
+def _scrape(
+    run: _Run, source: MetricsDataSource, index: int, interval: float
+) -> Callable[[], None]:
+    engine, endpoint, store, loop = run.engines[index], run.pool[index], run.router.store, run.loop
+    assert store is not None  # a router with sources has a store
+
+    def scrape() -> None:
+        if run.remaining <= 0:
+            return  # the run is over: stop polling so the loop can drain
+        now = loop.now
+        page = metrics.render("vllm", engine_state(engine, now))
+        values = source.read(endpoint, page)
+        store.write(endpoint.hostport, {k: Measurement(v, now) for k, v in values.items()})
+        run.scrapes += 1
+        loop.at(now + interval, scrape)
+
+    return scrape
+
+
+def _outcome(workload: str, strategy: str, rate: float | None, run: _Run, wall: float) -> Outcome:
+    arrivals, engines = run.arrivals, run.engines
+    requests = len(arrivals)
+    completed = requests - run.failed
+    first = arrivals[0].at if arrivals else 0.0
+    span = max(run.last_done - first, 1e-9)
+    ttfts = sorted(run.ttfts)
+    gaps = sorted(run.gaps)
+    queries = sum(e.prefix_queries_total for e in engines)
+    hits = sum(e.prefix_hits_total for e in engines)
+    per_engine = tuple(e.requests_total for e in engines)
+    mean = statistics.fmean(per_engine) if per_engine else 0.0
+    return Outcome(
+        workload=workload,
+        strategy=strategy,
+        rate=rate,
+        requests=requests,
+        completed=completed,
+        failed=run.failed,
+        fallbacks=run.router.fallbacks,
+        ttft_p50=percentile(ttfts, 50),
+        ttft_p90=percentile(ttfts, 90),
+        ttft_p99=percentile(ttfts, 99),
+        itl_mean=statistics.fmean(gaps) if gaps else math.nan,
+        itl_p90=percentile(gaps, 90),
+        output_tokens_per_s=sum(e.generation_tokens_total for e in engines) / span,
+        requests_per_s=completed / span,
+        hit_rate=hits / queries if queries else 0.0,
+        per_engine=per_engine,
+        spread_max_mean=max(per_engine) / mean if mean else math.nan,
+        spread_cv=statistics.pstdev(per_engine) / mean if mean else math.nan,
+        virtual_seconds=run.last_done,
+        wall_seconds=wall,
+        scrapes=run.scrapes,
+    )
+
+
+# --- the benchmark -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """Every size of a run: full, or the smoke size of ``Options.quick``."""
+
+    kv_blocks: int
+    """KV-cache blocks per engine (the profile's own count is scaled to this)."""
+    shared: SharedPrefix
+    rates: tuple[float, ...]
+    shared_count: int
+    chat: MultiTurn
+    mooncake_start: int
+    mooncake_count: int
+    mooncake_block_tokens: int
+    mooncake_replay: Replay
+    azure_start: int
+    azure_count: int
+    azure_replay: Replay
+
+
+FULL: Final = Sizes(
+    kv_blocks=1024,
+    shared=SharedPrefix(groups=32, prefix_tokens=2048, users=16, question_tokens=64, max_tokens=32),
+    rates=(50.0, 100.0, 150.0, 200.0, 250.0),
+    shared_count=3000,
+    chat=MultiTurn(sessions=256, turns=6, session_rate=4.0),
+    mooncake_start=2993,
+    mooncake_count=1000,
+    mooncake_block_tokens=32,
+    mooncake_replay=Replay(
+        length_scale=32 / 512, output_scale=0.25, time_scale=1.0, max_output=128
+    ),
+    azure_start=0,
+    azure_count=1500,
+    azure_replay=Replay(length_scale=0.25, output_scale=1.0, time_scale=1.0, max_output=256),
+)
+QUICK: Final = Sizes(
+    kv_blocks=256,
+    shared=SharedPrefix(groups=8, prefix_tokens=512, users=4, question_tokens=32, max_tokens=8),
+    rates=(40.0, 120.0),
+    shared_count=60,
+    chat=MultiTurn(sessions=8, turns=3, session_rate=4.0, think_seconds=2.0, max_tokens=8),
+    mooncake_start=2993,
+    mooncake_count=40,
+    mooncake_block_tokens=16,
+    mooncake_replay=Replay(length_scale=16 / 512, output_scale=0.1, time_scale=0.5, max_output=16),
+    azure_start=0,
+    azure_count=40,
+    azure_replay=Replay(length_scale=0.05, output_scale=0.5, time_scale=0.5, max_output=16),
+)
+
+
+def profile_for(sizes: Sizes) -> Profile:
+    """The engines' profile: ``PROFILE`` as published, its KV cache cut to ``sizes``."""
+    return PROFILES[PROFILE].replace(num_blocks=sizes.kv_blocks)
+
+
+def run(options: Options) -> Section:
+    """Every workload under every strategy; the section ``python -m bench routing`` writes."""
+    sizes = QUICK if options.quick else FULL
+    profile = profile_for(sizes)
+    seed = options.seed
+    outcomes: list[Outcome] = []
+
+    def measure(workload: str, arrivals: Sequence[Arrival], rate: float | None = None) -> None:
+        for strategy in STRATEGIES:
+            outcome = simulate(workload, arrivals, strategy, profile, seed=seed, rate=rate)
+            outcomes.append(outcome)
+            progress(
+                f"routing: {workload}{'' if rate is None else f' at {rate:g}/s'} {strategy}: "
+                f"TTFT p90 {outcome.ttft_p90 * 1e3:.1f} ms, hit rate {outcome.hit_rate:.2f}, "
+                f"{outcome.requests} requests in {outcome.wall_seconds:.1f} s"
+            )
+
+    for rate in sizes.rates:
+        measure(
+            "shared-prefix",
+            workloads.shared_prefix(sizes.shared, rate, sizes.shared_count, seed),
+            rate,
+        )
+    measure("multi-turn", workloads.multi_turn(sizes.chat, seed))
+    traces = TRACES / "mooncake_synthetic_trace.jsonl", TRACES / "azure2023_llm_code.csv"
+    if all(path.exists() for path in traces):
+        records = workloads.read_mooncake(traces[0], sizes.mooncake_start, sizes.mooncake_count)
+        measure(
+            "mooncake",
+            workloads.mooncake(records, sizes.mooncake_block_tokens, sizes.mooncake_replay),
+        )
+        rows = workloads.read_azure(traces[1], sizes.azure_start, sizes.azure_count)
+        measure("azure-code", workloads.azure(rows, sizes.azure_replay, seed))
+    return section(outcomes, sizes, profile, options, traces_found=all(p.exists() for p in traces))
+
+
+def section(
+    outcomes: Sequence[Outcome],
+    sizes: Sizes,
+    profile: Profile,
+    options: Options,
+    *,
+    traces_found: bool,
+) -> Section:
+    """Tables, plots, targets, notes and data of a finished run."""
+    by_workload: dict[str, list[Outcome]] = {}
+    for outcome in outcomes:
+        by_workload.setdefault(outcome.workload, []).append(outcome)
+    notes = notes_for(sizes, profile, traces_found)
+    tables = []
+    for workload, rows in by_workload.items():
+        swept = rows[0].rate is not None
+        tables.append(
+            Table(
+                f"Routing: {workload}" + (" (rate swept, requests/s)" if swept else ""),
+                (["rate/s"] if swept else []) + COLUMNS,
+                [o.row() for o in rows],
+                workload_notes(sizes).get(workload, ""),
+            )
+        )
+    shared = by_workload.get("shared-prefix", [])
+    tables.append(ratio_table(shared))
+    plots = [
+        Plot(
+            "routing-shared-prefix-ttft-p90",
+            "Shared prefix: TTFT p90 by arrival rate",
+            "arrival rate (requests/s)",
+            "TTFT p90 (ms)",
+            [
+                Series(
+                    s,
+                    [o.rate or 0.0 for o in shared if o.strategy == s],
+                    [o.ttft_p90 * 1e3 for o in shared if o.strategy == s],
+                )
+                for s in STRATEGIES
+            ],
+            logy=True,
+        ),
+        Plot(
+            "routing-shared-prefix-hit-rate",
+            "Shared prefix: prefix-cache hit rate by arrival rate",
+            "arrival rate (requests/s)",
+            "hit tokens / prompt tokens",
+            [
+                Series(
+                    s,
+                    [o.rate or 0.0 for o in shared if o.strategy == s],
+                    [o.hit_rate for o in shared if o.strategy == s],
+                )
+                for s in STRATEGIES
+            ],
+        ),
+    ]
+    return Section(
+        key="routing",
+        title="Routing quality in virtual time (LWEPP's pick path, 8 simulated engines)",
+        command="python -m bench routing",
+        tables=tables,
+        plots=plots,
+        targets=targets(shared),
+        data={
+            "profile": profile.name,
+            "kv_blocks": profile.num_blocks,
+            "engines": ENGINES,
+            "seed": options.seed,
+            "quick": options.quick,
+            "runs": [asdict(o) for o in outcomes],
+        },
+        notes=notes,
+    )
+
+
+def _find(outcomes: Sequence[Outcome], strategy: str, rate: float | None) -> Outcome | None:
+    return next((o for o in outcomes if o.strategy == strategy and o.rate == rate), None)
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and not math.isnan(b) else math.nan
+
+
+def ratio_table(shared: Sequence[Outcome]) -> Table:
+    """Prefix-aware against round-robin and the oracle, at each rate of the sweep."""
+    rows: list[list[object]] = []
+    for rate in sorted({o.rate for o in shared if o.rate is not None}):
+        pa, rr, oracle = (_find(shared, s, rate) for s in ("prefix-aware", "round-robin", "oracle"))
+        if pa is None or rr is None or oracle is None:
+            continue
+        rows.append(
+            [
+                rate,
+                _ratio(pa.ttft_p90, rr.ttft_p90),
+                _ratio(pa.ttft_p90, oracle.ttft_p90),
+                _ratio(pa.hit_rate, oracle.hit_rate),
+                _ratio(rr.ttft_p90, oracle.ttft_p90),
+            ]
+        )
+    return Table(
+        "Shared prefix: prefix-aware against round-robin and the oracle",
+        [
+            "rate/s",
+            "prefix-aware / round-robin TTFT p90",
+            "prefix-aware / oracle TTFT p90",
+            "prefix-aware / oracle hit rate",
+            "round-robin / oracle TTFT p90",
+        ],
+        rows,
+        "Targets apply at the highest rate: ≤ 0.1, ≤ 1.25 and ≥ 0.9.",
+    )
+
+
+def targets(shared: Sequence[Outcome]) -> list[Target]:
+    """The three goals, at the highest swept rate (where placement matters most)."""
+    rates = [o.rate for o in shared if o.rate is not None]
+    if not rates:
+        return []
+    top = max(rates)
+    pa, rr, oracle = (_find(shared, s, top) for s in ("prefix-aware", "round-robin", "oracle"))
+    if pa is None or rr is None or oracle is None:
+        return []
+    at = f"shared prefix at {top:g} requests/s"
+    return [
+        Target(
+            f"prefix-aware TTFT p90 / round-robin's, {at}", _ratio(pa.ttft_p90, rr.ttft_p90), 0.1
+        ),
+        Target(
+            f"prefix-aware TTFT p90 / oracle's, {at}", _ratio(pa.ttft_p90, oracle.ttft_p90), 1.25
+        ),
+        Target(
+            f"prefix-aware hit rate / oracle's, {at}",
+            _ratio(pa.hit_rate, oracle.hit_rate),
+            0.9,
+            at_most=False,
+        ),
+    ]
+
+
+def workload_notes(sizes: Sizes) -> dict[str, str]:
+    """Each workload table's note: its shape and every scaling factor."""
+    sp, chat, mc, az = sizes.shared, sizes.chat, sizes.mooncake_replay, sizes.azure_replay
+    return {
+        "shared-prefix": (
+            f"{sp.groups} groups × {sp.prefix_tokens}-token system prompt, {sp.users} users each, "
+            f"{sp.question_tokens}-token questions, {sp.max_tokens} output tokens; "
+            f"{sizes.shared_count} requests per rate, Poisson arrivals."
+        ),
+        "multi-turn": (
+            f"{chat.sessions} sessions × {chat.turns} turns, sessions start at "
+            f"{chat.session_rate:g}/s (Poisson), think time {chat.think_seconds:g} s mean "
+            f"(exponential, open-loop); shared {chat.system_tokens}-token system prompt, "
+            f"{chat.user_tokens}-token user messages, {chat.max_tokens}-token answers resent."
+        ),
+        "mooncake": (
+            f"Mooncake synthetic trace, records {sizes.mooncake_start}–"
+            f"{sizes.mooncake_start + sizes.mooncake_count - 1}: 512-token blocks → "
+            f"{sizes.mooncake_block_tokens} tokens (lengths × {mc.length_scale:g}), outputs × "
+            f"{mc.output_scale:g} (at most {mc.max_output}), time × {mc.time_scale:g}."
+        ),
+        "azure-code": (
+            f"Azure LLM inference trace (code), rows {sizes.azure_start}–"
+            f"{sizes.azure_start + sizes.azure_count - 1}: prompts × {az.length_scale:g}, "
+            f"outputs × {az.output_scale:g} (at most {az.max_output}), time × {az.time_scale:g}; "
+            "nothing shared (control)."
+        ),
+    }
+
+
+def notes_for(sizes: Sizes, profile: Profile, traces_found: bool) -> list[str]:
+    """The assumptions of the run, stated plainly."""
+    notes = [
+        f"Engines: {ENGINES} simulated engines, profile {profile.name!r} "
+        f"with its KV cache cut to {profile.num_blocks} blocks of {profile.block_size} tokens "
+        f"({profile.num_blocks * profile.block_size:,} tokens per engine).",
+    ]
+    if not traces_found:
+        notes.append(f"The trace workloads were skipped: no traces under {TRACES}.")
+    return notes

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from bbr.plugins import DEFAULT_PLUGINS, ConfigError, PluginSpec
 from bbr.server import HEALTH_SERVICES, MAX_BODY_BYTES, BodyBasedRouter
 from protos.logs import configure_logging
-from protos.server import Health, Ports, serve
+from protos.server import Health, Ports, serve, supervise
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -95,6 +95,16 @@ def parser() -> argparse.ArgumentParser:
         "(for learning and debugging; slow)",
     )
     p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="serve from N processes on the same ext_proc and health ports (SO_REUSEPORT "
+        "spreads Envoy's connections over them, one core each); worker i serves its own "
+        "/metrics on --metrics-port + i. BBR keeps no state between requests, so workers "
+        "differ only in whose counters a request lands in (default 1)",
+    )
+    p.add_argument(
         "--grace",
         type=float,
         default=10.0,
@@ -114,6 +124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("argument --max-body-bytes: must be at least 1")
     if not args.grace >= 0:
         p.error("argument --grace: must be a number of seconds, 0 or more")
+    if args.workers < 1:
+        p.error("argument --workers: must be at least 1")
+    if args.workers > 1 and args.trace_messages:
+        p.error("argument --workers: trace one process (--workers 1) with --trace-messages")
     registry = CollectorRegistry()
     try:
         router = BodyBasedRouter(
@@ -125,6 +139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:
         p.error(f"argument --plugin: {error}")
     configure_logging(args.log_level)
+    if args.workers > 1:
+        flags = list(sys.argv[1:] if argv is None else argv)
+        return supervise("bbr", flags, args.workers, ports)
     health = Health(list(HEALTH_SERVICES))
     with contextlib.ExitStack() as files:
         trace = files.enter_context(open(args.trace_messages, "a")) if args.trace_messages else None

@@ -15,11 +15,16 @@ read from /proc, which does not depend on the client keeping up.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -88,21 +93,37 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _drive(port: int, streams: int, concurrency: int) -> None:
+async def drive(port: int, streams: int, concurrency: int, connections: int = 1) -> None:
+    """Send ``streams`` whole streams, ``concurrency`` at a time, over ``connections``.
+
+    Each connection is a channel with a subchannel pool of its own: grpc would
+    otherwise share one TCP connection between channels to the same address,
+    and SO_REUSEPORT workers are handed connections, not streams.
+    """
     headers = request_headers(
         HEADERS, body_modes=(BodyMode.FULL_DUPLEX_STREAMED, BodyMode.NONE)
     ).SerializeToString()
     body = request_body(chat_body()).SerializeToString()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        process = channel.stream_stream(
-            f"/{EXT_PROC_SERVICE}/Process",
-            request_serializer=lambda b: b,
-            response_deserializer=lambda b: b,
+    channels = [
+        grpc.aio.insecure_channel(
+            f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)]
         )
+        for _ in range(connections)
+    ]
+    try:
+        calls = [
+            channel.stream_stream(
+                f"/{EXT_PROC_SERVICE}/Process",
+                request_serializer=lambda b: b,
+                response_deserializer=lambda b: b,
+            )
+            for channel in channels
+        ]
         remaining = streams
 
-        async def worker() -> None:
+        async def worker(index: int) -> None:
             nonlocal remaining
+            process = calls[index % len(calls)]
             while remaining > 0:
                 remaining -= 1
                 call = process()
@@ -112,7 +133,10 @@ async def _drive(port: int, streams: int, concurrency: int) -> None:
                 while await call.read() is not grpc.aio.EOF:
                     pass
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    finally:
+        for channel in channels:
+            await channel.close()
 
 
 def _start(kind: str) -> tuple[subprocess.Popen[str], int]:
@@ -136,25 +160,132 @@ def measure(
     """
     servers = {kind: _start(kind) for kind in kinds}
     best: dict[str, Result] = {}
+    affinity = os.sched_getaffinity(0)
     try:
         os.sched_setaffinity(0, {1})
         for _, port in servers.values():
-            asyncio.run(_drive(port, 200, concurrency))  # warm up
+            asyncio.run(drive(port, 200, concurrency))  # warm up
         for _ in range(rounds):
             for kind, (server, port) in servers.items():
                 cpu0, t0 = _cpu_seconds(server.pid), time.perf_counter()
-                asyncio.run(_drive(port, streams, concurrency))
+                asyncio.run(drive(port, streams, concurrency))
                 seconds = time.perf_counter() - t0
                 result = Result(kind, streams, seconds, _cpu_seconds(server.pid) - cpu0)
                 if kind not in best or result.server_cpu < best[kind].server_cpu:
                     best[kind] = result
     finally:
+        os.sched_setaffinity(0, affinity)
         for server, _ in servers.values():
             server.terminate()
             server.wait()
             if server.stdout is not None:
                 server.stdout.close()
     return [best[kind] for kind in kinds]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkersResult:
+    """``python -m lwepp --workers N`` driven over several connections."""
+
+    workers: int
+    streams: int
+    seconds: float
+    served: tuple[int, ...]
+    """Streams each worker counted (``lwepp_requests_total`` on its own metrics port)."""
+
+    @property
+    def per_second(self) -> float:
+        return self.streams / self.seconds
+
+
+def _pod_file(directory: Path) -> Path:
+    """Eight pods for the picker to name; nothing connects to them."""
+    lines = ["pods:"]
+    for i in range(8):
+        lines += [f"- name: pod-{i}", f"  address: 10.0.0.{i + 1}", "  ports: [8000]"]
+    path = directory / "pods.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def start_workers(pods: Path, workers: int) -> tuple[subprocess.Popen[str], list[dict[str, Any]]]:
+    """``python -m lwepp --workers N`` on free ports; the process and each worker's
+    ``listening`` line (ports, pid, worker index)."""
+    process = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "lwepp", "--pods", str(pods), "--workers", str(workers)),
+            *("--grpc-port", "0", "--grpc-health-port", "0", "--metrics-port", "0"),
+            "--grace=2",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stderr is not None
+    listening: list[dict[str, Any]] = []
+    for line in process.stderr:
+        event = orjson.loads(line)
+        if event.get("event") == "listening":
+            listening.append(event)
+            if len(listening) == workers:
+                break
+    else:
+        raise RuntimeError(f"lwepp --workers {workers} exited with {process.wait()}")
+    return process, listening
+
+
+def requests_served(metrics_port: int) -> int:
+    """``lwepp_requests_total`` as one worker's metrics page reports it."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as page:
+        for line in page.read().decode().splitlines():
+            if line.startswith("lwepp_requests_total "):
+                return int(float(line.split()[1]))
+    return 0
+
+
+def stop_workers(process: subprocess.Popen[str]) -> None:
+    """SIGTERM the supervisor, which stops its workers and waits for them."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    if process.stderr is not None:
+        process.stderr.close()
+
+
+def measure_workers(
+    counts: tuple[int, ...] = (1, 2),
+    streams: int = 2000,
+    concurrency: int = 16,
+    connections: int = 8,
+    rounds: int = 3,
+) -> list[WorkersResult]:
+    """Streams per second from LWEPP with each number of workers, nothing pinned.
+
+    The client runs here, on the same CPUs as the workers: on a two-CPU
+    machine one worker and the client each have a core, while two workers
+    share them with the client. Each count keeps its best round.
+    """
+    results = []
+    with tempfile.TemporaryDirectory() as directory:
+        pods = _pod_file(Path(directory))
+        for workers in counts:
+            process, listening = start_workers(pods, workers)
+            try:
+                port = int(listening[0]["grpc_port"])
+                asyncio.run(drive(port, 200, concurrency, connections))  # warm up
+                best = math.inf
+                for _ in range(rounds):
+                    t0 = time.perf_counter()
+                    asyncio.run(drive(port, streams, concurrency, connections))
+                    best = min(best, time.perf_counter() - t0)
+                served = tuple(requests_served(int(w["metrics_port"])) for w in listening)
+            finally:
+                stop_workers(process)
+            results.append(WorkersResult(workers, streams, best, served))
+    return results
 
 
 def table(results: list[Result]) -> str:

@@ -21,7 +21,7 @@ from pods.kubeapi import ConfigError, load_config
 from pods.kubernetes import DEFAULT_GROUP, InferencePoolSource
 from pods.model import PodSource, parse_selector
 from protos.logs import configure_logging
-from protos.server import EXT_PROC_SERVICE, Health, Ports, serve
+from protos.server import EXT_PROC_SERVICE, Health, Ports, serve, supervise
 
 HEALTH_SERVICES = ("", "inference-extension", "liveness", "readiness", EXT_PROC_SERVICE)
 """GIE's lwepp reports ``inference-extension``; the protocol document lists the others."""
@@ -186,9 +186,49 @@ def build_parser() -> argparse.ArgumentParser:
         "(for learning and debugging; slow)",
     )
     parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="serve from N processes on the same ext_proc and health ports (SO_REUSEPORT "
+        "spreads Envoy's connections over them, one core each); worker i serves its own "
+        "/metrics on --metrics-port + i. Each worker keeps its own state: its own "
+        "round-robin turn and its own data-source polling; a --config whose plugins learn "
+        "from the requests served (picked or response hooks, such as the prefix index) is "
+        "refused, as each worker would learn only its share (default 1)",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     return parser
+
+
+def workers_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--workers`` above 1 cannot run with these flags, or None.
+
+    Workers share nothing but the ports. Stateless picking (round-robin,
+    scorers over polled metrics) works the same in each, one turn counter
+    per worker; what a plugin learns from the requests a worker served stays
+    in that worker, so with N workers each would see about 1/N of the traffic
+    (a prefix index that finds a prefix only one time in N).
+    """
+    if args.workers < 1:
+        return "--workers must be at least 1"
+    if args.workers == 1:
+        return None
+    if args.leader_elect:
+        return "--workers with --leader-elect: each worker would campaign for the Lease alone"
+    if args.trace_messages:
+        return "--workers with --trace-messages: trace one process (--workers 1)"
+    if args.config is not None:
+        learning = [p.name for p in args.config.plugins if {"picked", "response"} & set(p.roles)]
+        if learning:
+            return (
+                f"--workers {args.workers} with {args.config.path}: plugin(s) "
+                f"{', '.join(learning)} learn from the requests served, and each worker "
+                "would learn only its own share; run one worker per replica instead"
+            )
+    return None
 
 
 def pod_source(args: argparse.Namespace) -> tuple[PodSource, LeaderElector | None]:
@@ -268,10 +308,16 @@ async def run(
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
+    if problem := workers_problem(args):
+        sys.exit(f"lwepp: {problem}")
     try:
         source, elector = pod_source(args)
     except (PodFileError, ConfigError, ValueError) as error:
         sys.exit(f"lwepp: {error}")
+    if args.workers > 1:
+        ports = Ports(args.host, args.grpc_port, args.grpc_health_port, args.metrics_port)
+        flags = list(sys.argv[1:] if argv is None else argv)
+        sys.exit(supervise("lwepp", flags, args.workers, ports))
     with contextlib.ExitStack() as files:
         trace = files.enter_context(open(args.trace_messages, "a")) if args.trace_messages else None
         asyncio.run(run(args, trace, source, elector))

@@ -5,13 +5,23 @@ stream, a second gRPC server on its own port for the standard health service
 (as GIE's endpoint picker does, so probes never queue behind traffic), and a
 small HTTP server for Prometheus metrics. ``serve`` owns all three and the
 background tasks a service needs, and takes them down in order on SIGTERM.
+
+One Python process serves one core: the event loop runs the handlers one at
+a time. ``supervise`` runs N copies of a service (``--workers N``) on the
+same ext_proc and health ports, which Linux spreads over them by connection
+(``SO_REUSEPORT``); each worker keeps its own state and its own metrics port.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import itertools
+import os
 import signal
+import socket
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, TextIO
@@ -25,6 +35,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from protos.extproc import ProcessingRequest, ProcessingResponse
+
+WORKER_ENV: Final = "SWITCHYARD_WORKER"
+"""Set by ``supervise`` in each worker's environment: ``<index>/<count>``."""
 
 EXT_PROC_SERVICE: Final = "envoy.service.ext_proc.v3.ExternalProcessor"
 """The gRPC service name Envoy calls; also a health service name the GIE protocol lists."""
@@ -188,7 +201,9 @@ async def _metrics_app(
     registry: CollectorRegistry, host: str, port: int, json_routes: JsonRoutes
 ) -> web.AppRunner:
     async def metrics(_request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(registry), content_type=CONTENT_TYPE_PLAIN_0_0_4)
+        # As a header: aiohttp refuses a content_type argument with a charset in it.
+        headers = {"Content-Type": CONTENT_TYPE_PLAIN_0_0_4}
+        return web.Response(body=generate_latest(registry), headers=headers)
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
@@ -236,11 +251,14 @@ async def serve(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
 
-    server = grpc.aio.server()
+    # SO_REUSEPORT (grpc's default on Linux, spelled out): the workers of
+    # ``supervise`` bind the same ext_proc and health ports.
+    options = [("grpc.so_reuseport", 1)]
+    server = grpc.aio.server(options=options)
     server.add_generic_rpc_handlers((ext_proc_handler(handler, trace),))
     grpc_port = server.add_insecure_port(f"{ports.host}:{ports.grpc}")
 
-    health_server = grpc.aio.server()
+    health_server = grpc.aio.server(options=options)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, health_server)
     health_port = health_server.add_insecure_port(f"{ports.host}:{ports.health}")
     await health_state.set_all(False)
@@ -252,6 +270,7 @@ async def serve(
     tasks.append(asyncio.create_task(health_state.watch_ready()))
 
     bound = Ports(ports.host, grpc_port, health_port, _bound_port(metrics))
+    worker = os.environ.get(WORKER_ENV)
     log.info(
         "listening",
         service=name,
@@ -259,6 +278,8 @@ async def serve(
         grpc_port=bound.grpc,
         health_port=bound.health,
         metrics_port=bound.metrics,
+        pid=os.getpid(),
+        **({"worker": worker} if worker else {}),
     )
     if on_listening is not None:
         result = on_listening(bound)
@@ -276,3 +297,100 @@ async def serve(
         await health_server.stop(0)
         await metrics.cleanup()
         log.info("stopped", service=name)
+
+
+# --- several processes on one port ------------------------------------------------
+
+
+def _reserve(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` with SO_REUSEPORT, never listening.
+
+    It holds the port (``0``: a free one, chosen once for every worker) while
+    the workers bind it too: Linux hands connections only to listening sockets,
+    so this one takes no traffic, and no unrelated process can take the port.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    holder = socket.socket(family, socket.SOCK_STREAM)
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    holder.bind((host, port))
+    return holder
+
+
+def _die_with_parent() -> None:
+    """In a worker, before it runs: SIGTERM when the supervisor dies (``PR_SET_PDEATHSIG``).
+
+    A supervisor killed outright (SIGKILL, an OOM kill) cannot forward the
+    signal itself; without this, its workers would go on serving the port.
+    """
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def worker_argv(args: Sequence[str], index: int, ports: Ports) -> list[str]:
+    """A worker's flags: the supervisor's, then its ports and ``--workers 1`` (the last wins).
+
+    The ext_proc and health ports are the shared ones; the metrics port is
+    the worker's own, ``--metrics-port + index`` (each worker counts only the
+    streams it served: Prometheus adds them up), or any free one for 0.
+    """
+    metrics = ports.metrics + index if ports.metrics else 0
+    return [
+        *args,
+        *("--grpc-port", str(ports.grpc), "--grpc-health-port", str(ports.health)),
+        *("--metrics-port", str(metrics), "--workers", "1"),
+    ]
+
+
+def supervise(module: str, args: Sequence[str], workers: int, ports: Ports) -> int:
+    """Run ``python -m module`` ``workers`` times on the same ports; return an exit status.
+
+    The workers share the ext_proc port and the gRPC health port (any worker
+    can answer a probe: each reports its own state, and they start and stop
+    together). SIGTERM or SIGINT here is passed to every worker, which drains
+    as a single process does; the supervisor returns once all have exited.
+    Should one worker exit by itself, the others are stopped too and the
+    status is 1: a replica serving on fewer cores than asked should be
+    restarted whole (by Kubernetes, say), not limp on.
+    """
+    holders = [_reserve(ports.host, ports.grpc), _reserve(ports.host, ports.health)]
+    shared = Ports(
+        ports.host, holders[0].getsockname()[1], holders[1].getsockname()[1], ports.metrics
+    )
+    stopping = False
+    running: dict[int, subprocess.Popen[bytes]] = {}
+
+    def stop(_signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        for pid in running:
+            os.kill(pid, signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for index in range(workers):
+            child = subprocess.Popen(
+                [sys.executable, "-m", module, *worker_argv(args, index, shared)],
+                env={**os.environ, WORKER_ENV: f"{index}/{workers}"},
+                preexec_fn=_die_with_parent,
+            )
+            running[child.pid] = child
+        status = 0
+        while running:
+            pid, code = os.wait()  # children are reaped here only, never by Popen.poll
+            if pid not in running:
+                continue
+            child = running.pop(pid)
+            child.returncode = os.waitstatus_to_exitcode(code)
+            if not stopping:
+                log.error("worker exited", pid=pid, status=child.returncode)
+                status = 1
+                stop(signal.SIGTERM, None)
+        return status
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for child in running.values():
+            child.kill()
+            child.wait()
+        for holder in holders:
+            holder.close()

@@ -13,23 +13,36 @@ import structlog
 from pods.file import PodFileError, load_pods
 from pods.model import Pod, parse_selector
 from protos.logs import configure_logging
-from simulator.legacy import Settings
+from simulator.engine import Faults, Settings
 from simulator.metrics import ENGINES
+from simulator.profiles import DEFAULT_PROFILE, PROFILES
 from simulator.server import serve_pods
 
 log = structlog.get_logger()
 
-_DEFAULTS: Final = Settings()
-
-_KNOBS: Final = (
-    # flag, default in the flag's unit, help
-    ("--ttft-ms", _DEFAULTS.ttft_base * 1e3, "time to first token, empty prompt, idle replica"),
-    ("--prefill-ms-per-token", _DEFAULTS.prefill_per_token * 1e3, "extra ttft per prompt token"),
-    ("--itl-ms", _DEFAULTS.itl_base * 1e3, "time between two output tokens, idle replica"),
-    ("--load-factor", _DEFAULTS.load_factor, "slowdown per additional running request"),
-    ("--max-running", _DEFAULTS.max_running, "requests run at once per replica; the rest queue"),
-    ("--kv-capacity", _DEFAULTS.kv_capacity, "KV-cache size in tokens per replica"),
-    ("--time-scale", _DEFAULTS.time_scale, "multiplies every delay; 0 = no delay at all"),
+_OVERRIDES: Final = (
+    # flag, Profile field, factor from the flag's unit to the field's, type, help
+    ("--max-num-seqs", "max_num_seqs", 1, int, "running sequences at most (vLLM's max_num_seqs)"),
+    (
+        "--max-num-batched-tokens",
+        "max_num_batched_tokens",
+        1,
+        int,
+        "tokens per engine step at most (chunked prefill's budget)",
+    ),
+    ("--num-blocks", "num_blocks", 1, int, "KV-cache blocks per replica"),
+    ("--max-loras", "max_loras", 1, int, "LoRA adapters resident at once"),
+    ("--lora-load-ms", "lora_load_time", 1e-3, float, "time to load an adapter not resident"),
+    ("--step-overhead-ms", "step_overhead", 1e-3, float, "time of every engine step"),
+    ("--prefill-us-per-token", "prefill_per_token", 1e-6, float, "step time per prefill token"),
+    ("--decode-us-per-seq", "decode_per_seq", 1e-6, float, "step time per decoding sequence"),
+    (
+        "--decode-ns-per-context-token",
+        "decode_per_context_token",
+        1e-9,
+        float,
+        "step time per KV token attended by decoding sequences",
+    ),
 )
 
 
@@ -45,11 +58,11 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m simulator",
         description=(
             "Simulated vLLM-like model servers: one HTTP server per port of every pod in the "
-            "pod file, each an independent engine with its own queue, KV usage and /metrics. "
-            "Time to first token = (ttft + prefill * prompt_tokens) * load; time between "
-            "tokens = itl * load; load = 1 + load-factor * (running requests - 1); "
-            "KV usage = tokens held by running requests / kv-capacity. "
-            "See simulator/README.md."
+            "pod file, each an independent vLLM-like engine (continuous batching, chunked "
+            "prefill, a block KV cache with prefix caching and preemption, LoRA loading) "
+            "with its own /metrics. Step time = overhead + prefill tokens x prefill cost + "
+            "decoding sequences x decode cost + attended KV tokens x context cost, with "
+            "the coefficients of a named model/hardware profile. See simulator/README.md."
         ),
     )
     add = parser.add_argument
@@ -96,9 +109,95 @@ def _parser() -> argparse.ArgumentParser:
         help="a pod port that serves only the conformance echo, over cleartext HTTP/2 "
         "(prior knowledge), as echo-basic's h2c port; repeatable",
     )
-    for flag, default, text in _KNOBS:
-        add(flag, type=type(default), default=default, help=f"{text} (default: %(default)s)")
+    add(
+        "--profile",
+        choices=list(PROFILES),
+        default=DEFAULT_PROFILE,
+        help="the model/hardware profile every replica models (simulator/profiles.py says where "
+        "each number comes from; default: %(default)s)",
+    )
+    add(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiplies every delay; 0 = no delay at all (default: %(default)s)",
+    )
+    add(
+        "--max-running",
+        type=int,
+        default=None,
+        help="running sequences at most per replica (overrides the profile's max_num_seqs)",
+    )
+    add(
+        "--kv-capacity",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="KV-cache size in tokens per replica, cut into blocks (overrides the profile's)",
+    )
+    for flag, _field, _factor, kind, text in _OVERRIDES:
+        add(flag, type=kind, default=None, help=f"{text} (default: the profile's)")
+    add("--seed", type=int, default=0, help="seeds the fault draws (default: %(default)s)")
+    faults = parser.add_argument_group("faults", "failures to inject, to test a router")
+    faults.add_argument(
+        "--error-rate",
+        type=float,
+        default=0.0,
+        help="fraction of requests answered with a 500 at once (default: %(default)s)",
+    )
+    faults.add_argument(
+        "--stall-after-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="every stream stops after N tokens for --stall-seconds (default: never)",
+    )
+    faults.add_argument(
+        "--stall-seconds",
+        type=float,
+        default=0.0,
+        help="how long a stream stalls; inf = forever (default: %(default)s)",
+    )
+    faults.add_argument(
+        "--dead-metrics", action="store_true", help="/metrics answers 503 (the rest works)"
+    )
+    faults.add_argument(
+        "--crash-after",
+        type=int,
+        default=None,
+        metavar="N",
+        help="each replica serves N requests; the next crashes it: in-flight requests are cut "
+        "and it stops listening (default: never)",
+    )
     return parser
+
+
+def settings_of(args: argparse.Namespace) -> Settings:
+    """The replicas' settings from the parsed flags (ValueError names a bad one)."""
+    changes = {
+        field: getattr(args, flag[2:].replace("-", "_")) * factor
+        for flag, field, factor, _kind, _text in _OVERRIDES
+        if getattr(args, flag[2:].replace("-", "_")) is not None
+    }
+    if "max_num_seqs" in changes and args.max_running is not None:
+        raise ValueError("--max-running and --max-num-seqs: give one")
+    if "num_blocks" in changes and args.kv_capacity is not None:
+        raise ValueError("--kv-capacity and --num-blocks: give one")
+    profile = PROFILES[args.profile]
+    return Settings(
+        profile=profile.replace(**changes) if changes else profile,
+        time_scale=args.time_scale,
+        max_running=args.max_running,
+        kv_capacity=args.kv_capacity,
+        faults=Faults(
+            error_rate=args.error_rate,
+            stall_after_tokens=args.stall_after_tokens,
+            stall_seconds=args.stall_seconds,
+            dead_metrics=args.dead_metrics,
+            crash_after=args.crash_after,
+        ),
+        seed=args.seed,
+    )
 
 
 async def run(pods: Sequence[Pod], settings: Settings, args: argparse.Namespace) -> None:
@@ -123,15 +222,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     try:
-        settings = Settings(
-            ttft_base=args.ttft_ms / 1e3,
-            prefill_per_token=args.prefill_ms_per_token / 1e3,
-            itl_base=args.itl_ms / 1e3,
-            load_factor=args.load_factor,
-            max_running=args.max_running,
-            kv_capacity=args.kv_capacity,
-            time_scale=args.time_scale,
-        )
+        settings = settings_of(args)
         pods = [pod for pod in load_pods(args.pods) if pod.matches(args.selector)]
     except (PodFileError, ValueError) as error:
         parser.error(str(error))

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Literal
 
 from simulator.engine import Engine, Event, Request, Step
@@ -164,7 +164,7 @@ class RealTimeEngine:
             self._now = max(self._now, (loop.time() - self._origin) / self.time_scale)
         return self._now
 
-    async def generate(self, request: Request) -> AsyncIterator[int]:
+    async def generate(self, request: Request) -> AsyncGenerator[int, None]:
         """Yield the index of each output token as the engine produces it.
 
         Raises ``EngineError`` for a request the engine fails (an injected

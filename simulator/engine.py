@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from simulator.kvcache import BlockPool, extend_hashes
-from simulator.profiles import Profile
+from simulator.profiles import DEFAULT_PROFILE, PROFILES, Profile
 from simulator.tokenizer import count_tokens, output_token, output_token_id
 
 __all__ = [
@@ -73,6 +73,7 @@ __all__ = [
     "Event",
     "Faults",
     "Request",
+    "Settings",
     "Step",
     "count_tokens",
     "output_token",
@@ -625,3 +626,51 @@ def _decrement(counter: Counter[str], key: str) -> None:
         counter.pop(key, None)
     else:
         counter[key] -= 1
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """How a served replica is built: a profile, the driver's time scale, faults, a seed.
+
+    ``max_running`` and ``kv_capacity`` override the profile's
+    ``max_num_seqs`` and KV-cache size (in tokens; the cache gets
+    ``ceil(kv_capacity / block_size)`` blocks), for small, easily filled
+    replicas in tests and demos.
+    """
+
+    profile: str | Profile = DEFAULT_PROFILE
+    """A name in ``simulator.profiles.PROFILES``, or a ``Profile``."""
+    time_scale: float = 1.0
+    """Multiplies every delay of the real-time driver; 0 means no delay at all."""
+    max_running: int | None = None
+    """Overrides the profile's ``max_num_seqs``."""
+    kv_capacity: int | None = None
+    """Overrides the profile's KV-cache size, in tokens."""
+    faults: Faults = Faults()
+    seed: int = 0
+    """Seeds the fault draws; replica ``i`` of a process uses ``seed + i``."""
+
+    def __post_init__(self) -> None:
+        if self.time_scale < 0:
+            raise ValueError("time_scale: must not be negative")
+        if self.max_running is not None and self.max_running < 1:
+            raise ValueError("max_running: must be at least 1")
+        if self.kv_capacity is not None and self.kv_capacity < 1:
+            raise ValueError("kv_capacity: must be at least 1")
+        if isinstance(self.profile, str) and self.profile not in PROFILES:
+            known = ", ".join(PROFILES)
+            raise ValueError(f"profile: {self.profile!r} is not one of {known}")
+
+    def engine_profile(self) -> Profile:
+        """The profile with this replica's overrides applied."""
+        profile = PROFILES[self.profile] if isinstance(self.profile, str) else self.profile
+        changes: dict[str, int] = {}
+        if self.max_running is not None:
+            changes["max_num_seqs"] = self.max_running
+        if self.kv_capacity is not None:
+            changes["num_blocks"] = -(-self.kv_capacity // profile.block_size)
+        return profile.replace(**changes) if changes else profile
+
+    def engine(self, index: int = 0) -> Engine:
+        """A fresh engine for replica ``index``."""
+        return Engine(self.engine_profile(), faults=self.faults, seed=self.seed + index)

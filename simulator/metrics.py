@@ -11,7 +11,10 @@ against each without a GPU:
 - ``vllm``: queued ``vllm:num_requests_waiting``, running
   ``vllm:num_requests_running``, KV ``vllm:kv_cache_usage_perc``, block size
   and count in the labels of ``vllm:cache_config_info`` (``block_size``,
-  ``num_gpu_blocks``), LoRA in ``vllm:lora_requests_info``;
+  ``num_gpu_blocks``), LoRA in ``vllm:lora_requests_info``, and the counters
+  ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` (in
+  prompt tokens, so hits over queries is the token hit rate) and
+  ``vllm:num_preemptions_total``;
 - ``sglang``: ``sglang:num_queue_reqs``, ``sglang:num_running_reqs``,
   ``sglang:token_usage``, ``sglang:cache_config_info`` (``page_size``,
   ``num_pages``);
@@ -45,7 +48,7 @@ ENGINES: Final = ("vllm", "sglang", "trtllm", "triton", "llamacpp")
 """The dialects, named as ``--engine`` takes them."""
 
 BLOCK_SIZE: Final = 16
-"""Tokens per KV-cache block the simulator reports (vLLM's default block size)."""
+"""Tokens per KV-cache block unless a state says otherwise (vLLM's default block size)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,16 +61,27 @@ class State:
     max_running: int
     kv_usage: float
     kv_capacity: int
+    """KV-cache size in tokens (``num_blocks * block_size`` when both are known)."""
     prompt_tokens: int
     generation_tokens: int
     lora: Mapping[str, str] | None
     """vLLM's LoRA labels (``max_lora``, ``running_lora_adapters``, ...), None without adapters."""
     now: float
+    prefix_queries: int = 0
+    """Prompt tokens looked up in the prefix cache (vLLM's ``prefix_cache_queries``)."""
+    prefix_hits: int = 0
+    """Of those, tokens found cached (vLLM's ``prefix_cache_hits``)."""
+    preemptions: int = 0
+    block_size: int = BLOCK_SIZE
+    num_blocks: int | None = None
+    """KV-cache blocks; None means ``kv_capacity`` cut into ``block_size``-token blocks."""
 
     @property
     def blocks(self) -> int:
-        """KV-cache blocks: the token capacity cut into ``BLOCK_SIZE``-token blocks."""
-        return math.ceil(self.kv_capacity / BLOCK_SIZE)
+        """KV-cache blocks: ``num_blocks``, or the token capacity cut into blocks."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        return math.ceil(self.kv_capacity / self.block_size)
 
 
 Labels = Mapping[str, str]
@@ -129,12 +143,30 @@ def _vllm(s: State) -> list[Family]:
         _counter(
             "vllm:generation_tokens_total", "Output tokens generated.", s.generation_tokens, model
         ),
+        _counter(
+            "vllm:prefix_cache_queries_total",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            s.prefix_queries,
+            model,
+        ),
+        _counter(
+            "vllm:prefix_cache_hits_total",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            s.prefix_hits,
+            model,
+        ),
+        _counter(
+            "vllm:num_preemptions_total",
+            "Cumulative number of preemption from the engine.",
+            s.preemptions,
+            model,
+        ),
         # vLLM's info gauge: the value is 1, the labels carry the configuration.
         _gauge(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig.",
             1,
-            {"block_size": str(BLOCK_SIZE), "num_gpu_blocks": str(s.blocks)},
+            {"block_size": str(s.block_size), "num_gpu_blocks": str(s.blocks)},
         ),
     ]
     if s.lora is not None:
@@ -177,7 +209,7 @@ def _sglang(s: State) -> list[Family]:
             "sglang:cache_config_info",
             "Information of the cache configuration.",
             1,
-            {"page_size": str(BLOCK_SIZE), "num_pages": str(s.blocks)},
+            {"page_size": str(s.block_size), "num_pages": str(s.blocks)},
         ),
     ]
 
@@ -192,7 +224,9 @@ def _trtllm(s: State) -> list[Family]:
         _gauge(
             "trtllm_kv_cache_utilization", "Fraction of KV-cache blocks in use.", s.kv_usage, model
         ),
-        _gauge("trtllm_kv_cache_tokens_per_block", "Tokens per KV-cache block.", BLOCK_SIZE, model),
+        _gauge(
+            "trtllm_kv_cache_tokens_per_block", "Tokens per KV-cache block.", s.block_size, model
+        ),
         _gauge("trtllm_kv_cache_max_blocks", "KV-cache blocks available.", s.blocks, model),
     ]
 
@@ -214,7 +248,7 @@ def _triton(s: State) -> list[Family]:
         "max": s.blocks,
         "free": s.blocks - used,
         "used": used,
-        "tokens_per": BLOCK_SIZE,
+        "tokens_per": s.block_size,
         "fraction": s.kv_usage,
     }
     return [

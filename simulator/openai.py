@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import orjson
 
-from simulator.engine import count_tokens
+from simulator.tokenizer import tokenize
 
 Api = Literal["completions", "chat"]
 
@@ -54,9 +54,14 @@ class Request:
 
     api: Api
     model: str
-    prompt_tokens: int
+    tokens: tuple[int, ...]
+    """The prompt's token ids (``simulator.tokenizer``), what the engine caches by."""
     max_tokens: int
     stream: bool
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.tokens)
 
 
 def parse(api: Api, raw: bytes, served: Collection[str]) -> Request:
@@ -85,25 +90,27 @@ def parse(api: Api, raw: bytes, served: Collection[str]) -> Request:
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be true or false")
+    if not prompt:
+        raise bad_request("the prompt must have at least one token")
     return Request(api, model, prompt, max_tokens, stream)
 
 
-def _prompt_tokens(body: dict[str, Any]) -> int:
-    """Completions: a string, a list of strings (counted as one prompt) or a list of token ids."""
+def _prompt_tokens(body: dict[str, Any]) -> tuple[int, ...]:
+    """Completions: a string, a list of strings (one prompt, concatenated) or token ids."""
     match body.get("prompt"):
         case str() as text:
-            return count_tokens(text)
+            return tuple(tokenize(text))
         case [*items] if items and all(isinstance(item, str) for item in items):
-            return sum(count_tokens(item) for item in items)
+            return tuple(token for item in items for token in tokenize(item))
         case [*items] if items and all(type(item) is int for item in items):
-            return len(items)
+            return tuple(items)
         case None:
             raise bad_request("missing required field 'prompt'")
         case _:
             raise bad_request("'prompt' must be a string, a list of strings or a list of token ids")
 
 
-def _chat_tokens(body: dict[str, Any]) -> int:
+def _chat_tokens(body: dict[str, Any]) -> tuple[int, ...]:
     """Chat: the messages rendered by a trivial template, one ``role: content`` line each.
 
     Text parts of a multi-part ``content`` count; images and other parts do not.
@@ -125,7 +132,7 @@ def _chat_tokens(body: dict[str, Any]) -> int:
         if not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string or a list of parts")
         lines.append(f"{message['role']}: {content}")
-    return count_tokens("\n".join(lines))
+    return tuple(tokenize("\n".join(lines)))
 
 
 def usage(request: Request, completion_tokens: int) -> dict[str, int]:

@@ -1,7 +1,8 @@
 """One aiohttp server per pod port: the OpenAI API, /metrics, /health and the conformance echo.
 
 Every port of every pod becomes a ``Replica``: its own listening socket, its
-own ``Engine`` (queue, batch, KV cache) and its own counters, so a
+own ``Engine`` (queue, batch, KV cache; ``simulator.engine``) driven in real
+time by a ``RealTimeEngine`` (``simulator.clocks``), so a
 data-parallel pod with three ports behaves like three engines, as GIE's
 InferencePool counts it (one endpoint per target port). All replicas share
 one event loop; ``serve_pods`` starts them together and stops them together.
@@ -16,6 +17,11 @@ reached which replica:
   (the model and destination headers a gateway adds);
 - the headers asked for by ``X-Echo-Set-Header: name:value,name:value``, as
   the Gateway API conformance echo server does.
+
+Faults (``simulator.engine.Faults``) show here as a client sees them: an
+injected error is a 500 (or, once a stream has started, an error event
+before ``[DONE]``), dead metrics are a 503 on ``/metrics``, and a crashed
+replica stops listening and drops every connection, as a dead process would.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Coroutine, Iterable
 from contextlib import aclosing, asynccontextmanager
 from typing import Any, Final
 
@@ -36,9 +42,11 @@ from aiohttp.typedefs import Handler
 
 from pods.model import Pod, join_host_port
 from simulator import metrics, openai
+from simulator.clocks import EngineError, RealTimeEngine, Sleep
+from simulator.engine import Engine, Request, Settings
 from simulator.h2c import serve_h2c_echo
-from simulator.legacy import Engine, Settings, Sleep
 from simulator.openai import Api, ApiError
+from simulator.tokenizer import output_token
 
 log = structlog.get_logger()
 
@@ -105,12 +113,14 @@ class Replica:
         "_clock",
         "adapters",
         "dialect",
+        "driver",
         "endpoint",
         "engine",
         "model",
         "namespace",
         "pod",
         "port",
+        "stop_listening",
     )
 
     def __init__(
@@ -122,6 +132,8 @@ class Replica:
         *,
         dialect: str = "vllm",
         namespace: str = "",
+        time_scale: float = 1.0,
+        sleep: Sleep = asyncio.sleep,
     ) -> None:
         self.pod = pod
         self.port = port
@@ -131,6 +143,10 @@ class Replica:
         """What the conformance echo reports as the pod's namespace (echo-basic's NAMESPACE)."""
         self.endpoint = join_host_port(pod.address, port)
         self.engine = engine
+        self.driver = RealTimeEngine(engine, time_scale=time_scale, sleep=sleep)
+        """Steps ``engine`` in real time (``time_scale`` times each step's duration)."""
+        self.stop_listening: Callable[[], Coroutine[Any, Any, None]] | None = None
+        """Closes this replica's listener (set by ``serve_pods``); a crash calls it."""
         self.model = pod.labels.get("model") or DEFAULT_MODEL
         adapters = pod.labels.get("adapters", "").split(",")
         self.adapters = tuple(name.strip() for name in adapters if name.strip())
@@ -142,7 +158,9 @@ class Replica:
 
     def app(self) -> web.Application:
         # Long prompts are normal for a model server: allow bodies up to 64 MiB, not 1 MiB.
-        app = web.Application(middlewares=[_never_crash], client_max_size=64 * 2**20)
+        app = web.Application(
+            middlewares=[_never_crash, self._dead_after_crash], client_max_size=64 * 2**20
+        )
         app.on_response_prepare.append(self.stamp)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -181,9 +199,28 @@ class Replica:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "chat")
 
+    @web.middleware
+    async def _dead_after_crash(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """A crashed replica answers nothing: it drops the connection, as a dead process would."""
+        if self.engine.crashed:
+            self._drop(request)
+        return await handler(request)
+
+    def _drop(self, request: web.Request) -> None:
+        """Close the client's connection and stop listening (the crash fault)."""
+        if request.transport is not None:
+            request.transport.close()
+        if self.stop_listening is not None:
+            stop, self.stop_listening = self.stop_listening, None
+            asyncio.get_running_loop().create_task(stop())
+        raise ConnectionResetError("replica crashed")
+
     async def _generate(self, request: web.Request, api: Api) -> web.StreamResponse:
         try:
             parsed = openai.parse(api, await request.read(), (self.model, *self.adapters))
+            problem = self.engine.validate(parsed.prompt_tokens, parsed.max_tokens)
+            if problem is not None:
+                raise openai.bad_request(problem)
         except ApiError as error:
             log.info(
                 "request rejected", pod=self.pod.name, endpoint=self.endpoint, error=error.message
@@ -192,7 +229,8 @@ class Replica:
         adapter = None if parsed.model == self.model else parsed.model
         rid = f"{'cmpl' if api == 'completions' else 'chatcmpl'}-{uuid.uuid4().hex}"
         created = int(self._clock())
-        tokens = self.engine.generate(parsed.prompt_tokens, parsed.max_tokens, adapter)
+        job = Request(rid, parsed.tokens, parsed.max_tokens, self.driver.now(), adapter)
+        tokens = self.driver.generate(job)
         log.debug(
             "request",
             pod=self.pod.name,
@@ -204,8 +242,13 @@ class Replica:
         )
         if parsed.stream:
             return await self._stream(request, parsed, rid, created, tokens)
-        async with aclosing(tokens):
-            text = "".join([token async for token in tokens])
+        try:
+            async with aclosing(tokens):
+                text = "".join([output_token(index) async for index in tokens])
+        except EngineError as error:
+            if self.engine.crashed:
+                self._drop(request)
+            return _error(ApiError(500, "InternalServerError", str(error)))
         return _json(openai.response(parsed, rid, created, text, parsed.max_tokens))
 
     async def _stream(
@@ -214,22 +257,37 @@ class Replica:
         parsed: openai.Request,
         rid: str,
         created: int,
-        tokens: AsyncGenerator[str, None],
+        tokens: AsyncGenerator[int, None],
     ) -> web.StreamResponse:
-        """Server-sent events: one ``data:`` line per token, the usage chunk, then ``[DONE]``."""
+        """Server-sent events: one ``data:`` line per token, the usage chunk, then ``[DONE]``.
+
+        The response starts (status 200) when the first token is ready, so an
+        error before it is still a plain error response, as in vLLM.
+        """
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
-        await response.prepare(request)
         try:
             async with aclosing(tokens):
-                index = 0
-                async for token in tokens:
-                    chunk = openai.token_chunk(parsed, rid, created, index, token)
+                count = 0
+                async for index in tokens:
+                    if not response.prepared:
+                        await response.prepare(request)
+                    text = output_token(index)
+                    chunk = openai.token_chunk(parsed, rid, created, index, text)
                     await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-                    index += 1
-            chunk = openai.usage_chunk(parsed, rid, created, index)
+                    count += 1
+            chunk = openai.usage_chunk(parsed, rid, created, count)
             await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except EngineError as error:
+            if self.engine.crashed:
+                self._drop(request)
+            failure = ApiError(500, "InternalServerError", str(error))
+            if not response.prepared:
+                return _error(failure)
+            await response.write(b"data: " + orjson.dumps(failure.body()) + b"\n\n")
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except ConnectionResetError:
@@ -249,6 +307,8 @@ class Replica:
         return web.Response()
 
     async def metrics(self, _request: web.Request) -> web.Response:
+        if self.engine.faults.dead_metrics:
+            return web.Response(status=503, text="metrics unavailable (fault dead_metrics)\n")
         return web.Response(
             body=self.metrics_text().encode(), headers={"Content-Type": _METRICS_TYPE}
         )
@@ -256,24 +316,31 @@ class Replica:
     def metrics_text(self) -> str:
         """The engine's state in Prometheus text format, in the names of ``self.dialect``."""
         engine = self.engine
+        profile = engine.profile
         lora = None
         if self.adapters:
             lora = {
-                "max_lora": str(len(self.adapters)),
-                "running_lora_adapters": ",".join(sorted(+engine.running_adapters)),
-                "waiting_lora_adapters": ",".join(sorted(+engine.waiting_adapters)),
+                # The adapters that can be resident at once: max_loras, at most those served.
+                "max_lora": str(min(profile.max_loras, len(self.adapters))),
+                "running_lora_adapters": ",".join(sorted(engine.running_adapters)),
+                "waiting_lora_adapters": ",".join(sorted(engine.waiting_adapters)),
             }
         state = metrics.State(
             model=self.model,
             running=engine.running,
             waiting=engine.waiting,
-            max_running=engine.settings.max_running,
+            max_running=profile.max_num_seqs,
             kv_usage=engine.kv_usage,
-            kv_capacity=engine.settings.kv_capacity,
+            kv_capacity=profile.kv_tokens,
             prompt_tokens=engine.prompt_tokens_total,
             generation_tokens=engine.generation_tokens_total,
             lora=lora,
             now=self._clock(),
+            prefix_queries=engine.prefix_queries_total,
+            prefix_hits=engine.prefix_hits_total,
+            preemptions=engine.preemptions_total,
+            block_size=profile.block_size,
+            num_blocks=engine.num_blocks,
         )
         return metrics.render(self.dialect, state)
 
@@ -338,10 +405,13 @@ async def serve_pods(
 ) -> AsyncIterator[tuple[Replica, ...]]:
     """Serve every port of every pod until the block exits; yields the replicas in file order.
 
-    ``sleep`` and ``clock`` are injected so tests can gate or record delays
-    and fix timestamps. A port of 0 binds a free port (``Replica.endpoint``
-    tells which). On exit the listeners close first, then requests still in
-    flight get ``grace`` seconds to finish before they are cancelled.
+    Each replica gets ``settings.engine(i)`` (its profile, overrides, faults,
+    and seed ``settings.seed + i``) stepped in real time scaled by
+    ``settings.time_scale``. ``sleep`` and ``clock`` are injected so tests
+    can gate or record the engine's step delays and fix timestamps. A port of
+    0 binds a free port (``Replica.endpoint`` tells which). On exit the
+    listeners close first, then requests still in flight get ``grace``
+    seconds to finish before they are cancelled.
 
     ``dialect`` names the engine whose metric names ``/metrics`` uses;
     ``namespace`` is what the conformance echo reports; a port listed in
@@ -361,19 +431,30 @@ async def serve_pods(
                 replica = Replica(
                     pod,
                     sock.getsockname()[1],
-                    Engine(settings, sleep),
+                    settings.engine(len(replicas)),
                     clock,
                     dialect=dialect,
                     namespace=namespace,
+                    time_scale=settings.time_scale,
+                    sleep=sleep,
                 )
                 replicas.append(replica)
                 if port in h2c_ports:
                     h2c_servers.append(await serve_h2c_echo(replica, sock))
                     continue
-                runner = web.AppRunner(replica.app(), access_log=None, shutdown_timeout=grace)
+                # A client that disconnects cancels its handler, which aborts its request in
+                # the engine and frees its blocks, as vLLM aborts a request whose client left.
+                runner = web.AppRunner(
+                    replica.app(),
+                    access_log=None,
+                    shutdown_timeout=grace,
+                    handler_cancellation=True,
+                )
                 await runner.setup()
                 runners.append(runner)
-                await web.SockSite(runner, sock).start()
+                site = web.SockSite(runner, sock)
+                await site.start()
+                replica.stop_listening = site.stop
         log.info("listening", endpoints=[replica.endpoint for replica in replicas])
         yield tuple(replicas)
     finally:
@@ -382,6 +463,8 @@ async def serve_pods(
             server.close()
         # All at once: each replica's in-flight requests share the same grace period.
         await asyncio.gather(*(runner.cleanup() for runner in runners))
+        for replica in replicas:
+            await replica.driver.aclose()
         for sock in sockets:
             sock.close()
         log.info("stopped")

@@ -1,14 +1,17 @@
-"""The model-server simulator: OpenAI API, vLLM metrics, load model, echo server and CLI.
+"""The model-server simulator over HTTP: OpenAI API, vLLM metrics, the real-time driver,
+faults, echo server and CLI.
 
 Servers are real aiohttp servers on 127.0.0.1 free ports. Timing is never
-measured: delays go through an injected sleep that either does nothing
-(``time_scale=0``) or is a ``Gate`` the test opens step by step.
+measured: engine steps wait through an injected sleep that either does nothing
+(``time_scale=0``) or is a ``Gate`` the test opens step by step. The engine
+model itself is tested in virtual time in ``test_engine_model.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import sys
@@ -22,10 +25,13 @@ import pytest
 
 from demo.topology import free_ports
 from pods.model import Pod
-from simulator import Engine, Replica, Settings, count_tokens, output_token, serve_pods
-from simulator.__main__ import main
-from simulator.legacy import Sleep
+from simulator import Faults, Replica, Request, Settings, count_tokens, output_token, serve_pods
+from simulator.__main__ import _parser, main, settings_of
+from simulator.clocks import EngineError, RealTimeEngine, Sleep
+from simulator.engine import Engine
+from simulator.profiles import PROFILES
 from simulator.server import echo_set_headers
+from simulator.tokenizer import token_block
 
 INSTANT = Settings(time_scale=0)
 ROOT = Path(__file__).resolve().parents[1]
@@ -335,7 +341,8 @@ def test_running_and_waiting_reflect_requests_in_flight() -> None:
             while metrics["vllm:num_requests_waiting"] < 2:  # the others reach the queue
                 metrics = await scrape(session, replica)
             assert metrics["vllm:num_requests_running"] == 1
-            assert metrics["vllm:kv_cache_usage_perc"] == pytest.approx(0.04)
+            # 100 tokens are 7 blocks; the running request's 4-token prompt holds one.
+            assert metrics["vllm:kv_cache_usage_perc"] == pytest.approx(1 / 7)
             gate.open()
             answers = await asyncio.gather(*requests)
             metrics = await scrape(session, replica)
@@ -389,111 +396,216 @@ def test_data_parallel_pod_serves_independent_replicas() -> None:
     run(test)
 
 
-# --- latency model -------------------------------------------------------------------------
-
-MODEL = Settings(ttft_base=0.01, prefill_per_token=0.001, itl_base=0.002, load_factor=0.5)
-
-
-def test_latency_formula() -> None:
-    """ttft = (base + per_token * prompt) * load, itl = base * load, load = 1 + f * (running - 1)."""
-    assert MODEL.load(1) == 1.0
-    assert MODEL.load(3) == 2.0
-    assert MODEL.ttft(10, 1) == pytest.approx(0.02)
-    assert MODEL.ttft(10, 3) == pytest.approx(0.04)
-    assert MODEL.ttft(0, 1) == pytest.approx(0.01)
-    assert MODEL.itl(1) == pytest.approx(0.002)
-    assert MODEL.itl(3) == pytest.approx(0.004)
-    scaled = Settings(ttft_base=0.01, itl_base=0.002, time_scale=3)
-    assert scaled.ttft(0, 1) == pytest.approx(0.03)
-    assert scaled.itl(1) == pytest.approx(0.006)
-    assert Settings(time_scale=0).ttft(1000, 8) == 0
-    assert Settings(time_scale=0).itl(8) == 0
-
-
-def test_engine_sleeps_ttft_then_itl_per_token_under_current_load() -> None:
-    """The engine waits ttft before the first token and itl before each later one, at the
-    load of that moment: a request that joins a busy batch starts slower."""
+def test_metrics_report_prefix_cache_preemptions_and_cache_geometry() -> None:
+    """vLLM's prefix-cache counters count prompt tokens looked up and found; cache_config_info
+    carries the real block count; preemptions are counted."""
 
     async def test() -> None:
-        gate = Gate()
-        engine = Engine(MODEL, gate)
-
-        async def consume() -> list[str]:
-            return [token async for token in engine.generate(10, 2)]
-
-        first = asyncio.create_task(consume())
-        await gate.reached(1)
-        second = asyncio.create_task(consume())
-        await gate.reached(2)
-        for calls in (3, 4):  # release each prefill in turn; each asks for its next token
-            gate.step()
-            await gate.reached(calls)
-        gate.open()
-        assert await first == await second == [output_token(0), output_token(1)]
-        alone = [token async for token in engine.generate(10, 1)]
-        assert alone == [output_token(0)]
-        assert gate.delays == pytest.approx(
-            [MODEL.ttft(10, 1), MODEL.ttft(10, 2), MODEL.itl(2), MODEL.itl(2), MODEL.ttft(10, 1)]
-        )
+        settings = Settings(time_scale=0, kv_capacity=320)
+        async with cluster(settings=settings) as ((replica,), session):
+            prompt = " ".join(f"word{i}" for i in range(100))
+            body = {"model": "sim-model", "prompt": prompt, "max_tokens": 2}
+            for _ in range(2):
+                await post(session, replica, "/v1/completions", body)
+            async with session.get(replica.url + "/metrics") as response:
+                text = await response.text()
+        metrics = {
+            line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
+        assert metrics["vllm:prefix_cache_queries_total"] == 200
+        assert metrics["vllm:prefix_cache_hits_total"] == 96  # 6 full blocks of the 100 tokens
+        assert metrics["vllm:num_preemptions_total"] == 0
+        assert 'vllm:cache_config_info{block_size="16",num_gpu_blocks="20"} 1.0' in text
 
     run(test)
 
 
-def test_kv_usage_counts_prompt_and_generated_tokens_of_running_requests() -> None:
-    """A running request holds its prompt plus its output so far; finishing frees it all."""
+# --- the real-time driver ------------------------------------------------------------------
+
+SMALL = PROFILES["llama-3.1-8b-h100"].replace(num_blocks=64)
+
+
+def test_real_time_driver_waits_each_step_times_the_time_scale() -> None:
+    """One sleep per engine step, of the step's modelled duration times ``time_scale``: the
+    prefill step, then one decode step per further token."""
 
     async def test() -> None:
         gate = Gate()
-        engine = Engine(Settings(kv_capacity=200), gate)
-        tokens = engine.generate(100, 3)
-        first = asyncio.create_task(anext(tokens))
-        await gate.reached(1)  # in prefill: the prompt is held
-        assert engine.kv_tokens == 100
-        gate.step()
-        assert await first == output_token(0)
-        assert engine.kv_usage == pytest.approx(101 / 200)
         gate.open()
-        assert [token async for token in tokens] == [output_token(1), output_token(2)]
-        assert (engine.kv_usage, engine.running) == (0, 0)
+        driver = RealTimeEngine(Engine(SMALL), time_scale=3.0, sleep=gate)
+        request = Request("r", token_block(1, 40), 3, 0.0)
+        assert [index async for index in driver.generate(request)] == [0, 1, 2]
+        expected = [SMALL.step_time(40, 0, 0), SMALL.step_time(0, 1, 41), SMALL.step_time(0, 1, 42)]
+        assert gate.delays == pytest.approx([3 * delay for delay in expected])
 
     run(test)
 
 
-def test_kv_usage_is_capped_at_one() -> None:
-    """KV usage is reported, not enforced: a prompt larger than the cache shows as full."""
+def test_time_scale_zero_streams_exactly_max_tokens_over_http() -> None:
+    """With no delays at all, concurrent streams through a small batch still get exactly
+    ``max_tokens`` tokens each, in order, one chunk per token."""
 
     async def test() -> None:
-        gate = Gate()
-        engine = Engine(Settings(kv_capacity=10), gate)
-        task = asyncio.create_task(anext(engine.generate(50, 1)))
-        await gate.reached(1)
-        assert engine.kv_usage == 1.0
-        gate.open()
-        await task
+        settings = Settings(time_scale=0, max_running=3, kv_capacity=256)
+
+        async def stream(session: aiohttp.ClientSession, replica: Replica, n: int) -> list[str]:
+            body = {"model": "sim-model", "prompt": f"question {n}", "max_tokens": 5 + n}
+            body["stream"] = True
+            async with session.post(replica.url + "/v1/completions", json=body) as response:
+                chunks = list(sse_events(await response.text()))
+            return [json.loads(c)["choices"][0]["text"] for c in chunks[:-2]]
+
+        async with cluster(settings=settings) as ((replica,), session):
+            texts = await asyncio.gather(*(stream(session, replica, n) for n in range(10)))
+            metrics = await scrape(session, replica)
+        for n, text in enumerate(texts):
+            assert text == [output_token(i) for i in range(5 + n)]
+        assert metrics["vllm:generation_tokens_total"] == sum(5 + n for n in range(10))
+        assert metrics["vllm:num_requests_running"] == 0
 
     run(test)
 
 
 def test_abandoned_requests_free_their_slots() -> None:
-    """A queued request that is cancelled leaves the queue; a closed stream frees its slot."""
+    """A queued request that is cancelled leaves the queue; a closed stream frees its blocks."""
 
     async def test() -> None:
         gate = Gate()
-        engine = Engine(Settings(max_running=1), gate)
-        holder = engine.generate(5, 10)
+        engine = Engine(SMALL.replace(max_num_seqs=1))
+        driver = RealTimeEngine(engine, time_scale=1.0, sleep=gate)
+        holder = driver.generate(Request("a", token_block(1, 40), 10, 0.0))
         first = asyncio.create_task(anext(holder))
-        await gate.reached(1)
-        queued = asyncio.create_task(anext(engine.generate(5, 1)))
-        await asyncio.sleep(0)  # one turn of the loop: the new task runs until it queues
-        assert engine.waiting == 1
+        await gate.reached(1)  # the prefill step is under way
+        queued = asyncio.create_task(anext(driver.generate(Request("b", [1, 2], 1, 0.0))))
+        await asyncio.sleep(0)  # one turn of the loop: the new request is added
+        assert (engine.running, engine.waiting) == (1, 1)
         queued.cancel()
         with pytest.raises(asyncio.CancelledError):
             await queued
         assert engine.waiting == 0
         gate.step()
-        await first
+        assert await first == 0
         await holder.aclose()  # the client went away mid-stream
-        assert (engine.running, engine.waiting, engine.kv_tokens) == (0, 0, 0)
+        assert (engine.running, engine.waiting, engine.kv_usage) == (0, 0, 0)
+        gate.open()
+        await driver.aclose()
+
+    run(test)
+
+
+def test_an_engine_error_raises_in_the_stream() -> None:
+    """An injected error reaches the caller as EngineError, before any token."""
+
+    async def test() -> None:
+        driver = RealTimeEngine(Engine(SMALL, faults=Faults(error_rate=1.0)), time_scale=0)
+        with pytest.raises(EngineError, match="injected"):
+            await anext(driver.generate(Request("r", [1, 2, 3], 2, 0.0)))
+        await driver.aclose()
+
+    run(test)
+
+
+# --- faults --------------------------------------------------------------------------------
+
+
+def test_error_rate_answers_500_and_an_error_body() -> None:
+    """--error-rate 1: every generation is a 500 with vLLM's error shape; the rest works."""
+
+    async def test() -> None:
+        settings = Settings(time_scale=0, faults=Faults(error_rate=1.0))
+        async with cluster(settings=settings) as ((replica,), session):
+            body = {"model": "sim-model", "prompt": "x"}
+            status, answer, _ = await post(session, replica, "/v1/completions", body)
+            stream_status, _, _ = await post(
+                session, replica, "/v1/completions", {**body, "stream": True}
+            )
+            async with session.get(replica.url + "/health") as health:
+                healthy = health.status
+        assert (status, stream_status, healthy) == (500, 500, 200)
+        assert answer["error"]["type"] == "InternalServerError"
+        assert "injected" in answer["error"]["message"]
+
+    run(test)
+
+
+def test_dead_metrics_answer_503_while_serving_goes_on() -> None:
+    """--dead-metrics: /metrics is a 503; completions still work."""
+
+    async def test() -> None:
+        settings = Settings(time_scale=0, faults=Faults(dead_metrics=True))
+        async with cluster(settings=settings) as ((replica,), session):
+            async with session.get(replica.url + "/metrics") as response:
+                status = response.status
+            ok, _, _ = await post(
+                session, replica, "/v1/completions", {"model": "sim-model", "prompt": "x"}
+            )
+        assert (status, ok) == (503, 200)
+
+    run(test)
+
+
+def test_stalled_stream_stops_after_n_tokens_until_the_client_leaves() -> None:
+    """--stall-after-tokens 2 --stall-seconds inf: two tokens arrive, then nothing; the
+    request keeps its slot until the client disconnects, which frees it."""
+
+    async def test() -> None:
+        faults = Faults(stall_after_tokens=2, stall_seconds=math.inf)
+        async with cluster(settings=Settings(time_scale=0, faults=faults)) as (
+            (replica,),
+            session,
+        ):
+            body = {"model": "sim-model", "prompt": "x y", "max_tokens": 5, "stream": True}
+            async with session.post(replica.url + "/v1/completions", json=body) as response:
+                chunks = [await response.content.readuntil(b"\n\n") for _ in range(2)]
+                assert replica.engine.running == 1
+                assert replica.engine.generation_tokens_total == 2
+                response.close()  # the client gives up
+            while replica.engine.running:  # noqa: ASYNC110
+                await asyncio.sleep(0)
+        assert [json.loads(c[6:])["choices"][0]["text"] for c in chunks] == [
+            output_token(0),
+            output_token(1),
+        ]
+        assert replica.engine.kv_usage == 0
+
+    run(test)
+
+
+def test_crash_after_n_requests_drops_connections_and_stops_listening() -> None:
+    """--crash-after 1: the first request is served; the second crashes the replica (its
+    connection is dropped) and afterwards nothing connects."""
+
+    async def test() -> None:
+        settings = Settings(time_scale=0, faults=Faults(crash_after=1))
+        async with cluster(settings=settings) as ((replica,), session):
+            body = {"model": "sim-model", "prompt": "x", "max_tokens": 2}
+            status, _, _ = await post(session, replica, "/v1/completions", body)
+            with pytest.raises(aiohttp.ClientError):
+                await post(session, replica, "/v1/completions", body)
+            async with aiohttp.ClientSession() as fresh:
+                with pytest.raises(aiohttp.ClientConnectionError):
+                    await fresh.get(replica.url + "/health")
+        assert status == 200
+        assert replica.engine.crashed
+
+    run(test)
+
+
+def test_a_request_too_long_for_the_cache_is_a_400() -> None:
+    """A prompt and output that could never fit in the replica's KV cache are refused, as
+    vLLM refuses a context longer than it can hold."""
+
+    async def test() -> None:
+        async with cluster(settings=Settings(time_scale=0, kv_capacity=32)) as (
+            (replica,),
+            session,
+        ):
+            body = {"model": "sim-model", "prompt": "a " * 30, "max_tokens": 10}
+            status, answer, _ = await post(session, replica, "/v1/completions", body)
+        assert status == 400
+        assert "KV blocks" in answer["error"]["message"]
 
     run(test)
 
@@ -616,15 +728,58 @@ def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         "--pods",
         "--selector",
         "--time-scale",
-        "--ttft-ms",
-        "--prefill-ms-per-token",
-        "--itl-ms",
-        "--load-factor",
+        "--profile",
+        "llama-3.1-8b-h100",
+        "llama-3.1-8b-l4",
         "--max-running",
         "--kv-capacity",
+        "--max-num-batched-tokens",
+        "--step-overhead-ms",
+        "--error-rate",
+        "--stall-after-tokens",
+        "--stall-seconds",
+        "--dead-metrics",
+        "--crash-after",
         "--log-level",
     ):
         assert flag in text
+
+
+def test_flags_become_settings() -> None:
+    """Profile, overrides in the flags' units, old capacity flags and faults reach Settings."""
+    args = _parser().parse_args(
+        [
+            "--pods=p.yaml",
+            "--profile=llama-3.1-8b-l4",
+            "--time-scale=0.5",
+            "--max-running=3",
+            "--kv-capacity=100",
+            "--step-overhead-ms=2",
+            "--lora-load-ms=10",
+            "--error-rate=0.25",
+            "--stall-after-tokens=4",
+            "--stall-seconds=inf",
+            "--dead-metrics",
+            "--crash-after=7",
+        ]
+    )
+    settings = settings_of(args)
+    profile = settings.engine_profile()
+    assert profile.name == "llama-3.1-8b-l4"
+    assert (profile.max_num_seqs, profile.num_blocks) == (3, 7)
+    assert profile.step_overhead == pytest.approx(0.002)
+    assert profile.lora_load_time == pytest.approx(0.01)
+    assert profile.prefill_per_token == PROFILES["llama-3.1-8b-l4"].prefill_per_token
+    assert settings.time_scale == 0.5
+    assert settings.faults == Faults(
+        error_rate=0.25,
+        stall_after_tokens=4,
+        stall_seconds=math.inf,
+        dead_metrics=True,
+        crash_after=7,
+    )
+    with pytest.raises(ValueError, match="give one"):
+        settings_of(_parser().parse_args(["--pods=p", "--num-blocks=5", "--kv-capacity=9"]))
 
 
 def free_port() -> int:
@@ -679,8 +834,12 @@ def test_cli_serves_selected_pods_and_exits_on_sigterm(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("knobs", "field"),
-    [({"itl_base": -1.0}, "itl_base"), ({"max_running": 0}, "max_running")],
-    ids=["negative", "no-slots"],
+    [
+        ({"time_scale": -1.0}, "time_scale"),
+        ({"max_running": 0}, "max_running"),
+        ({"profile": "gpt-9-on-a-toaster"}, "profile"),
+    ],
+    ids=["negative", "no-slots", "unknown-profile"],
 )
 def test_settings_reject_impossible_values(knobs: dict[str, Any], field: str) -> None:
     """Settings are checked where they are made, and the error names the field."""

@@ -99,7 +99,7 @@ def test_each_dialect_reports_queue_running_and_kv_under_its_own_names(engine: s
     if kv is None:
         assert "kv" not in text.lower()
     else:
-        assert value(text, *kv) == pytest.approx(4 / 64)  # four prompt tokens held
+        assert value(text, *kv) == pytest.approx(1 / 4)  # one block of four holds the prompt
     other_prefixes = {"vllm:", "sglang:", "trtllm_", "nv_trt_llm_", "llamacpp:"}
     own = {p for p in other_prefixes if all(n.startswith(p) for n, _, _ in samples(text))}
     assert len(own) == 1, "every sample uses the one engine's naming"

@@ -66,7 +66,7 @@ from typing import Final, Literal
 
 from simulator.kvcache import BlockPool, extend_hashes
 from simulator.profiles import DEFAULT_PROFILE, PROFILES, Profile
-from simulator.tokenizer import count_tokens, output_token, output_token_id
+from simulator.tokenizer import count_tokens, output_token, output_token_ids
 
 __all__ = [
     "Engine",
@@ -148,8 +148,9 @@ class Request:
         size = len(prompt)
         if end <= size:
             return prompt[start:end]
-        head = list(prompt[start:size]) if start < size else []
-        return head + [output_token_id(i) for i in range(max(start - size, 0), end - size)]
+        if start >= size:
+            return output_token_ids(start - size, end - size)
+        return [*prompt[start:size], *output_token_ids(0, end - size)]
 
     def block_hashes(self, blocks: int, block_size: int) -> list[int]:
         """The hash chain of the sequence's first ``blocks`` full blocks (computed once, kept)."""
@@ -157,7 +158,8 @@ class Request:
             self._hashes = []
             self._hash_block_size = block_size
         if len(self._hashes) < blocks:
-            extend_hashes(self._hashes, blocks, block_size, self.adapter or "", self.sequence)
+            adapter = self.adapter or ""
+            extend_hashes(self._hashes, blocks, block_size, adapter, self.tokens, self.sequence)
         return self._hashes
 
 
@@ -176,6 +178,7 @@ class _Seq:
 
     __slots__ = (
         "blocks",
+        "capacity",
         "computed",
         "hashed",
         "live",
@@ -184,12 +187,15 @@ class _Seq:
         "running",
         "scheduled_before",
         "stall_until",
+        "total",
     )
 
     def __init__(self, request: Request) -> None:
         self.request = request
         self.prompt_len = len(request.tokens)
+        self.total = self.prompt_len + request.generated  # tokens in the sequence so far
         self.blocks: list[int] = []
+        self.capacity = 0  # tokens the blocks hold: len(blocks) * block_size
         self.computed = 0  # tokens whose KV is in the cache (vLLM's num_computed_tokens)
         self.hashed = 0  # leading blocks registered in the prefix cache
         self.live = True
@@ -419,16 +425,20 @@ class Engine:
         batch: list[tuple[_Seq, int]] = []
         prefill = decodes = context = preempted = 0
 
-        index = 0
-        while index < len(running) and budget > 0:
-            seq = running[index]
+        append = batch.append
+        # Popping victims off the end while iterating is safe: a list iterator checks the
+        # length at every step, so the loop simply ends before the preempted ones.
+        for seq in running:
+            if budget == 0:
+                break
             if seq.stall_until > now:
-                index += 1
                 continue
-            remaining = seq.prompt_len + seq.request.generated - seq.computed
-            count = min(remaining, budget)
-            need = (seq.computed + count + size - 1) // size - len(seq.blocks)
-            if need > 0:
+            computed = seq.computed
+            remaining = seq.total - computed
+            count = remaining if remaining < budget else budget
+            end = computed + count
+            if end > seq.capacity:  # the step's tokens need another block
+                need = (end - seq.capacity + size - 1) // size
                 new = pool.allocate(need)
                 while new is None:
                     victim = running.pop()
@@ -440,14 +450,14 @@ class Engine:
                 if new is None:
                     break  # ``seq`` was the newest and preempted itself
                 seq.blocks += new
-            batch.append((seq, count))
+                seq.capacity += need * size
+            append((seq, count))
             budget -= count
-            if remaining == 1 and seq.request.generated:
+            if remaining == 1 and seq.total > seq.prompt_len:
                 decodes += 1
-                context += seq.computed + 1
+                context += end
             else:
                 prefill += count
-            index += 1
 
         loads: list[str] = []
         if not preempted:
@@ -461,7 +471,7 @@ class Engine:
                 if adapter and adapter not in loras and len(loras) >= profile.max_loras:
                     skipped.append(waiting.popleft())
                     continue
-                total = seq.prompt_len + request.generated
+                total = seq.total
                 hashes = request.block_hashes(total // size, size)
                 hits = pool.hits(hashes, (total - 1) // size)
                 computed = len(hits) * size
@@ -473,6 +483,7 @@ class Engine:
                 new = pool.allocate(need)
                 assert new is not None
                 seq.blocks = hits + new
+                seq.capacity = len(seq.blocks) * size
                 seq.computed = computed
                 seq.hashed = len(hits)
                 self._pending -= computed
@@ -519,30 +530,35 @@ class Engine:
         faults = self.faults
         all_tokens = self.all_tokens
         done = False
+        fed = generated_now = 0
+        stall_after, stall_seconds = faults.stall_after_tokens, faults.stall_seconds
         for seq, count in step.batch:
             if not seq.live:
                 continue  # aborted while the step ran
-            request = seq.request
-            seq.computed += count
-            self._pending -= count
-            full = seq.computed // size
-            if full > seq.hashed:
-                hashes = request.block_hashes(full, size)
+            computed = seq.computed + count
+            seq.computed = computed
+            fed += count
+            if computed >= (seq.hashed + 1) * size:  # blocks filled: into the prefix cache
+                full = computed // size
+                hashes = seq.request.block_hashes(full, size)
                 blocks = seq.blocks
                 for index in range(seq.hashed, full):
                     pool.register(blocks[index], hashes[index])
                 seq.hashed = full
-            if seq.computed < seq.prompt_len + request.generated:
+            if computed < seq.total:
                 continue  # a prefill chunk: no token yet
-            request.generated += 1
-            self.generation_tokens_total += 1
-            if request.generated == 1:
+            request = seq.request
+            seq.total += 1
+            generated = request.generated + 1
+            request.generated = generated
+            generated_now += 1
+            if generated == 1:
                 request.first_token_at = now
                 self.prompt_tokens_total += seq.prompt_len
                 events.append(Event(request, "token"))
             elif all_tokens:
                 events.append(Event(request, "token"))
-            if request.generated >= request.max_tokens:
+            if generated >= request.max_tokens:
                 request.finished_at = now
                 events.append(Event(request, "done"))
                 seq.live = False
@@ -550,9 +566,12 @@ class Engine:
                 self._leave_running(seq)
                 pool.release(seq.blocks)
                 seq.blocks = []
+                seq.capacity = 0
                 done = True
-            elif request.generated == faults.stall_after_tokens and faults.stall_seconds:
-                seq.stall_until = now + faults.stall_seconds
+            elif generated == stall_after and stall_seconds:
+                seq.stall_until = now + stall_seconds
+        self._pending -= fed
+        self.generation_tokens_total += generated_now
         if done:
             self._running = [seq for seq in self._running if seq.live]
         return events
@@ -563,6 +582,7 @@ class Engine:
         """Recompute-mode preemption: free the blocks, back to the front of the queue."""
         self._pool.release(seq.blocks)
         seq.blocks = []
+        seq.capacity = 0
         self._pending += seq.computed
         seq.computed = 0
         seq.hashed = 0
@@ -590,6 +610,7 @@ class Engine:
         seq.live = False
         self._pool.release(seq.blocks)
         seq.blocks = []
+        seq.capacity = 0
         self._pending -= seq.prompt_len + seq.request.max_tokens - 1 - seq.computed
 
     def _load(self, adapter: str) -> None:

@@ -34,6 +34,8 @@ from collections.abc import Callable, Sequence
 def block_hash(parent: int, adapter: str, tokens: Sequence[int]) -> int:
     """The hash of one full block: its tokens, chained on its parent's hash and the adapter.
 
+    ``extend_hashes`` computes the same formula inline for prompt blocks.
+
     Python's tuple hash of ints is stable across processes; the adapter's
     name is a string, whose hash is salted per process, which is fine
     because hashes never leave the process.
@@ -147,22 +149,35 @@ def extend_hashes(
     blocks: int,
     block_size: int,
     adapter: str,
-    tokens: Callable[[int, int], Sequence[int]],
+    prefix: Sequence[int],
+    tokens: Callable[[int, int], Sequence[int]] | None = None,
 ) -> None:
-    """Grow the hash chain ``hashes`` to ``blocks`` entries; ``tokens(start, end)`` gives tokens.
+    """Grow the hash chain ``hashes`` to ``blocks`` entries.
 
-    Each block is hashed once per request and the result kept, so a long
-    prompt costs one tuple hash per 16 tokens, once.
+    Blocks that lie within ``prefix`` (a prompt) are sliced from it
+    directly; later ones come from ``tokens(start, end)`` (the prompt's tail
+    and the generated tokens). Each block is hashed once per request and the
+    result kept, so a long prompt costs one tuple hash per block, once.
     """
     parent = hashes[-1] if hashes else ROOT_HASH
-    for index in range(len(hashes), blocks):
+    append = hashes.append
+    index = len(hashes)
+    direct = min(blocks, len(prefix) // block_size)
+    while index < direct:
+        start = index * block_size
+        parent = hash((parent, adapter, tuple(prefix[start : start + block_size])))
+        append(parent)
+        index += 1
+    while index < blocks:
+        assert tokens is not None, "blocks beyond the prefix need a token source"
         start = index * block_size
         parent = block_hash(parent, adapter, tokens(start, start + block_size))
-        hashes.append(parent)
+        append(parent)
+        index += 1
 
 
 def block_hashes(tokens: Sequence[int], block_size: int = 16, adapter: str = "") -> list[int]:
     """The hash of every full block of ``tokens``, each chained on the one before."""
     hashes: list[int] = []
-    extend_hashes(hashes, len(tokens) // block_size, block_size, adapter, lambda a, b: tokens[a:b])
+    extend_hashes(hashes, len(tokens) // block_size, block_size, adapter, tokens)
     return hashes

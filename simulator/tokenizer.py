@@ -98,3 +98,11 @@ def output_token(index: int) -> str:
 def output_token_id(index: int) -> int:
     """The token id of output token ``index`` (``tokenize(output_token(index))[0]``)."""
     return _WORD_IDS[index % len(_WORD_IDS)]
+
+
+def output_token_ids(start: int, end: int) -> tuple[int, ...]:
+    """The ids of output tokens ``start`` to ``end - 1``: a slice of the repeated word cycle."""
+    cycle = len(_WORD_IDS)
+    offset = start % cycle
+    repeats = (offset + end - start) // cycle + 1
+    return (_WORD_IDS * repeats)[offset : offset + end - start]

@@ -15,9 +15,9 @@ memory-bound), plus scheduling, sampling and kernel launches. Prefill is
 compute-bound: each prompt token costs about 2 FLOPs per parameter.
 Decoding sequences add their own compute, and attention reads every KV
 token of every decoding sequence. Prefill attention's quadratic term is left
-out (for an 8B model it stays well below the linear term up to several
-thousand tokens), which makes time to first token exactly linear in the
-uncached prompt tokens.
+out (for an 8B model, about 4 x 32 layers x 4096 x context FLOPs per token
+against 16 GFLOPs of weights: 12% at 4,000 tokens of context), which makes
+time to first token exactly linear in the uncached prompt tokens.
 
 Facts used by both profiles (from public documents):
 
@@ -26,11 +26,20 @@ Facts used by both profiles (from public documents):
   (14.96 GiB), and one token's KV is 2 (K and V) x 32 x 8 x 128 x 2 bytes =
   131,072 bytes = **128 KiB**; a 16-token block is 2 MiB.
 - vLLM: ``block_size`` 16 and ``gpu_memory_utilization`` 0.9 are its
-  defaults; the KV cache gets what is left of 0.9 x GPU memory after the
-  weights and the peak activation memory of a profiling run. The OpenAI
-  server's defaults (vLLM V1, ``EngineArgs``) are ``max_num_seqs`` 1024 and
-  ``max_num_batched_tokens`` 8192 on GPUs with at least 70 GiB (H100), and
-  256 and 2048 otherwise (L4).
+  defaults (its engine-arguments documentation); the KV cache gets what is
+  left of 0.9 x GPU memory after the weights and the peak activation memory
+  of a profiling run. The OpenAI server's batch defaults
+  (``EngineArgs.get_batch_defaults`` in ``vllm/engine/arg_utils.py``) are
+  ``max_num_seqs`` 1024 and ``max_num_batched_tokens`` 8192 on GPUs with at
+  least 70 GiB other than A100 (so H100), and 256 and 2048 otherwise (L4).
+- Decode at batch 1 is memory-bound and reaches roughly 75-80% of peak HBM
+  bandwidth in practice: a public vLLM sweep of this model on one A100 40 GB
+  (johnmusgrave.com, "vLLM throughput-latency sweep on NVIDIA A100") measured
+  about 75 tokens/s at concurrency 1, 77% of the bandwidth ceiling. The
+  step overheads below assume the same efficiency.
+- A public table of vLLM KV capacities (H100 NVL 94 GB, Llama-3.1-8B:
+  542,960 tokens) agrees with the memory arithmetic used for ``num_blocks``
+  (0.9 x 94 GB minus weights and overheads, at 128 KiB per token).
 - NVIDIA's data sheets: H100 SXM 80 GB HBM3 at 3.35 TB/s, 989 TFLOPS dense
   bf16; L4 24 GB GDDR6 at 300 GB/s, 121 TFLOPS dense bf16 (242 with sparsity).
 
@@ -106,10 +115,9 @@ class Profile:
 
 _H100_SOURCE: Final = """\
 Llama-3.1-8B-Instruct, bf16, vLLM V1 OpenAI server, one H100 SXM 80 GB.
-step_overhead 6.0 ms: derived floor 16.06 GB of weights / 3.35 TB/s = 4.8 ms per step; the
-  rest (achieved bandwidth below peak, scheduling, sampling) is an estimate, consistent with
-  the 6-7 ms inter-token latency public vLLM benchmarks report for this model on one H100 at
-  low concurrency.
+step_overhead 6.0 ms: derived, 16.06 GB of weights / 3.35 TB/s = 4.8 ms per step at peak
+  bandwidth; at the ~77-80% efficiency measured for this model under vLLM on an A100 that is
+  6.0-6.2 ms (about 165 tokens/s for one stream).
 prefill_per_token 30 us: derived, 2 x 8.03e9 FLOPs per token at 989 TFLOPS is 16.2 us at
   full use; 30 us assumes about 55% of peak (an estimate, typical prefill MFU), i.e. about
   33k prefill tokens/s.
@@ -128,8 +136,9 @@ lora_load_time 50 ms: an estimate for a rank-16 adapter (tens of MB) loaded from
 
 _L4_SOURCE: Final = """\
 Llama-3.1-8B-Instruct, bf16, vLLM V1 OpenAI server, one L4 24 GB.
-step_overhead 60 ms: derived floor 16.06 GB of weights / 300 GB/s = 53.5 ms per step; the
-  rest is an estimate (achieved bandwidth below peak, scheduling, sampling).
+step_overhead 67 ms: derived, 16.06 GB of weights / 300 GB/s = 53.5 ms per step at peak
+  bandwidth; at the same ~80% efficiency as measured on the A100 that is 67 ms (about 15
+  tokens/s for one stream; the efficiency on an L4 is an estimate).
 prefill_per_token 270 us: derived, 2 x 8.03e9 FLOPs per token at 121 TFLOPS is 133 us at
   full use; 270 us assumes about 50% of peak (an estimate), i.e. about 3.7k tokens/s.
 decode_per_seq 133 us: derived, 16.06 GFLOPs per token at 121 TFLOPS, no efficiency loss.
@@ -163,7 +172,7 @@ PROFILES: Final[Mapping[str, Profile]] = MappingProxyType(
             name="llama-3.1-8b-l4",
             summary="Llama-3.1-8B, bf16, vLLM on one L4 24 GB",
             source=_L4_SOURCE,
-            step_overhead=60e-3,
+            step_overhead=67e-3,
             prefill_per_token=270e-6,
             decode_per_seq=133e-6,
             decode_per_context_token=440e-9,

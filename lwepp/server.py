@@ -116,8 +116,11 @@ class EndpointPickerService:
         self.max_body_bytes = max_body_bytes
         metrics.endpoints.set_function(lambda: len(pool.endpoints))
         # The reply depends on the endpoint alone, so each is built once and reused:
-        # building a Struct for the metadata is the costliest step of a pick.
+        # building a Struct for the metadata is the costliest step of a pick. The
+        # same goes for the served-endpoint report and each endpoint's counter.
         self._routing_replies: dict[str, ProcessingResponse] = {}
+        self._served_replies: dict[str, ProcessingResponse] = {}
+        self._pick_counters: dict[str, Any] = {}
 
     async def __call__(self, stream: Stream) -> None:
         state = RequestState()
@@ -226,13 +229,15 @@ class EndpointPickerService:
         """
         if not chosen:
             raise Refusal(503, "no_pick", "no endpoint accepted the request")
-        self.metrics.picks.labels(chosen[0].hostport).inc()
-        endpoint = ",".join(e.hostport for e in chosen) if len(chosen) > 1 else chosen[0].hostport
+        first = chosen[0].hostport
+        counter = self._pick_counters.get(first)
+        if counter is None:
+            counter = _remember(self._pick_counters, first, self.metrics.picks.labels(first))
+        counter.inc()
+        endpoint = ",".join(e.hostport for e in chosen) if len(chosen) > 1 else first
         reply = self._routing_replies.get(endpoint)
         if reply is None:
-            if len(self._routing_replies) > 4096:  # endpoints come and go: stay bounded
-                self._routing_replies.clear()
-            reply = self._routing_replies[endpoint] = routing_reply(endpoint)
+            reply = _remember(self._routing_replies, endpoint, routing_reply(endpoint))
         return reply
 
     async def refuse(self, stream: Stream, state: RequestState, refusal: Refusal) -> None:
@@ -252,7 +257,11 @@ class EndpointPickerService:
         self, message: ProcessingRequest, state: RequestState
     ) -> list[ProcessingResponse]:
         """Report the served endpoint; a hosted pipeline adds its hooks' headers (``hooked``)."""
-        return [served_endpoint_reply(message)]
+        served = served_report(message)
+        reply = self._served_replies.get(served)
+        if reply is None:
+            reply = _remember(self._served_replies, served, served_endpoint_reply(message))
+        return [reply]
 
     def on_response_body(
         self, message: ProcessingRequest, state: RequestState
@@ -280,24 +289,43 @@ def routing_reply(endpoint: str) -> ProcessingResponse:
 # --- response side ---------------------------------------------------------------
 
 
+def served_report(message: ProcessingRequest) -> str:
+    """What to report as the served endpoint: the ``ip:port``, or GIE's failure string.
+
+    The protocol has the data plane put it in ``envoy.lb`` metadata under
+    ``x-gateway-destination-endpoint-served``. Read straight from the
+    ``Struct``: converting the namespace to a dict (``extproc.filter_metadata``)
+    cost more than the rest of the response side together.
+    """
+    entries = message.metadata_context.filter_metadata
+    if extproc.LB_NAMESPACE not in entries:
+        return "fail: missing envoy lb metadata"
+    value = entries[extproc.LB_NAMESPACE].fields.get(SERVED)
+    if value is None or value.WhichOneof("kind") != "string_value":
+        return "fail: missing destination endpoint served metadata"
+    return str(value.string_value)
+
+
 def served_endpoint_reply(
     message: ProcessingRequest, extra: Sequence[tuple[str, str]] = ()
 ) -> ProcessingResponse:
     """Report, as a response header, the endpoint the gateway says served the request.
 
-    The protocol has the data plane put it in ``envoy.lb`` metadata under
-    ``x-gateway-destination-endpoint-served``; the failure strings are GIE's.
-    ``extra`` headers follow the report.
+    The failure strings are GIE's (``served_report``). ``extra`` headers
+    follow the report.
     """
-    lb = extproc.filter_metadata(message, extproc.LB_NAMESPACE)
-    served = (lb or {}).get(SERVED)
-    if lb is None:
-        served = "fail: missing envoy lb metadata"
-    elif not isinstance(served, str):
-        served = "fail: missing destination endpoint served metadata"
     return extproc.headers_response(
-        "response", [(SERVED_REPORT, served), ("x-went-into-resp-headers", "true"), *extra]
+        "response",
+        [(SERVED_REPORT, served_report(message)), ("x-went-into-resp-headers", "true"), *extra],
     )
+
+
+def _remember(cache: dict[str, Any], key: str, value: Any) -> Any:
+    """Keep ``value`` under ``key``; endpoints come and go, so the cache stays bounded."""
+    if len(cache) > 4096:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 def pass_chunk(phase: extproc.Phase, chunk: Any, body_mode: int | None) -> ProcessingResponse:

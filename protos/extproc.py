@@ -72,7 +72,7 @@ def header_pairs(headers: Any) -> list[tuple[str, str]]:
     HTTP/1.1 the same way).
     """
     return [
-        (h.key, h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
+        (h.key, raw.decode("utf-8", "replace") if (raw := h.raw_value) else h.value)
         for h in headers.headers.headers
     ]
 

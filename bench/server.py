@@ -12,10 +12,10 @@ from prometheus_client import CollectorRegistry
 
 from bbr.server import BodyBasedRouter
 from lwepp.picking import Pool, RoundRobin
-from lwepp.server import EndpointPickerService, Metrics
+from lwepp.server import EndpointPickerService, Metrics, pass_chunk
 from pods.model import Pod, StaticSource
 from protos import extproc
-from protos.extproc import ProcessingRequest, ProcessingResponse
+from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse
 from protos.logs import configure_logging
 from protos.server import EXT_PROC_SERVICE, Handler, Stream, ext_proc_handler
 
@@ -43,6 +43,54 @@ async def noop(stream: Stream) -> None:
             await stream.send(reply)
 
 
+async def passthrough(stream: Stream) -> None:
+    """A do-nothing server for every phase Envoy may send: the gateway benchmark's hop.
+
+    It answers in the processing modes of ``demo/envoy.py``'s filters with the
+    same message shapes a service sends, and changes nothing: the request
+    headers reply is held until the body ends (FULL_DUPLEX_STREAMED forwards
+    only what comes back), then the body goes back whole; response headers
+    and trailers are acknowledged empty.
+    """
+    chunks: list[bytes] = []
+    held = False
+    while (message := await stream.recv()) is not None:
+        match extproc.kind(message):
+            case "request_headers":
+                modes = extproc.body_modes(message)
+                streamed = modes is None or modes[0] == BodyMode.FULL_DUPLEX_STREAMED
+                held = streamed and not message.request_headers.end_of_stream
+                if not held:
+                    await stream.send(extproc.headers_response("request"))
+            case "request_body":
+                chunk = message.request_body
+                if not held:
+                    await stream.send(pass_chunk("request", chunk, BodyMode.BUFFERED))
+                    continue
+                chunks.append(chunk.body)
+                if chunk.end_of_stream:
+                    held = False
+                    await stream.send(extproc.headers_response("request"))
+                    for reply in extproc.streamed_body_responses("request", b"".join(chunks)):
+                        await stream.send(reply)
+            case "request_trailers":
+                if held:  # the trailers end the body
+                    held = False
+                    await stream.send(extproc.headers_response("request"))
+                    body = b"".join(chunks)
+                    for reply in extproc.streamed_body_responses(
+                        "request", body, end_of_stream=False
+                    ):
+                        await stream.send(reply)
+                await stream.send(extproc.trailers_response("request"))
+            case "response_headers":
+                await stream.send(extproc.headers_response("response"))
+            case "response_body":
+                await stream.send(pass_chunk("response", message.response_body, None))
+            case "response_trailers":
+                await stream.send(extproc.trailers_response("response"))
+
+
 def generator_handler() -> grpc.GenericRpcHandler:
     """The same do-nothing server written as an async generator over the request stream."""
 
@@ -66,6 +114,8 @@ def handler_for(kind: str) -> grpc.GenericRpcHandler:
             service = noop
         case "noop-gen":
             return generator_handler()
+        case "passthrough":
+            service = passthrough
         case "lwepp":
             pool = Pool(StaticSource(*PODS), {"pool": "a"})
             service = EndpointPickerService(pool, RoundRobin(), Metrics(CollectorRegistry()))

@@ -1,0 +1,790 @@
+"""What the gateway path adds, through a real Envoy: each service against a do-nothing hop.
+
+The same HTTP load goes through one Envoy per case, all configured from
+``demo/envoy.py``'s own filters, clusters and processing modes:
+
+======================  ==============================================================
+case                    what sits between Envoy and the upstream
+======================  ==============================================================
+plain                   nothing: Envoy round-robins over the upstream (the baseline)
+noop-picker             a do-nothing ext_proc server in the picker's processing mode
+lwepp                   LWEPP (round-robin), routing through the ORIGINAL_DST cluster
+noop-both               two do-nothing servers, in BBR's mode then the picker's
+bbr+lwepp               BBR then LWEPP: the demo's request path
+noop-bbr                a do-nothing server in BBR's processing mode
+bbr                     BBR alone
+======================  ==============================================================
+
+Each service is judged against the do-nothing hop of the *same* processing
+mode, measured in the same run and the same rounds: what Envoy's ext_proc
+filter and a Python gRPC server cost anyway is the do-nothing hop's; what the
+service adds beyond it is the service's own work. Both filters run the
+request body FULL_DUPLEX_STREAMED (as GIE's charts do); the picker's filter
+also sends the response headers, BBR's does not.
+
+**Placement.** On a machine of two or more CPUs, every Envoy (one worker
+thread, ``--concurrency 1``) and the load generator share the first CPU, and
+every Python ext_proc server the second, as the measurements this project
+started from placed them: the Python process is the ceiling of every
+ext_proc case, and it gets a core of its own. The upstream, two "replicas"
+served by one more Envoy that answers a fixed chat completion itself, runs on
+the first CPU too (see ``upstream_bootstrap`` for why not the simulator).
+
+**Latency.** Closed loop at concurrency 1 and 8 (``bench/loadgen.py``), the
+cases interleaved in rounds (``plain, noop-picker, lwepp, ...`` then again),
+so a noisy neighbour hits every case alike; each figure is the median over
+rounds of that round's p50 or p99, and "added" is a case's latency minus the
+plain proxy's *in the same round*.
+
+**Throughput.** An open-loop sweep: every case still standing runs at the
+same offered rate, which then rises by a fixed step; a case drops out at the
+first rate where any request fails or its p99 exceeds ``P99_BOUND``. The
+highest rate passed is what it sustains (within one step).
+
+**Streams per core.** ``bench/streams.py``: whole ext_proc streams straight
+at each server pinned to one core, no Envoy, as server CPU per stream.
+
+**Workers.** ``python -m lwepp --workers N``: streams per second at N = 1
+and 2 from several client connections (SO_REUSEPORT spreads connections, not
+streams, over the workers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import betterproto2
+from envoy_data_plane.envoy.config.bootstrap import v3 as bootstrap_
+from envoy_data_plane.envoy.config.cluster import v3 as cluster
+from envoy_data_plane.envoy.config.core import v3 as core
+from envoy_data_plane.envoy.config.listener import v3 as listener
+from envoy_data_plane.envoy.config.route import v3 as route
+from envoy_data_plane.envoy.extensions.filters.http.buffer import v3 as buffer
+from envoy_data_plane.envoy.extensions.filters.http.router import v3 as router
+from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager import v3 as hcm
+from envoy_data_plane.google.protobuf import Any as AnyMessage
+
+from bench import loadgen, streams
+from bench.report import Options, Plot, Section, Series, Table, Target, progress
+from demo.envoy import (
+    ROUTE_TIMEOUT,
+    Pool,
+    bbr_filter,
+    fallback_cluster,
+    grpc_cluster,
+    picked_endpoint_cluster,
+    picker_filter,
+    served_endpoint_filter,
+    served_endpoint_header,
+    strip_client_routing_filter,
+)
+from demo.topology import (
+    HOST,
+    Service,
+    free_ports,
+    listeners,
+    listening_line,
+    start_envoy,
+    stop_all,
+    wait_envoy_ready,
+    wait_for,
+)
+
+P99_BOUND: Final = 0.025
+"""Open-loop pass mark: p99 latency at most 25 ms, and no request failed.
+
+Far above any case's p99 below saturation (a few ms here), so a case fails it
+only once a backlog builds, which is what "the highest rate it sustains" means.
+"""
+
+RATE_STEP: Final = 1.25
+"""Each open-loop step offers 25% more than the last: the sustained rate is known within it."""
+
+LATENCY_BODY_BYTES: Final = 1024
+STREAMS_BODY_BYTES: Final = 4096
+POOL: Final = Pool("p", ("llama-3-8b",), picker_port=0)
+"""The one pool: its picker filter is ``lwepp-p``, its ORIGINAL_DST cluster ``pool-p``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    """One gateway configuration: which server, if any, sits behind each ext_proc filter."""
+
+    key: str
+    label: str
+    bbr: str | None = None
+    """Behind the ``bbr`` filter: ``"bbr"`` or ``"noop-bbr"``; None: no such filter."""
+    picker: str | None = None
+    """Behind the ``lwepp-p`` filter: ``"lwepp"`` or ``"noop-picker"``; None: no such filter."""
+
+
+CASES: Final = (
+    Case("plain", "Envoy → upstream (plain proxy)"),
+    Case("noop-picker", "+ do-nothing hop, picker's mode", picker="noop-picker"),
+    Case("lwepp", "+ LWEPP", picker="lwepp"),
+    Case("noop-both", "+ two do-nothing hops", bbr="noop-bbr", picker="noop-picker"),
+    Case("bbr+lwepp", "+ BBR + LWEPP", bbr="bbr", picker="lwepp"),
+    Case("noop-bbr", "+ do-nothing hop, BBR's mode", bbr="noop-bbr"),
+    Case("bbr", "+ BBR", bbr="bbr"),
+)
+
+COMPARISONS: Final = (
+    ("lwepp", "noop-picker", 1.15, "LWEPP"),
+    ("bbr", "noop-bbr", 1.25, "BBR"),
+    ("bbr+lwepp", "noop-both", 1.2, "BBR + LWEPP"),
+)
+"""(service case, its do-nothing case, the target ratio of added latency, name)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """How long each measurement runs."""
+
+    rounds: int
+    seconds: float
+    sweep_seconds: float
+    sweep_start: float
+    sweep_steps: int
+    stream_count: int
+    stream_rounds: int
+
+    @classmethod
+    def of(cls, options: Options) -> Sizes:
+        if options.quick:
+            return cls(1, 0.25, 0.25, 40.0, 1, 40, 1)
+        return cls(5, 1.5, 1.5, 100.0, 16, 1500, 3)
+
+
+# --- where each process runs ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """CPU sets: Envoy, the load generator and the upstream on one; Python ext_proc on another."""
+
+    gateway: frozenset[int]
+    python: frozenset[int]
+
+    @classmethod
+    def detect(cls) -> Placement:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            return cls(frozenset(cpus), frozenset(cpus))
+        return cls(frozenset({cpus[0]}), frozenset({cpus[1]}))
+
+    def describe(self) -> str:
+        if self.gateway == self.python:
+            return f"one CPU ({sorted(self.gateway)}) for everything: no pinning possible"
+        return (
+            f"CPU {min(self.gateway)}: every Envoy (--concurrency 1), the load generator and "
+            f"the upstream Envoy; CPU {min(self.python)}: every Python ext_proc server"
+        )
+
+
+@contextlib.contextmanager
+def pinned(cpus: frozenset[int]) -> Iterator[None]:
+    """Run the block, and whatever it starts, on ``cpus`` (children inherit the affinity)."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+# --- the Envoy configuration --------------------------------------------------------
+
+
+def _any(message: betterproto2.Message) -> AnyMessage:
+    return AnyMessage.pack(message)
+
+
+def _address(port: int) -> core.Address:
+    return core.Address(socket_address=core.SocketAddress(address=HOST, port_value=port))
+
+
+DIRECT_BODY: Final = '{"object": "text_completion", "choices": [{"text": "hi"}]}'
+
+COMPLETION: Final = (
+    '{"id": "chatcmpl-0", "object": "chat.completion", "created": 1767225600, '
+    '"model": "llama-3-8b", "choices": [{"index": 0, "message": {"role": "assistant", '
+    '"content": "Hello! How can I help you today?"}, "finish_reason": "stop"}], '
+    '"usage": {"prompt_tokens": 230, "completion_tokens": 9, "total_tokens": 239}}'
+)
+"""What every upstream replica answers: a non-streamed chat completion."""
+
+
+def _json_answer(body: str) -> route.Route:
+    return route.Route(
+        match=route.RouteMatch(prefix="/"),
+        direct_response=route.DirectResponseAction(
+            status=200, body=core.DataSource(inline_string=body)
+        ),
+        response_headers_to_add=[
+            core.HeaderValueOption(
+                header=core.HeaderValue(key="content-type", value="application/json")
+            )
+        ],
+    )
+
+
+def _listener(name: str, port: int, manager: hcm.HttpConnectionManager) -> listener.Listener:
+    network_filter = listener.Filter(
+        name="envoy.filters.network.http_connection_manager", typed_config=_any(manager)
+    )
+    return listener.Listener(
+        name=name,
+        address=_address(port),
+        filter_chains=[listener.FilterChain(filters=[network_filter])],
+    )
+
+
+def upstream_bootstrap(ports: Sequence[int]) -> dict[str, Any]:
+    """The replicas: one Envoy answering a fixed chat completion on each of ``ports``.
+
+    The same upstream for every case, and a cheap one (tens of microseconds of
+    C++ per answer), so it neither adds noise nor takes CPU from the hops
+    under test; a model server's own time would be the same in every case.
+    """
+    listeners_ = []
+    for i, port in enumerate(ports):
+        host = route.VirtualHost(name="replica", domains=["*"], routes=[_json_answer(COMPLETION)])
+        manager = hcm.HttpConnectionManager(
+            stat_prefix=f"replica-{i}",
+            route_config=route.RouteConfiguration(name="replica", virtual_hosts=[host]),
+            # The buffer filter reads the whole request before the route answers:
+            # Envoy closes an HTTP/1.1 connection it answers mid-request, and the
+            # gateway would then reconnect for every request.
+            http_filters=[
+                hcm.HttpFilter(
+                    name="envoy.filters.http.buffer",
+                    typed_config=_any(buffer.Buffer(max_request_bytes=1 << 20)),
+                ),
+                hcm.HttpFilter(
+                    name="envoy.filters.http.router", typed_config=_any(router.Router())
+                ),
+            ],
+        )
+        listeners_.append(_listener(f"replica-{i}", port, manager))
+    config = bootstrap_.Bootstrap(
+        admin=bootstrap_.Admin(address=_address(0)),
+        static_resources=bootstrap_.BootstrapStaticResources(listeners=listeners_),
+    )
+    return config.to_dict(casing=betterproto2.Casing.SNAKE)
+
+
+def _routes(case: Case) -> list[route.Route]:
+    """``/direct``: Envoy answers itself (the load generator's ceiling); the rest goes upstream.
+
+    Through LWEPP the route's cluster is the pool's ORIGINAL_DST cluster, which
+    connects wherever the picker's header points; otherwise it is the plain
+    round-robin cluster over the same replicas (``fallback_cluster``, what a
+    FailOpen pool uses while its picker is down).
+    """
+    target = f"pool-{POOL.name}" if case.picker == "lwepp" else f"pool-{POOL.name}-fallback"
+    direct = _json_answer(DIRECT_BODY)
+    direct.match = route.RouteMatch(path="/direct")
+    upstream = route.Route(
+        name="upstream",
+        match=route.RouteMatch(prefix="/"),
+        route=route.RouteAction(cluster=target, timeout=ROUTE_TIMEOUT),
+    )
+    return [direct, upstream]
+
+
+def bootstrap(case: Case, ports: dict[str, int], upstreams: Sequence[str]) -> dict[str, Any]:
+    """The case's Envoy: the demo's filter chain with only the case's ext_proc filters.
+
+    ``ports``: the ext_proc port of each server kind; ``upstreams``: ``ip:port``.
+    """
+    pool = Pool(POOL.name, POOL.models, 0, endpoints=tuple(upstreams))
+    filters = [strip_client_routing_filter()]
+    clusters: list[cluster.Cluster] = [fallback_cluster(pool), picked_endpoint_cluster(pool)]
+    if case.bbr is not None:
+        filters.append(bbr_filter())
+        clusters.append(grpc_cluster("bbr", HOST, ports[case.bbr]))
+    if case.picker is not None:
+        filters.append(picker_filter(pool))
+        clusters.append(grpc_cluster(f"lwepp-{pool.name}", HOST, ports[case.picker]))
+    filters += [
+        served_endpoint_filter(),
+        hcm.HttpFilter(name="envoy.filters.http.router", typed_config=_any(router.Router())),
+    ]
+    host = route.VirtualHost(
+        name="gateway",
+        domains=["*"],
+        routes=_routes(case),
+        response_headers_to_add=[served_endpoint_header()],
+    )
+    manager = hcm.HttpConnectionManager(
+        stat_prefix="gateway",
+        route_config=route.RouteConfiguration(name="gateway", virtual_hosts=[host]),
+        http_filters=filters,
+    )
+    config = bootstrap_.Bootstrap(
+        admin=bootstrap_.Admin(address=_address(0)),
+        static_resources=bootstrap_.BootstrapStaticResources(
+            listeners=[_listener("gateway", 0, manager)], clusters=clusters
+        ),
+    )
+    return config.to_dict(casing=betterproto2.Casing.SNAKE)
+
+
+# --- the processes ---------------------------------------------------------------
+
+
+def _first_line_port(service: Service) -> dict[str, Any] | None:
+    """``bench.server`` prints its port as its first line."""
+    text = service.log.read_text(errors="replace").split("\n", 1)[0].strip()
+    return {"grpc_port": int(text)} if text.isdigit() else None
+
+
+class Rig:
+    """Every process of the benchmark, started once and kept for all rounds."""
+
+    def __init__(self, work_dir: Path, placement: Placement, timeout: float = 30.0) -> None:
+        self.work_dir = work_dir
+        self.placement = placement
+        self.timeout = timeout
+        self.services: list[Service] = []
+        self.ports: dict[str, int] = {}
+        self.envoys: dict[str, int] = {}
+        self.upstreams: list[str] = []
+
+    def _spawn(self, name: str, argv: Sequence[str], cpus: frozenset[int]) -> Service:
+        with pinned(cpus):
+            service = Service(name, argv, self.work_dir / f"{name}.log")
+        self.services.append(service)
+        return service
+
+    def _wait(self, service: Service, probe: Callable[[Service], dict[str, Any] | None]) -> None:
+        service.listening = wait_for(service, "listening", lambda: probe(service), self.timeout)
+
+    def start(self) -> None:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        upstream_ports = free_ports(2)
+        pods = self.work_dir / "pods.yaml"
+        lines = ["pods:"]
+        for i, port in enumerate(upstream_ports):
+            lines += [
+                f"- name: replica-{i}",
+                f"  address: {HOST}",
+                f"  ports: [{port}]",
+                f"  labels: {{pool: {POOL.name}, model: {POOL.models[0]}}}",
+            ]
+        pods.write_text("\n".join(lines) + "\n")
+        self.upstreams = [f"{HOST}:{port}" for port in upstream_ports]
+        python = sys.executable
+        ports = ["--host", HOST, "--grpc-port", "0", "--grpc-health-port", "0"]
+        ports += ["--metrics-port", "0"]
+        upstream_dir = self.work_dir / "upstream"
+        upstream_dir.mkdir(exist_ok=True)
+        path = upstream_dir / "envoy-bootstrap.json"
+        path.write_text(json.dumps(upstream_bootstrap(upstream_ports)))
+        with pinned(self.placement.gateway):
+            upstream = start_envoy(upstream_dir, path, "--concurrency", "1")
+        upstream.name = "envoy-upstream"
+        self.services.append(upstream)
+        servers = {
+            "noop-bbr": self._spawn(
+                "noop-bbr", [python, "-m", "bench.server", "passthrough"], self.placement.python
+            ),
+            "noop-picker": self._spawn(
+                "noop-picker", [python, "-m", "bench.server", "passthrough"], self.placement.python
+            ),
+            "lwepp": self._spawn(
+                "lwepp",
+                [python, "-m", "lwepp", "--pods", str(pods), *ports, "--log-level", "info"],
+                self.placement.python,
+            ),
+            "bbr": self._spawn(
+                "bbr", [python, "-m", "bbr", *ports, "--log-level", "info"], self.placement.python
+            ),
+        }
+        wait_envoy_ready(upstream, upstream_dir, self.timeout)
+        for kind, service in servers.items():
+            self._wait(service, _first_line_port if kind.startswith("noop") else listening_line)
+            self.ports[kind] = int(service.listening["grpc_port"])
+        envoys: dict[str, Service] = {}
+        for case in CASES:
+            case_dir = self.work_dir / case.key
+            case_dir.mkdir(exist_ok=True)
+            path = case_dir / "envoy-bootstrap.json"
+            path.write_text(json.dumps(bootstrap(case, self.ports, self.upstreams)))
+            with pinned(self.placement.gateway):
+                envoy = start_envoy(case_dir, path, "--concurrency", "1")
+            envoy.name = f"envoy-{case.key}"
+            self.services.append(envoy)
+            envoys[case.key] = envoy
+        for key, envoy in envoys.items():
+            admin = wait_envoy_ready(envoy, self.work_dir / key, self.timeout)
+            ((_, port),) = listeners(admin).values()
+            self.envoys[key] = port
+
+    def close(self) -> None:
+        stop_all(list(reversed(self.services)))
+
+
+# --- measuring --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One load run's summary."""
+
+    requests: int
+    failed: int
+    rate: float
+    p50: float
+    p99: float
+
+    @classmethod
+    def of(cls, result: loadgen.Result) -> Run:
+        return cls(
+            result.completed + result.errors,
+            result.failed,
+            result.rate,
+            result.percentile(50),
+            result.percentile(99),
+        )
+
+
+def _closed(port: int, body: bytes, concurrency: int, seconds: float) -> Run:
+    request = loadgen.post(HOST, port, "/v1/chat/completions", body)
+    return Run.of(
+        asyncio.run(
+            loadgen.closed_loop(HOST, port, request, concurrency=concurrency, seconds=seconds)
+        )
+    )
+
+
+def _open(port: int, body: bytes, rate: float, seconds: float) -> Run:
+    request = loadgen.post(HOST, port, "/v1/chat/completions", body)
+    return Run.of(asyncio.run(loadgen.open_loop(HOST, port, request, rate=rate, seconds=seconds)))
+
+
+def latency_rounds(rig: Rig, sizes: Sizes, body: bytes) -> dict[str, dict[int, list[Run]]]:
+    """Closed-loop runs at concurrency 1 and 8, every case once per round, in order."""
+    runs: dict[str, dict[int, list[Run]]] = {c.key: {1: [], 8: []} for c in CASES}
+    for number in range(sizes.rounds):
+        progress(f"overhead: latency round {number + 1}/{sizes.rounds}")
+        for case in CASES:
+            for concurrency in (1, 8):
+                run = _closed(rig.envoys[case.key], body, concurrency, sizes.seconds)
+                runs[case.key][concurrency].append(run)
+    return runs
+
+
+def sweep(rig: Rig, sizes: Sizes, body: bytes) -> dict[str, list[tuple[float, Run]]]:
+    """Rising open-loop rates, every case still passing at each; a case stops at its first miss."""
+    steps: dict[str, list[tuple[float, Run]]] = {c.key: [] for c in CASES}
+    alive = [c.key for c in CASES]
+    rate = sizes.sweep_start
+    for _ in range(sizes.sweep_steps):
+        if not alive:
+            break
+        progress(f"overhead: open loop at {rate:,.0f} req/s ({len(alive)} cases)")
+        for key in list(alive):
+            run = _open(rig.envoys[key], body, rate, sizes.sweep_seconds)
+            steps[key].append((rate, run))
+            if not passes(run):
+                alive.remove(key)
+        rate *= RATE_STEP
+    return steps
+
+
+def passes(run: Run) -> bool:
+    """No request failed, and p99 stayed within the bound."""
+    return run.failed == 0 and run.p99 <= P99_BOUND
+
+
+def sustained(steps: Sequence[tuple[float, Run]]) -> float:
+    """The highest offered rate passed before the first miss (0 if the first one missed)."""
+    best = 0.0
+    for rate, run in steps:
+        if not passes(run):
+            break
+        best = rate
+    return best
+
+
+def generator_ceiling(rig: Rig, sizes: Sizes) -> Run:
+    """The load generator against Envoy answering by itself: its own limit, on its own CPU.
+
+    A GET: Envoy answers ``/direct`` as soon as it has the headers, and it
+    closes an HTTP/1.1 connection it answers before the request's body is in.
+    """
+    request = loadgen.request(HOST, rig.envoys["plain"], "GET", "/direct")
+    result = asyncio.run(
+        loadgen.closed_loop(
+            HOST, rig.envoys["plain"], request, concurrency=8, seconds=sizes.seconds
+        )
+    )
+    return Run.of(result)
+
+
+# --- the section ------------------------------------------------------------------
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _ms(seconds: float) -> float:
+    return seconds * 1e3
+
+
+def run(options: Options) -> Section:
+    """Start every process, measure latency, the sweep, streams per core and workers."""
+    sizes = Sizes.of(options)
+    placement = Placement.detect()
+    work_dir = options.out / "overhead-run"
+    chat = streams.chat_body(LATENCY_BODY_BYTES)
+    started = time.monotonic()
+    rig = Rig(work_dir, placement)
+    try:
+        progress("overhead: starting 4 ext_proc servers and 8 Envoys")
+        rig.start()
+        with pinned(placement.gateway):
+            for case in CASES:  # warm up: connections, first-stream costs
+                _closed(rig.envoys[case.key], chat, 8, min(0.5, sizes.seconds / 2))
+            ceiling = generator_ceiling(rig, sizes)
+            latency = latency_rounds(rig, sizes, chat)
+            steps = sweep(rig, sizes, chat)
+    finally:
+        rig.close()
+    progress("overhead: streams per core")
+    per_core = streams.measure(
+        ["noop-rw", "lwepp", "bbr"],
+        streams=sizes.stream_count,
+        rounds=sizes.stream_rounds,
+    )
+    progress("overhead: workers")
+    scaling = streams.measure_workers(
+        (1, 2), streams=sizes.stream_count, rounds=sizes.stream_rounds
+    )
+    return section(
+        latency, steps, ceiling, per_core, scaling, placement, time.monotonic() - started
+    )
+
+
+def _added(latency: dict[str, dict[int, list[Run]]], key: str, c: int, q: str) -> float:
+    """Median over rounds of (case − plain proxy) for percentile ``q`` ("p50"/"p99"), seconds."""
+    pairs = zip(latency[key][c], latency["plain"][c], strict=True)
+    return _median([getattr(run, q) - getattr(base, q) for run, base in pairs])
+
+
+def section(
+    latency: dict[str, dict[int, list[Run]]],
+    steps: dict[str, list[tuple[float, Run]]],
+    ceiling: Run,
+    per_core: list[streams.Result],
+    scaling: list[streams.WorkersResult],
+    placement: Placement,
+    seconds: float,
+) -> Section:
+    """Lay the measurements out: tables, targets, plots, raw data."""
+    latency_rows: list[list[object]] = []
+    rate_rows: list[list[object]] = []
+    for case in CASES:
+        row: list[object] = [case.label]
+        for c in (1, 8):
+            runs = latency[case.key][c]
+            row += [
+                _ms(_median([r.p50 for r in runs])),
+                _ms(_median([r.p99 for r in runs])),
+                None if case.key == "plain" else _ms(_added(latency, case.key, c, "p50")),
+                None if case.key == "plain" else _ms(_added(latency, case.key, c, "p99")),
+            ]
+        latency_rows.append(row)
+        rate_rows.append(
+            [
+                case.label,
+                *(_median([r.rate for r in latency[case.key][c]]) for c in (1, 8)),
+                sustained(steps[case.key]),
+                sum(r.failed for c in (1, 8) for r in latency[case.key][c]),
+            ]
+        )
+    latency_columns = [
+        "case",
+        *(
+            f"{what} (c={c})"
+            for c in (1, 8)
+            for what in ("p50 ms", "p99 ms", "added p50 ms", "added p99 ms")
+        ),
+    ]
+    rate_columns = [
+        "case",
+        "req/s (c=1)",
+        "req/s (c=8)",
+        f"sustained req/s (open loop, p99 ≤ {P99_BOUND * 1e3:.0f} ms)",
+        "failed requests (closed loop)",
+    ]
+    targets: list[Target] = []
+    ratio_rows: list[list[object]] = []
+    for service, noop, limit, name in COMPARISONS:
+        for c in (1, 8):
+            p50 = _added(latency, service, c, "p50") / _added(latency, noop, c, "p50")
+            p99 = _added(latency, service, c, "p99") / _added(latency, noop, c, "p99")
+            ratio_rows.append([name, c, p50, p99, limit])
+            targets.append(
+                Target(
+                    f"{name} added p50 latency vs {_noop_name(noop)}, concurrency {c}",
+                    p50,
+                    limit,
+                )
+            )
+        base_rate = sustained(steps[noop])
+        rate = sustained(steps[service]) / base_rate if base_rate else float("nan")
+        ratio_rows.append([name, "sustained rate (service / do-nothing)", rate, None, None])
+    by_kind = {r.kind: r for r in per_core}
+    base = by_kind["noop-rw"]
+    stream_rows = [
+        [
+            r.kind,
+            r.per_second,
+            r.cpu_us_per_stream,
+            1e6 / r.cpu_us_per_stream,
+            base.cpu_us_per_stream / r.cpu_us_per_stream,
+        ]
+        for r in per_core
+    ]
+    for kind, limit, name in (("lwepp", 0.8, "LWEPP"), ("bbr", 0.7, "BBR")):
+        targets.append(
+            Target(
+                f"{name} streams per core-second vs a do-nothing server (4 KB bodies)",
+                base.cpu_us_per_stream / by_kind[kind].cpu_us_per_stream,
+                limit,
+                at_most=False,
+            )
+        )
+    one = scaling[0]
+    worker_rows = [
+        [w.workers, w.per_second, w.per_second / one.per_second, " / ".join(map(str, w.served))]
+        for w in scaling
+    ]
+    plots = [
+        Plot(
+            "overhead-open-loop-p99",
+            "Open loop: p99 latency at each offered rate",
+            "offered rate (requests/s)",
+            "p99 latency (ms)",
+            [
+                Series(
+                    case.label,
+                    [rate for rate, _ in steps[case.key]],
+                    [_ms(r.p99) for _, r in steps[case.key]],
+                )
+                for case in CASES
+            ],
+            logy=True,
+        )
+    ]
+    notes = [
+        f"Placement: {placement.describe()}.",
+        "Upstream: two replicas served by one Envoy answering a fixed non-streamed chat "
+        "completion (direct_response), the same for every case; requests are 1 KB "
+        "chat-completions POSTs.",
+        f"Load generator (`bench/loadgen.py`) against Envoy answering itself: "
+        f"{ceiling.rate:,.0f} req/s at concurrency 8, p50 {_ms(ceiling.p50):.2f} ms — "
+        "its ceiling, shared with Envoy's CPU.",
+        "Latency: closed loop, the cases interleaved in rounds; each figure is the median over "
+        "rounds; 'added' is the case minus the plain proxy in the same round. Ratios are each "
+        "service's added latency over the do-nothing hop's of the same processing mode.",
+        f"Sustained: open loop, rates rising by {RATE_STEP - 1:.0%} a step; a case stops at its "
+        f"first step with a failed request or p99 over {P99_BOUND * 1e3:.0f} ms.",
+        "Streams per core: `bench/streams.py`, each server pinned to one CPU, headers + 4 KB "
+        "body full-duplex; the ratio is server CPU per stream, the do-nothing server's over the "
+        "service's.",
+        "Workers: `python -m lwepp --workers N`, streams/s from 8 client connections; with two "
+        "CPUs the client shares them with the workers, so 2 workers cannot double it here.",
+        f"Whole run: {seconds:.0f} s.",
+    ]
+    data = {
+        "placement": placement.describe(),
+        "latency": {
+            key: {str(c): [run_data(r) for r in runs] for c, runs in by_c.items()}
+            for key, by_c in latency.items()
+        },
+        "sweep": {key: [[rate, run_data(r)] for rate, r in s] for key, s in steps.items()},
+        "generator_ceiling": run_data(ceiling),
+        "streams": [
+            {"kind": r.kind, "streams": r.streams, "seconds": r.seconds, "cpu": r.server_cpu}
+            for r in per_core
+        ],
+        "workers": [
+            {"workers": w.workers, "streams": w.streams, "seconds": w.seconds, "served": w.served}
+            for w in scaling
+        ],
+        "seconds": seconds,
+    }
+    return Section(
+        key="overhead",
+        title="Gateway overhead: what each ext_proc service adds through a real Envoy",
+        command="make bench-overhead",
+        tables=[
+            Table(
+                "Latency through Envoy (closed loop; added = minus the plain proxy, same round)",
+                latency_columns,
+                latency_rows,
+            ),
+            Table("Throughput through Envoy", rate_columns, rate_rows),
+            Table(
+                "Added latency: each service over the do-nothing hop of its processing mode",
+                ["service", "concurrency", "p50 ratio", "p99 ratio", "target (p50)"],
+                ratio_rows,
+            ),
+            Table(
+                "Whole ext_proc streams on one core (headers + 4 KB body, no Envoy)",
+                [
+                    "server",
+                    "streams/s",
+                    "server CPU µs/stream",
+                    "streams per core-second",
+                    "vs do-nothing",
+                ],
+                stream_rows,
+            ),
+            Table(
+                "LWEPP workers (SO_REUSEPORT)",
+                ["workers", "streams/s", "vs 1 worker", "streams each worker served"],
+                worker_rows,
+            ),
+        ],
+        plots=plots,
+        targets=targets,
+        data=data,
+        notes=notes,
+    )
+
+
+def _noop_name(key: str) -> str:
+    return {
+        "noop-picker": "a do-nothing hop in the picker's mode",
+        "noop-bbr": "a do-nothing hop in BBR's mode",
+        "noop-both": "two do-nothing hops",
+    }[key]
+
+
+def run_data(run: Run) -> dict[str, float]:
+    return {
+        "requests": run.requests,
+        "failed": run.failed,
+        "rate": run.rate,
+        "p50": run.p50,
+        "p99": run.p99,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit("run it as: python -m bench overhead")

@@ -168,6 +168,36 @@ def test_long_prompts_are_prefilled_in_chunks_with_decodes_first() -> None:
     assert max(gaps) < H100.step_time(512, 1, 100)  # never blocked for the whole prefill
 
 
+def test_a_prompt_over_the_budget_pays_one_overhead_per_chunk() -> None:
+    """Idle engine, budget 1000: a 2500-token prompt takes three steps, so its TTFT is three
+    step overheads plus the per-token cost of all 2500 tokens, exactly."""
+    profile = H100.replace(max_num_batched_tokens=1000)
+    run = Run(profile)
+    request = run.submit("r", prompt(1, 2500))
+    run.run()
+    expected = 3 * profile.step_overhead + 2500 * profile.prefill_per_token
+    assert request.ttft == pytest.approx(expected, rel=1e-12)
+
+
+def test_virtual_time_is_deterministic() -> None:
+    """The same workload gives the same times, hits and preemptions on every run."""
+
+    def outcome() -> list[tuple[float | None, float | None, int, int]]:
+        run = Run(H100.replace(num_blocks=40, max_num_seqs=8))
+        for index in range(30):
+            tokens = prompt(index % 4, 100) + prompt(100 + index, 30)
+            run.at(index * 0.01, f"r{index}", tokens, max_tokens=40)
+        run.run()
+        return [
+            (r.first_token_at, r.finished_at, r.cached_tokens, r.preemptions)
+            for r in run.requests.values()
+        ]
+
+    first = outcome()
+    assert first == outcome()
+    assert any(preemptions for *_, preemptions in first)
+
+
 # --- prefix caching ---------------------------------------------------------------------------
 
 

@@ -138,6 +138,12 @@ def _parser() -> argparse.ArgumentParser:
     for flag, _field, _factor, kind, text in _OVERRIDES:
         add(flag, type=kind, default=None, help=f"{text} (default: the profile's)")
     add("--seed", type=int, default=0, help="seeds the fault draws (default: %(default)s)")
+    add(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage carries prompt_tokens_details.cached_tokens, the prompt tokens that hit "
+        "the prefix cache (vLLM's flag of the same name)",
+    )
     faults = parser.add_argument_group("faults", "failures to inject, to test a router")
     faults.add_argument(
         "--error-rate",
@@ -213,6 +219,7 @@ async def run(pods: Sequence[Pod], settings: Settings, args: argparse.Namespace)
         dialect=args.engine,
         namespace=args.namespace,
         h2c_ports=frozenset(args.h2c_port),
+        prompt_tokens_details=args.enable_prompt_tokens_details,
     ):
         await stop.wait()
 

@@ -135,12 +135,17 @@ def _chat_tokens(body: dict[str, Any]) -> tuple[int, ...]:
     return tuple(tokenize("\n".join(lines)))
 
 
-def usage(request: Request, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(request: Request, completion_tokens: int, cached: int | None = None) -> dict[str, Any]:
+    """Token counts; with ``cached`` (vLLM's ``--enable-prompt-tokens-details``) also
+    ``prompt_tokens_details.cached_tokens``, the prompt tokens that hit the prefix cache."""
+    counts: dict[str, Any] = {
         "prompt_tokens": request.prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": request.prompt_tokens + completion_tokens,
     }
+    if cached is not None:
+        counts["prompt_tokens_details"] = {"cached_tokens": cached}
+    return counts
 
 
 def _envelope(request: Request, rid: str, created: int, chunk: bool) -> dict[str, Any]:
@@ -151,7 +156,9 @@ def _envelope(request: Request, rid: str, created: int, chunk: bool) -> dict[str
     return {"id": rid, "object": kind, "created": created, "model": request.model}
 
 
-def response(request: Request, rid: str, created: int, text: str, tokens: int) -> dict[str, Any]:
+def response(
+    request: Request, rid: str, created: int, text: str, tokens: int, cached: int | None = None
+) -> dict[str, Any]:
     """The whole answer of a non-streamed request."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
     if request.api == "completions":
@@ -161,7 +168,7 @@ def response(request: Request, rid: str, created: int, text: str, tokens: int) -
     return {
         **_envelope(request, rid, created, False),
         "choices": [choice],
-        "usage": usage(request, tokens),
+        "usage": usage(request, tokens, cached),
     }
 
 
@@ -179,10 +186,12 @@ def token_chunk(request: Request, rid: str, created: int, index: int, text: str)
     return {**_envelope(request, rid, created, True), "choices": [choice]}
 
 
-def usage_chunk(request: Request, rid: str, created: int, tokens: int) -> dict[str, Any]:
+def usage_chunk(
+    request: Request, rid: str, created: int, tokens: int, cached: int | None = None
+) -> dict[str, Any]:
     """The chunk after the last token: no choices, only the token counts."""
     return {
         **_envelope(request, rid, created, True),
         "choices": [],
-        "usage": usage(request, tokens),
+        "usage": usage(request, tokens, cached),
     }

@@ -120,6 +120,7 @@ class Replica:
         "namespace",
         "pod",
         "port",
+        "prompt_tokens_details",
         "stop_listening",
     )
 
@@ -134,11 +135,14 @@ class Replica:
         namespace: str = "",
         time_scale: float = 1.0,
         sleep: Sleep = asyncio.sleep,
+        prompt_tokens_details: bool = False,
     ) -> None:
         self.pod = pod
         self.port = port
         self.dialect = dialect
         """Whose metric names ``/metrics`` uses (``simulator.metrics.ENGINES``)."""
+        self.prompt_tokens_details = prompt_tokens_details
+        """Whether usage carries ``prompt_tokens_details.cached_tokens`` (vLLM's flag)."""
         self.namespace = namespace
         """What the conformance echo reports as the pod's namespace (echo-basic's NAMESPACE)."""
         self.endpoint = join_host_port(pod.address, port)
@@ -241,7 +245,7 @@ class Replica:
             stream=parsed.stream,
         )
         if parsed.stream:
-            return await self._stream(request, parsed, rid, created, tokens)
+            return await self._stream(request, parsed, job, created, tokens)
         try:
             async with aclosing(tokens):
                 text = "".join([output_token(index) async for index in tokens])
@@ -249,13 +253,17 @@ class Replica:
             if self.engine.crashed:
                 self._drop(request)
             return _error(ApiError(500, "InternalServerError", str(error)))
-        return _json(openai.response(parsed, rid, created, text, parsed.max_tokens))
+        answer = openai.response(parsed, rid, created, text, parsed.max_tokens, self._cached(job))
+        return _json(answer)
+
+    def _cached(self, job: Request) -> int | None:
+        return job.cached_tokens if self.prompt_tokens_details else None
 
     async def _stream(
         self,
         request: web.Request,
         parsed: openai.Request,
-        rid: str,
+        job: Request,
         created: int,
         tokens: AsyncGenerator[int, None],
     ) -> web.StreamResponse:
@@ -264,6 +272,7 @@ class Replica:
         The response starts (status 200) when the first token is ready, so an
         error before it is still a plain error response, as in vLLM.
         """
+        rid = job.id
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -277,7 +286,7 @@ class Replica:
                     chunk = openai.token_chunk(parsed, rid, created, index, text)
                     await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
                     count += 1
-            chunk = openai.usage_chunk(parsed, rid, created, count)
+            chunk = openai.usage_chunk(parsed, rid, created, count, self._cached(job))
             await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
@@ -402,6 +411,7 @@ async def serve_pods(
     dialect: str = "vllm",
     namespace: str = "",
     h2c_ports: Collection[int] = (),
+    prompt_tokens_details: bool = False,
 ) -> AsyncIterator[tuple[Replica, ...]]:
     """Serve every port of every pod until the block exits; yields the replicas in file order.
 
@@ -417,6 +427,8 @@ async def serve_pods(
     ``namespace`` is what the conformance echo reports; a port listed in
     ``h2c_ports`` serves only the echo, over cleartext HTTP/2
     (``simulator.h2c``), as echo-basic's h2c port does.
+    ``prompt_tokens_details`` adds the cached prompt tokens to every answer's
+    usage, as vLLM does with ``--enable-prompt-tokens-details``.
     """
     settings = settings or Settings()
     sockets: list[socket.socket] = []
@@ -435,6 +447,7 @@ async def serve_pods(
                     clock,
                     dialect=dialect,
                     namespace=namespace,
+                    prompt_tokens_details=prompt_tokens_details,
                     time_scale=settings.time_scale,
                     sleep=sleep,
                 )

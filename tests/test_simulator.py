@@ -422,6 +422,32 @@ def test_metrics_report_prefix_cache_preemptions_and_cache_geometry() -> None:
     run(test)
 
 
+def test_usage_reports_cached_prompt_tokens_when_enabled() -> None:
+    """With vLLM's --enable-prompt-tokens-details, usage says how many prompt tokens hit the
+    prefix cache: none the first time, every full block but the last token's the second."""
+
+    async def test() -> None:
+        async with (
+            serve_pods(
+                [pod()], INSTANT, clock=lambda: 0.0, grace=1.0, prompt_tokens_details=True
+            ) as (replica,),
+            aiohttp.ClientSession() as session,
+        ):
+            prompt = " ".join(f"word{i}" for i in range(40))
+            body = {"model": "sim-model", "prompt": prompt, "max_tokens": 2}
+            _, first, _ = await post(session, replica, "/v1/completions", body)
+            _, again, _ = await post(session, replica, "/v1/completions", body)
+            async with session.post(
+                replica.url + "/v1/completions", json={**body, "stream": True}
+            ) as response:
+                *_, final, _done = sse_events(await response.text())
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+        assert json.loads(final)["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+
+    run(test)
+
+
 # --- the real-time driver ------------------------------------------------------------------
 
 SMALL = PROFILES["llama-3.1-8b-h100"].replace(num_blocks=64)
@@ -740,6 +766,7 @@ def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         "--stall-seconds",
         "--dead-metrics",
         "--crash-after",
+        "--enable-prompt-tokens-details",
         "--log-level",
     ):
         assert flag in text

@@ -19,7 +19,8 @@ out (for an 8B model, about 4 x 32 layers x 4096 x context FLOPs per token
 against 16 GFLOPs of weights: 12% at 4,000 tokens of context), which makes
 time to first token exactly linear in the uncached prompt tokens.
 
-Facts used by both profiles (from public documents):
+Facts used by the 8B profiles (from public documents; the 70B profile's
+``source`` adds its own):
 
 - Llama-3.1-8B (its ``config.json`` on Hugging Face): 32 layers, 8 KV heads,
   head dim 128, 8.03 B parameters. In bf16 the weights are 16.06 GB
@@ -152,6 +153,25 @@ max_num_seqs 256, max_num_batched_tokens 2048: vLLM V1's OpenAI-server defaults 
 max_loras 4, lora_load_time 100 ms: estimates (PCIe Gen4 host-to-device and a slower card).
 """
 
+_70B_TP4_SOURCE: Final = """\
+Llama-3.1-70B-Instruct, bf16, vLLM V1 OpenAI server, four H100 SXM 80 GB, tensor parallel 4.
+Model facts (its config.json): 80 layers, 8 KV heads, head dim 128, 70.6 B parameters: 141.1 GB
+  of weights (35.3 GB per GPU) and 2 x 80 x 8 x 128 x 2 bytes = 320 KiB of KV per token
+  (a quarter of it on each GPU).
+step_overhead 16 ms: derived, 35.3 GB per GPU / 3.35 TB/s = 10.5 ms at peak bandwidth, 13.2 ms
+  at the ~80% efficiency used for the 8B profiles; plus about 3 ms for tensor parallelism's
+  two all-reduces per layer (160 per step; the per-all-reduce latency is an estimate).
+prefill_per_token 71 us: derived, 2 x 70.6e9 FLOPs per token on 4 x 989 TFLOPS at an estimated
+  50% of peak.
+decode_per_seq 36 us: derived, the same FLOPs at full peak on four GPUs.
+decode_per_context_token 25 ns: derived, 320 KiB per attended token read from 4 x 3.35 TB/s.
+num_blocks 29,000: derived, 4 x 0.9 x 79.6 GiB = 286.6 GiB, minus 131.4 GiB of weights, minus
+  about 3 GiB per GPU of activations, CUDA graphs and other non-KV memory (an estimate) leaves
+  ~143 GiB = ~29,000 blocks of 5 MiB (~470k tokens).
+max_num_seqs 1024, max_num_batched_tokens 8192: vLLM V1's OpenAI-server defaults on H100.
+max_loras 4, lora_load_time 100 ms: estimates (adapters for a 70B model are larger).
+"""
+
 PROFILES: Final[Mapping[str, Profile]] = MappingProxyType(
     {
         "llama-3.1-8b-h100": Profile(
@@ -179,6 +199,20 @@ PROFILES: Final[Mapping[str, Profile]] = MappingProxyType(
             num_blocks=2_000,
             max_num_seqs=256,
             max_num_batched_tokens=2048,
+            max_loras=4,
+            lora_load_time=0.1,
+        ),
+        "llama-3.1-70b-h100-tp4": Profile(
+            name="llama-3.1-70b-h100-tp4",
+            summary="Llama-3.1-70B, bf16, vLLM on four H100 SXM 80 GB (tensor parallel 4)",
+            source=_70B_TP4_SOURCE,
+            step_overhead=16e-3,
+            prefill_per_token=71e-6,
+            decode_per_seq=36e-6,
+            decode_per_context_token=25e-9,
+            num_blocks=29_000,
+            max_num_seqs=1024,
+            max_num_batched_tokens=8192,
             max_loras=4,
             lora_load_time=0.1,
         ),

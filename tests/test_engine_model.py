@@ -98,6 +98,27 @@ def test_tokenizer_is_deterministic_and_concatenates() -> None:
     ]
 
 
+@pytest.mark.parametrize("name", list(PROFILES))
+def test_every_profile_states_where_each_number_comes_from(name: str) -> None:
+    """A profile's source names every coefficient and capacity, and says derived or estimate."""
+    profile = PROFILES[name]
+    assert profile.name == name
+    for field in (
+        "step_overhead",
+        "prefill_per_token",
+        "decode_per_seq",
+        "decode_per_context_token",
+        "num_blocks",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_loras",
+        "lora_load_time",
+    ):
+        assert field in profile.source, field
+    assert "derived" in profile.source
+    assert "estimate" in profile.source
+
+
 # --- step time and prefill --------------------------------------------------------------------
 
 

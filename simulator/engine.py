@@ -187,6 +187,7 @@ class _Seq:
         "running",
         "scheduled_before",
         "stall_until",
+        "token_event",
         "total",
     )
 
@@ -202,6 +203,7 @@ class _Seq:
         self.running = False
         self.scheduled_before = False
         self.stall_until = -math.inf
+        self.token_event = Event(request, "token")  # immutable, so one serves every token
 
 
 @dataclass(frozen=True, slots=True)
@@ -555,9 +557,9 @@ class Engine:
             if generated == 1:
                 request.first_token_at = now
                 self.prompt_tokens_total += seq.prompt_len
-                events.append(Event(request, "token"))
+                events.append(seq.token_event)
             elif all_tokens:
-                events.append(Event(request, "token"))
+                events.append(seq.token_event)
             if generated >= request.max_tokens:
                 request.finished_at = now
                 events.append(Event(request, "done"))

@@ -44,8 +44,23 @@ Facts used by the 8B profiles (from public documents; the 70B profile's
 - NVIDIA's data sheets: H100 SXM 80 GB HBM3 at 3.35 TB/s, 989 TFLOPS dense
   bf16; L4 24 GB GDDR6 at 300 GB/s, 121 TFLOPS dense bf16 (242 with sparsity).
 
-Each profile's ``source`` says, number by number, which are derived from
-those facts and which are estimates.
+The numbers, in short (each profile's ``source`` below says, number by
+number, how it is derived and which parts are estimates)::
+
+                              8b-h100    8b-l4     70b-h100-tp4
+    step_overhead             6.0 ms     67 ms     16 ms     weights / bandwidth at ~80%
+    prefill_per_token         30 us      270 us    71 us     2 FLOPs/param at ~50-55% of peak
+    decode_per_seq            16 us      133 us    36 us     2 FLOPs/param at peak
+    decode_per_context_token  40 ns      440 ns    25 ns     KV bytes per token / bandwidth
+    num_blocks                27,000     2,000     29,000    0.9 x memory - weights - overhead
+    max_num_seqs              1024       256       1024      vLLM's defaults
+    max_num_batched_tokens    8192       2048      8192      vLLM's defaults
+    max_loras, lora_load_time 4, 50 ms   4, 100 ms 4, 100 ms estimates
+
+Derived: everything computed from the facts above (bandwidth, FLOPs, memory,
+vLLM's defaults). Estimates: the efficiencies (~80% of peak bandwidth, taken
+from one public measurement; ~50-55% of peak FLOPs for prefill), the non-KV
+memory overhead, the 70B all-reduce time, and the LoRA numbers.
 """
 
 from __future__ import annotations

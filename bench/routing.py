@@ -79,7 +79,7 @@ TRACES: Final = Path(os.environ.get("SWITCHYARD_TRACES", "/work/shared/data/trac
 """Where the public traces are (``README.md`` there); ``SWITCHYARD_TRACES`` overrides it."""
 
 ENGINES: Final = 8
-PROFILE: Final = "llama-3.1-8b-h100"
+PROFILE: Final = "llama-3.1-8b-l4"
 STRATEGIES: Final = ("round-robin", "random", "least-queue", "prefix-aware", "oracle")
 CONFIG_FILES: Final = {
     "random": CONFIGS / "random.yaml",
@@ -179,7 +179,7 @@ class OracleRouter:
         self.oracle.prefilled(arrival.request_id)
 
     def complete(self, arrival: Arrival, index: int, handle: Any, request: Request) -> None:
-        self.oracle.prefilled(arrival.request_id)  # a request that failed before its first token
+        self.oracle.finished(arrival.request_id)
 
 
 def endpoints(count: int = ENGINES) -> tuple[Endpoint, ...]:
@@ -374,19 +374,28 @@ def _on_event(run: _Run) -> Callable[[Event], None]:
 
 
 def engine_state(engine: Engine, now: float, model: str = workloads.MODEL) -> metrics.State:
-    """What the simulator's server puts on ``/metrics`` for ``engine`` (vLLM names)."""
-    profile: Profile = engine.profile
+    """What the simulator's server puts on ``/metrics`` for ``engine``.
+
+    Field for field as ``simulator.server.Replica.metrics_text`` fills it, for
+    a replica serving one base model and no adapters.
+    """
+    profile = engine.profile
     return metrics.State(
         model=model,
         running=engine.running,
         waiting=engine.waiting,
         max_running=profile.max_num_seqs,
         kv_usage=engine.kv_usage,
-        kv_capacity=profile.num_blocks * profile.block_size,
+        kv_capacity=profile.kv_tokens,
         prompt_tokens=engine.prompt_tokens_total,
         generation_tokens=engine.generation_tokens_total,
         lora=None,
         now=now,
+        prefix_queries=engine.prefix_queries_total,
+        prefix_hits=engine.prefix_hits_total,
+        preemptions=engine.preemptions_total,
+        block_size=profile.block_size,
+        num_blocks=engine.num_blocks,
     )
 
 
@@ -453,8 +462,8 @@ def _outcome(workload: str, strategy: str, rate: float | None, run: _Run, wall: 
 class Sizes:
     """Every size of a run: full, or the smoke size of ``Options.quick``."""
 
-    kv_blocks: int
-    """KV-cache blocks per engine (the profile's own count is scaled to this)."""
+    kv_blocks: int | None
+    """KV-cache blocks per engine; None keeps the profile's own count."""
     shared: SharedPrefix
     rates: tuple[float, ...]
     shared_count: int
@@ -469,25 +478,33 @@ class Sizes:
 
 
 FULL: Final = Sizes(
-    kv_blocks=1024,
-    shared=SharedPrefix(groups=32, prefix_tokens=2048, users=16, question_tokens=64, max_tokens=32),
-    rates=(50.0, 100.0, 150.0, 200.0, 250.0),
-    shared_count=3000,
-    chat=MultiTurn(sessions=256, turns=6, session_rate=4.0),
+    kv_blocks=None,
+    shared=SharedPrefix(groups=64, prefix_tokens=2048, users=16, question_tokens=64, max_tokens=32),
+    rates=(6.0, 12.0, 18.0, 24.0, 32.0),
+    shared_count=2000,
+    chat=MultiTurn(
+        sessions=300,
+        turns=6,
+        session_rate=2.0,
+        system_tokens=256,
+        user_tokens=96,
+        max_tokens=64,
+        think_seconds=10.0,
+    ),
     mooncake_start=2993,
     mooncake_count=1000,
     mooncake_block_tokens=32,
     mooncake_replay=Replay(
-        length_scale=32 / 512, output_scale=0.25, time_scale=1.0, max_output=128
+        length_scale=32 / 512, output_scale=0.25, time_scale=0.5, max_output=128
     ),
     azure_start=0,
     azure_count=1500,
-    azure_replay=Replay(length_scale=0.25, output_scale=1.0, time_scale=1.0, max_output=256),
+    azure_replay=Replay(length_scale=1 / 16, output_scale=1.0, time_scale=0.1, max_output=256),
 )
 QUICK: Final = Sizes(
     kv_blocks=256,
     shared=SharedPrefix(groups=8, prefix_tokens=512, users=4, question_tokens=32, max_tokens=8),
-    rates=(40.0, 120.0),
+    rates=(4.0, 16.0),
     shared_count=60,
     chat=MultiTurn(sessions=8, turns=3, session_rate=4.0, think_seconds=2.0, max_tokens=8),
     mooncake_start=2993,
@@ -501,8 +518,9 @@ QUICK: Final = Sizes(
 
 
 def profile_for(sizes: Sizes) -> Profile:
-    """The engines' profile: ``PROFILE`` as published, its KV cache cut to ``sizes``."""
-    return PROFILES[PROFILE].replace(num_blocks=sizes.kv_blocks)
+    """The engines' profile: ``PROFILE`` as published (its KV cache cut for a smoke run)."""
+    profile = PROFILES[PROFILE]
+    return profile if sizes.kv_blocks is None else profile.replace(num_blocks=sizes.kv_blocks)
 
 
 def run(options: Options) -> Section:
@@ -553,7 +571,7 @@ def section(
     by_workload: dict[str, list[Outcome]] = {}
     for outcome in outcomes:
         by_workload.setdefault(outcome.workload, []).append(outcome)
-    notes = notes_for(sizes, profile, traces_found)
+    notes = notes_for(sizes, profile, traces_found, by_workload.get("shared-prefix", []))
     tables = []
     for workload, rows in by_workload.items():
         swept = rows[0].rate is not None
@@ -606,8 +624,8 @@ def section(
         plots=plots,
         targets=targets(shared),
         data={
-            "profile": profile.name,
-            "kv_blocks": profile.num_blocks,
+            "profile": asdict(profile),
+            "sizes": asdict(sizes),
             "engines": ENGINES,
             "seed": options.seed,
             "quick": options.quick,
@@ -711,13 +729,76 @@ def workload_notes(sizes: Sizes) -> dict[str, str]:
     }
 
 
-def notes_for(sizes: Sizes, profile: Profile, traces_found: bool) -> list[str]:
-    """The assumptions of the run, stated plainly."""
+def notes_for(
+    sizes: Sizes, profile: Profile, traces_found: bool, shared: Sequence[Outcome] = ()
+) -> list[str]:
+    """The assumptions of the run, stated plainly (with round-robin's measured hit rate)."""
+    sp = sizes.shared
+    prefix_blocks = -(-sp.prefix_tokens // profile.block_size)
+    per_engine = profile.num_blocks // prefix_blocks
+    kv = (
+        "as published"
+        if sizes.kv_blocks is None
+        else f"with its KV cache cut to {profile.num_blocks} blocks (smoke size)"
+    )
+    blind = [o.hit_rate for o in shared if o.strategy == "round-robin"]
+    hit = statistics.fmean(blind) if blind else 0.0
+    uncached = (1 - hit) * sp.prompt_tokens * profile.prefill_per_token
     notes = [
-        f"Engines: {ENGINES} simulated engines, profile {profile.name!r} "
-        f"with its KV cache cut to {profile.num_blocks} blocks of {profile.block_size} tokens "
-        f"({profile.num_blocks * profile.block_size:,} tokens per engine).",
+        f"Engines: {ENGINES} simulated vLLM engines (simulator.engine), profile "
+        f"{profile.name!r} {kv}: {profile.summary}; {profile.num_blocks:,} KV blocks of "
+        f"{profile.block_size} tokens ({profile.kv_tokens:,} tokens), prefill "
+        f"{profile.prefill_per_token * 1e6:g} µs/token, step overhead "
+        f"{profile.step_overhead * 1e3:g} ms, max_num_seqs {profile.max_num_seqs}, "
+        f"max_num_batched_tokens {profile.max_num_batched_tokens}. Virtual time: "
+        "no network, no asyncio; every number is deterministic for the seed.",
+        "Strategies: round-robin is Pipeline() with no plugins (LWEPP's default); random is "
+        "bench/configs/random.yaml (random-picker, seeded); least-queue is "
+        "bench/configs/least-queue.yaml (metrics-data-source + queue-scorer); prefix-aware is "
+        "demo/configs/prefix-aware.yaml unchanged; oracle is bench/oracle.py (exact caches and "
+        "queues, least estimated time to first token plus the prefill work the choice adds).",
+        "Metrics: each engine's state rendered as vLLM's /metrics page (simulator.metrics) and "
+        "read by metrics-data-source's own parser into the pipeline's attribute store, every "
+        "refreshIntervalSeconds per endpoint (LWEPP's default, 0.1 s; GIE's EPP refreshes "
+        "every 50 ms), endpoints staggered across the interval; a scrape takes no virtual "
+        "time, so data is at most one interval old. Response hooks hear response_headers at "
+        "the first token and response_complete (served endpoint, usage) at the end.",
+        f"Shared-prefix sizing: {sp.groups} groups × {sp.prefix_tokens}-token prefixes = "
+        f"{prefix_blocks} KV blocks each; one engine's {profile.num_blocks:,} blocks hold at "
+        f"most {per_engine} of them ({per_engine / sp.groups:.0%} of the groups, fewer while "
+        f"running requests hold blocks), the {ENGINES} engines together "
+        f"{per_engine * ENGINES} (all {sp.groups}). Best possible hit rate: "
+        f"{sp.shared_fraction:.2f} of prompt tokens less each group's first (cold) request.",
+        f"Shared-prefix rates: engines that see every group (round-robin measured a hit rate of "
+        f"{hit:.2f}) prefill {1 - hit:.0%} of each {sp.prompt_tokens}-token prompt, "
+        f"{uncached:.2f} s of engine time, so the {ENGINES} engines saturate below "
+        f"{ENGINES / uncached:.0f} requests/s (less once decoding takes its share of each "
+        f"step); placement by prefix leaves about {sp.question_tokens} uncached tokens "
+        f"({sp.question_tokens * profile.prefill_per_token * 1e3:.0f} ms). The sweep "
+        f"({', '.join(f'{r:g}' for r in sizes.rates)} requests/s) takes cache-blind "
+        "strategies from below saturation to far beyond it while placement by prefix stays "
+        "below it: the regime where placement matters. The targets are taken at the "
+        "highest rate.",
+        "TTFT: arrival to first token (routing takes no virtual time). ITL: every gap between "
+        "consecutive tokens of a request, mean and p90. Throughput: output tokens and "
+        "completed requests per second from the first arrival to the last completion. Hit "
+        "rate: the engines' prefix-cache counters, hit tokens / queried prompt tokens. Load "
+        "spread: requests per engine, max/mean and coefficient of variation.",
+        "Prompt text is simulator.tokenizer text: one pseudo-random word of about ten "
+        "characters per token. prefix-aware.yaml hashes 16-character blocks (blockSizeTokens 4, "
+        "4 characters per token) and matches at most 256 of them: the first ~4,096 characters, "
+        "about 370 of these tokens.",
     ]
-    if not traces_found:
+    if traces_found:
+        notes.append(
+            "Traces (/work/shared/data/traces): Mooncake synthetic trace (kvcache-ai/Mooncake, "
+            "Apache-2.0; Qin et al., FAST 2025) and Azure LLM inference trace, code (Azure/"
+            "AzurePublicDataset, CC-BY-4.0; Patel et al., ISCA 2024). Scaling is in each "
+            "table's note: Mooncake's 512-token hash blocks become "
+            f"{sizes.mooncake_block_tokens}-token text blocks (text_block(hash_id, "
+            f"{sizes.mooncake_block_tokens})), so prompt lengths scale by "
+            f"{sizes.mooncake_replay.length_scale:g}."
+        )
+    else:
         notes.append(f"The trace workloads were skipped: no traces under {TRACES}.")
     return notes

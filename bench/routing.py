@@ -195,14 +195,18 @@ def router(
     profile: Profile,
     clock: Callable[[], float],
     seed: int,
+    config_file: Path | None = None,
 ) -> PipelineRouter | OracleRouter:
-    """A fresh router for ``strategy`` over ``engines`` (fresh plugin state for every run)."""
+    """A fresh router for ``strategy`` over ``engines`` (fresh plugin state for every run).
+
+    ``config_file`` replaces the strategy's own (any strategy but the oracle).
+    """
     if strategy == "oracle":
         return OracleRouter(engines, profile)
     pool = endpoints(len(engines))
-    if strategy == "round-robin":
+    if strategy == "round-robin" and config_file is None:
         return PipelineRouter(strategy, Pipeline(clock=clock), (), pool)
-    config = load_config(CONFIG_FILES[strategy])
+    config = load_config(config_file or CONFIG_FILES[strategy])
     if isinstance(config.picker, RandomPicker | WeightedRandomPicker):
         config.picker.rng = random.Random(seed)  # the pickers take an injected rng; seeded here
     return PipelineRouter(strategy, config.pipeline(AttributeStore(), clock), config.sources, pool)
@@ -310,15 +314,18 @@ def simulate(
     engines: int = ENGINES,
     seed: int = 0,
     rate: float | None = None,
+    config: Path | None = None,
 ) -> Outcome:
-    """Replay ``arrivals`` on fresh engines routed by ``strategy``; account for every request."""
+    """Replay ``arrivals`` on fresh engines routed by ``strategy``; account for every request.
+
+    ``config`` replaces the strategy's configuration file (to try a variant).
+    """
     started = time.perf_counter()
     loop = VirtualLoop()
     fleet = [Engine(profile, seed=seed * 1000 + i) for i in range(engines)]
     pool = endpoints(engines)
-    run = _Run(
-        arrivals, router(strategy, fleet, profile, lambda: loop.now, seed), loop, fleet, pool
-    )
+    chosen = router(strategy, fleet, profile, lambda: loop.now, seed, config)
+    run = _Run(arrivals, chosen, loop, fleet, pool)
     run.remaining = len(arrivals)
     run.drivers = [VirtualEngine(engine, loop, _on_event(run)) for engine in fleet]
     for arrival in arrivals:
@@ -779,10 +786,13 @@ def notes_for(
         "strategies from below saturation to far beyond it while placement by prefix stays "
         "below it: the regime where placement matters. The targets are taken at the "
         "highest rate.",
-        "TTFT: arrival to first token (routing takes no virtual time). ITL: every gap between "
-        "consecutive tokens of a request, mean and p90. Throughput: output tokens and "
-        "completed requests per second from the first arrival to the last completion. Hit "
-        "rate: the engines' prefix-cache counters, hit tokens / queried prompt tokens. Load "
+        "TTFT: arrival to first token (routing takes no virtual time). Past saturation a "
+        "backlog builds for as long as requests keep coming, so there TTFT grows with the "
+        "number of requests: it shows that a strategy is saturated, not by how much. ITL: "
+        "every gap between consecutive tokens of a request, mean and p90. Throughput: "
+        "output tokens and completed requests per second from the first arrival to the last "
+        "completion. Hit rate: the engines' prefix-cache counters, hit tokens / queried "
+        "prompt tokens. Load "
         "spread: requests per engine, max/mean and coefficient of variation.",
         "Prompt text is simulator.tokenizer text: one pseudo-random word of about ten "
         "characters per token. prefix-aware.yaml hashes 16-character blocks (blockSizeTokens 4, "

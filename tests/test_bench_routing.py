@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,10 @@ from bench import routing, workloads
 from bench.oracle import Oracle
 from bench.report import Options, Section
 from bench.workloads import AzureRecord, MooncakeRecord, MultiTurn, Replay, SharedPrefix
+from lwepp.hooks import LLMRequest, Usage
+from lwepp.pipeline import Pipeline
+from lwepp.plugins.metrics_source import MetricsDataSource
+from simulator import metrics
 from simulator.clocks import VirtualEngine, VirtualLoop
 from simulator.engine import Engine, Event, Request
 from simulator.profiles import PROFILES
@@ -240,3 +245,76 @@ def test_shared_prefix_hits_when_routed_by_prefix() -> None:
     arrivals = workloads.shared_prefix(SHAPE, 20.0, 80, seed=0)
     outcome = routing.simulate("sp", arrivals, "oracle", routing.profile_for(routing.QUICK))
     assert outcome.hit_rate > 0.5
+
+
+def test_the_scraped_page_reads_back_as_the_engine_state() -> None:
+    """An engine's rendered vLLM page, read by metrics-data-source, gives the engine's numbers."""
+    profile = PROFILES[routing.PROFILE]
+    engine = Engine(profile)
+    loop = VirtualLoop()
+    driver = VirtualEngine(engine, loop, lambda event: None)
+    for n in range(3):
+        driver.submit(Request(f"r{n}", tuple(range(n * 1000, n * 1000 + 600)), 4, 0.0))
+    loop.run(until=profile.step_overhead / 2)  # the first step is scheduled, not finished
+    page = metrics.render("vllm", routing.engine_state(engine, loop.now))
+    values = MetricsDataSource("m").read(routing.endpoints()[0], page)
+    assert values["queue_depth"] == engine.waiting
+    assert values["running_requests"] == engine.running > 0
+    assert values["kv_cache_usage"] == pytest.approx(engine.kv_usage)
+    assert values["cache_block_size"] == profile.block_size
+    assert values["cache_num_blocks"] == profile.num_blocks
+
+
+class RecordingHook:
+    """A response hook that writes down what it is told."""
+
+    reads: frozenset[str] = frozenset()
+    needs_body = False
+
+    def __init__(self) -> None:
+        self.name = "recorder"
+        self.headers: list[tuple[str, str | None]] = []
+        self.completed: list[tuple[str, str | None, Usage | None]] = []
+
+    def response_headers(
+        self, request: LLMRequest, served: str | None, headers: Mapping[str, str]
+    ) -> Mapping[str, str]:
+        self.headers.append((request.request_id, served))
+        return {}
+
+    def response_chunk(self, request: LLMRequest, chunk: bytes) -> None:
+        raise AssertionError("no body chunks are delivered")
+
+    def response_complete(
+        self, request: LLMRequest, served: str | None, usage: Usage | None
+    ) -> None:
+        self.completed.append((request.request_id, served, usage))
+
+
+def test_response_hooks_hear_the_served_endpoint_and_usage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each request's response side runs once: headers at the first token, completion at the
+    end, both with the endpoint that served it, the completion with the token usage."""
+    hook = RecordingHook()
+    made: list[routing.PipelineRouter] = []
+
+    def with_hook(*args: object, **kwargs: object) -> routing.PipelineRouter:
+        made.append(
+            routing.PipelineRouter("rr", Pipeline(responses=[hook]), (), routing.endpoints())
+        )
+        return made[0]
+
+    monkeypatch.setattr(routing, "router", with_hook)
+    arrivals = workloads.shared_prefix(SHAPE, 20.0, 24, seed=0)
+    outcome = routing.simulate("sp", arrivals, "round-robin", routing.profile_for(routing.QUICK))
+    assert outcome.completed == 24
+    assert sorted(r for r, _ in hook.headers) == sorted(a.request_id for a in arrivals)
+    assert sorted((r, s) for r, s, _ in hook.completed) == sorted(hook.headers)
+    pool = [e.hostport for e in routing.endpoints()]
+    by_engine = [sum(1 for _, s, _ in hook.completed if s == p) for p in pool]
+    assert by_engine == list(outcome.per_engine)
+    for _, _, usage in hook.completed:
+        assert usage is not None
+        assert usage.prompt_tokens == SHAPE.prompt_tokens
+        assert usage.completion_tokens == SHAPE.max_tokens

@@ -99,7 +99,7 @@ class Size:
 FULL: Final = Size(
     SharedPrefix(groups=32, prefix_tokens=2048, users=16, question_tokens=64, max_tokens=16),
     rate=20.0,
-    count=360,
+    count=320,
     replicas=8,
     time_scale=2.0,
     warmup=0.2,
@@ -490,12 +490,12 @@ def _row(result: ArmResult, time_scale: float) -> list[object]:
     ]
 
 
-def _cdf(values: Sequence[float], points: int = 50) -> tuple[list[float], list[float]]:
-    """``points`` quantiles of ``values`` (ms) against their cumulative share."""
+def _quantiles(values: Sequence[float], points: int = 51) -> tuple[list[float], list[float]]:
+    """The share of requests (0 to 1) against the TTFT (ms) that share stays under."""
     if not values:
         return [], []
     shares = [i / (points - 1) for i in range(points)]
-    return [_ms(percentile(values, 100 * s)) for s in shares], shares
+    return shares, [_ms(percentile(values, 100 * s)) for s in shares]
 
 
 def _p90(result: ArmResult) -> float:
@@ -536,10 +536,11 @@ def section(size: Size, results: Sequence[ArmResult], notes: list[str], quick: b
     )
     cdf = Plot(
         "live-ttft-cdf",
-        "Time to first token, shared prefix over HTTP",
-        "TTFT (wall ms)",
+        "Time to first token, shared prefix over HTTP (the CDF, axes swapped)",
         "share of requests",
-        [Series(r.arm.label, *_cdf(r.ttfts())) for r in results],
+        "TTFT, wall ms (log scale)",
+        [Series(r.arm.label, *_quantiles(r.ttfts())) for r in results],
+        logy=True,
     )
     targets = []
     ours = by_label.get(f"{SWITCHYARD} prefix-aware")

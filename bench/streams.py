@@ -10,6 +10,10 @@ The baseline is a do-nothing server answering with the same message shapes
 ``context.read()/write()`` (what ``protos.server`` uses) and as an async
 generator. The figure that matters is the server's CPU time per stream,
 read from /proc, which does not depend on the client keeping up.
+
+``measure_workers`` drives ``python -m lwepp --workers N`` instead, over
+several connections (the workers share the port by connection), and reports
+streams per second and how many streams each worker served.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import statistics
@@ -318,3 +319,12 @@ def test_response_hooks_hear_the_served_endpoint_and_usage(
         assert usage is not None
         assert usage.prompt_tokens == SHAPE.prompt_tokens
         assert usage.completion_tokens == SHAPE.max_tokens
+
+
+@pytest.mark.parametrize("strategy", ["random", "prefix-aware", "oracle"])
+def test_a_run_is_deterministic_for_its_seed(strategy: str) -> None:
+    """The same workload and seed give the same measurements, random picks and scrapes included."""
+    arrivals = workloads.shared_prefix(SHAPE, 10.0, 40, seed=4)
+    profile = routing.profile_for(routing.QUICK)
+    one, two = (routing.simulate("sp", arrivals, strategy, profile, seed=4) for _ in range(2))
+    assert dataclasses.replace(one, wall_seconds=0.0) == dataclasses.replace(two, wall_seconds=0.0)

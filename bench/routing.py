@@ -855,14 +855,22 @@ def notes_for(
         "per-workload table."
     )
     if traces_found:
+        mc, az = sizes.mooncake_replay, sizes.azure_replay
         notes.append(
-            "Traces (/work/shared/data/traces): Mooncake synthetic trace (kvcache-ai/Mooncake, "
-            "Apache-2.0; Qin et al., FAST 2025) and Azure LLM inference trace, code (Azure/"
-            "AzurePublicDataset, CC-BY-4.0; Patel et al., ISCA 2024). Scaling is in each "
-            "table's note: Mooncake's 512-token hash blocks become "
-            f"{sizes.mooncake_block_tokens}-token text blocks (text_block(hash_id, "
-            f"{sizes.mooncake_block_tokens})), so prompt lengths scale by "
-            f"{sizes.mooncake_replay.length_scale:g}."
+            f"Traces ({TRACES}): Mooncake synthetic trace (kvcache-ai/Mooncake, Apache-2.0; "
+            "Qin et al., FAST 2025) and Azure LLM inference trace, code (Azure/"
+            "AzurePublicDataset, CC-BY-4.0; Patel et al., ISCA 2024). Mooncake records "
+            f"{sizes.mooncake_start}–{sizes.mooncake_start + sizes.mooncake_count - 1}: each "
+            f"512-token hash block becomes text_block(hash_id, {sizes.mooncake_block_tokens}), "
+            f"so prompt lengths × {mc.length_scale:g}; output lengths × {mc.output_scale:g} "
+            f"(at most {mc.max_output}); arrival gaps × {mc.time_scale:g}. Azure rows "
+            f"{sizes.azure_start}–{sizes.azure_start + sizes.azure_count - 1}: prompt lengths "
+            f"× {az.length_scale:g} (fresh text each), output lengths × {az.output_scale:g} "
+            f"(at most {az.max_output}); arrival gaps × {az.time_scale:g}. Lengths are rounded "
+            "up, at least 1. Slices: Mooncake's last 1,000 records (its last ~240 s, where "
+            "requests share the most with each other), Azure's first 1,500 rows (~10 minutes); "
+            "the gaps are compressed so that round-robin runs the engines busy but not "
+            "saturated, and the whole benchmark takes a few minutes."
         )
     else:
         notes.append(f"The trace workloads were skipped: no traces under {TRACES}.")

@@ -102,12 +102,15 @@ FULL: Final = Size(
     count=320,
     replicas=8,
     time_scale=2.0,
-    warmup=0.2,
+    warmup=0.3,
 )
 """At 20 requests per modelled second, a replica under round-robin gets 2.5 a second, most
 of them misses of ~0.7 s of prefill (2 chunked-prefill steps of 2,048 tokens at 270 us
 per token, plus the step overhead): more prefill than it can do. Kept on its groups'
-replicas, the same request mostly hits and costs one step."""
+replicas, the same request mostly hits and costs one step. The first 30% of the arrivals
+(96 requests, about 5 modelled seconds) let nearly every group's prompt reach a cache: with
+fewer, the p90 of the prefix-aware arms sits on the knee where the first sight of a
+group's prompt (a miss) begins, and swings from run to run with a handful of requests."""
 QUICK: Final = Size(
     SharedPrefix(groups=4, prefix_tokens=128, users=2, question_tokens=16, max_tokens=4),
     rate=20.0,

@@ -18,7 +18,7 @@ from bench.workloads import AzureRecord, MooncakeRecord, MultiTurn, Replay, Shar
 from lwepp.hooks import LLMRequest, Usage
 from lwepp.pipeline import Pipeline
 from lwepp.plugins.metrics_source import MetricsDataSource
-from simulator import metrics
+from simulator import metrics, openai
 from simulator.clocks import VirtualEngine, VirtualLoop
 from simulator.engine import Engine, Event, Request
 from simulator.profiles import PROFILES
@@ -328,3 +328,21 @@ def test_a_run_is_deterministic_for_its_seed(strategy: str) -> None:
     profile = routing.profile_for(routing.QUICK)
     one, two = (routing.simulate("sp", arrivals, strategy, profile, seed=4) for _ in range(2))
     assert dataclasses.replace(one, wall_seconds=0.0) == dataclasses.replace(two, wall_seconds=0.0)
+
+
+def test_prompt_tokens_are_what_the_simulator_server_reads_from_the_body() -> None:
+    """Each workload's ``prompt_tokens`` equal the tokens the simulator's OpenAI layer parses
+    from its body, so the in-process benchmark and one over HTTP cache the same prompts."""
+    chat = MultiTurn(sessions=2, turns=3, system_tokens=8, user_tokens=5, max_tokens=3)
+    records = [MooncakeRecord(0.0, 700, 5, (1, 2))]
+    every = [
+        *workloads.shared_prefix(SHAPE, 10.0, 5, seed=0),
+        *workloads.multi_turn(chat, seed=0),
+        *workloads.mooncake(records, 16, Replay(16 / 512, 1.0, 1.0)),
+        *workloads.azure([AzureRecord(0.0, 40, 3)], Replay(1.0, 1.0, 1.0)),
+    ]
+    for arrival in every:
+        api: openai.Api = "chat" if arrival.path.endswith("chat/completions") else "completions"
+        parsed = openai.parse(api, arrival.body_bytes(), {workloads.MODEL})
+        assert parsed.tokens == arrival.prompt_tokens
+        assert parsed.max_tokens == arrival.max_tokens

@@ -123,10 +123,11 @@ class Target:
         if math.isnan(self.measured) or self.limit == 0:
             return "not measured" if math.isnan(self.measured) else ""
         share = abs(self.measured - self.limit) / abs(self.limit)
+        shown = f"{share:.1%}" if share < 0.1 else f"{share:.0%}"  # never a bare "0%"
         if self.reached:
             side = "under" if self.at_most else "over"
-            return f"{share:.0%} {side} the limit"
-        return f"missed by {share:.0%}"
+            return f"{shown} {side} the limit"
+        return f"missed by {shown}"
 
     def row(self) -> list[object]:
         sign = "≤" if self.at_most else "≥"

@@ -44,6 +44,7 @@ def test_targets_say_reached_or_missed_with_the_margin() -> None:
     assert floor.margin == "missed by 10%"
     assert Target("throughput", 0.9, 0.8, at_most=False).margin == "12% over the limit"
     assert not Target("nothing", math.nan, 1.0).reached
+    assert Target("edge", 1.1504, 1.15).margin == "missed by 0.0%"
 
 
 def test_percentile_interpolates() -> None:

@@ -96,15 +96,23 @@ class Router(Protocol):
 
     name: str
     sources: Sequence[DataSource]
+    """Data sources to feed (only ``metrics-data-source`` is scraped here)."""
     store: AttributeStore | None
+    """Where scraped measurements go (None without sources)."""
+    fallbacks: int
+    """Requests a failing plugin sent round-robin instead."""
 
     def choose(self, arrival: Arrival, request: Request) -> tuple[int | None, Any]:
         """The engine's index (None: refused) and what the response side needs later."""
         ...
 
-    def first_token(self, arrival: Arrival, index: int, handle: Any) -> None: ...
+    def first_token(self, arrival: Arrival, index: int, handle: Any) -> None:
+        """The request's first token came back from engine ``index``."""
+        ...
 
-    def complete(self, arrival: Arrival, index: int, handle: Any, request: Request) -> None: ...
+    def complete(self, arrival: Arrival, index: int, handle: Any, request: Request) -> None:
+        """The request ended (``request.error`` set if it failed) on engine ``index``."""
+        ...
 
 
 class PipelineRouter:
@@ -196,7 +204,7 @@ def router(
     clock: Callable[[], float],
     seed: int,
     config_file: Path | None = None,
-) -> PipelineRouter | OracleRouter:
+) -> Router:
     """A fresh router for ``strategy`` over ``engines`` (fresh plugin state for every run).
 
     ``config_file`` replaces the strategy's own (any strategy but the oracle).
@@ -291,7 +299,7 @@ class _Run:
     """The mutable state of one simulation, closed over by the loop's callbacks."""
 
     arrivals: Sequence[Arrival]
-    router: PipelineRouter | OracleRouter
+    router: Router
     loop: VirtualLoop
     engines: list[Engine]
     pool: tuple[Endpoint, ...]

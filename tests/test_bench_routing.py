@@ -298,13 +298,9 @@ def test_response_hooks_hear_the_served_endpoint_and_usage(
     """Each request's response side runs once: headers at the first token, completion at the
     end, both with the endpoint that served it, the completion with the token usage."""
     hook = RecordingHook()
-    made: list[routing.PipelineRouter] = []
 
     def with_hook(*args: object, **kwargs: object) -> routing.PipelineRouter:
-        made.append(
-            routing.PipelineRouter("rr", Pipeline(responses=[hook]), (), routing.endpoints())
-        )
-        return made[0]
+        return routing.PipelineRouter("rr", Pipeline(responses=[hook]), (), routing.endpoints())
 
     monkeypatch.setattr(routing, "router", with_hook)
     arrivals = workloads.shared_prefix(SHAPE, 20.0, 24, seed=0)

@@ -75,8 +75,12 @@ from simulator.profiles import PROFILES, Profile
 ROOT: Final = Path(__file__).resolve().parent.parent
 CONFIGS: Final = Path(__file__).resolve().parent / "configs"
 PREFIX_AWARE: Final = ROOT / "demo" / "configs" / "prefix-aware.yaml"
-TRACES: Final = Path(os.environ.get("SWITCHYARD_TRACES", "/work/shared/data/traces"))
-"""Where the public traces are (``README.md`` there); ``SWITCHYARD_TRACES`` overrides it."""
+TRACES: Final = Path(os.environ.get("SWITCHYARD_TRACES", Path(__file__).parent / "traces"))
+"""Where the trace slices are (``bench/traces/README.md``); ``SWITCHYARD_TRACES`` overrides it."""
+MOONCAKE_FILE: Final = "mooncake_synthetic_trace.last1000.jsonl"
+MOONCAKE_FIRST: Final = 2993
+"""The slice's first record in the whole Mooncake trace (reports name records by it)."""
+AZURE_FILE: Final = "azure2023_llm_code.first1500.csv"
 
 ENGINES: Final = 8
 PROFILE: Final = "llama-3.1-8b-l4"
@@ -506,7 +510,7 @@ FULL: Final = Sizes(
         max_tokens=64,
         think_seconds=10.0,
     ),
-    mooncake_start=2993,
+    mooncake_start=0,
     mooncake_count=1000,
     mooncake_block_tokens=32,
     mooncake_replay=Replay(
@@ -522,7 +526,7 @@ QUICK: Final = Sizes(
     rates=(4.0, 16.0),
     shared_count=60,
     chat=MultiTurn(sessions=8, turns=3, session_rate=4.0, think_seconds=2.0, max_tokens=8),
-    mooncake_start=2993,
+    mooncake_start=0,
     mooncake_count=40,
     mooncake_block_tokens=16,
     mooncake_replay=Replay(length_scale=16 / 512, output_scale=0.1, time_scale=0.5, max_output=16),
@@ -562,7 +566,7 @@ def run(options: Options) -> Section:
             rate,
         )
     measure("multi-turn", workloads.multi_turn(sizes.chat, seed))
-    traces = TRACES / "mooncake_synthetic_trace.jsonl", TRACES / "azure2023_llm_code.csv"
+    traces = TRACES / MOONCAKE_FILE, TRACES / AZURE_FILE
     if all(path.exists() for path in traces):
         records = workloads.read_mooncake(traces[0], sizes.mooncake_start, sizes.mooncake_count)
         measure(
@@ -775,8 +779,9 @@ def workload_notes(sizes: Sizes) -> dict[str, str]:
             f"{chat.user_tokens}-token user messages, {chat.max_tokens}-token answers resent."
         ),
         "mooncake": (
-            f"Mooncake synthetic trace, records {sizes.mooncake_start}–"
-            f"{sizes.mooncake_start + sizes.mooncake_count - 1}: 512-token blocks → "
+            f"Mooncake synthetic trace, records {MOONCAKE_FIRST + sizes.mooncake_start}–"
+            f"{MOONCAKE_FIRST + sizes.mooncake_start + sizes.mooncake_count - 1}: "
+            "512-token blocks → "
             f"{sizes.mooncake_block_tokens} tokens (lengths × {mc.length_scale:g}), outputs × "
             f"{mc.output_scale:g} (at most {mc.max_output}), time × {mc.time_scale:g}."
         ),
@@ -868,7 +873,8 @@ def notes_for(
             f"Traces ({TRACES}): Mooncake synthetic trace (kvcache-ai/Mooncake, Apache-2.0; "
             "Qin et al., FAST 2025) and Azure LLM inference trace, code (Azure/"
             "AzurePublicDataset, CC-BY-4.0; Patel et al., ISCA 2024). Mooncake records "
-            f"{sizes.mooncake_start}–{sizes.mooncake_start + sizes.mooncake_count - 1}: each "
+            f"{MOONCAKE_FIRST + sizes.mooncake_start}–"
+            f"{MOONCAKE_FIRST + sizes.mooncake_start + sizes.mooncake_count - 1}: each "
             f"512-token hash block becomes text_block(hash_id, {sizes.mooncake_block_tokens}), "
             f"so prompt lengths × {mc.length_scale:g}; output lengths × {mc.output_scale:g} "
             f"(at most {mc.max_output}); arrival gaps × {mc.time_scale:g}. Azure rows "

@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench bench-micro bench-overhead bench-routing bench-live conformance images images-oci images-test lock clean
+.PHONY: demo test lint typecheck unit bench bench-micro bench-overhead bench-routing bench-live peers conformance images images-oci images-test lock clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(PY) -m demo
 
 ## test: lint, type-check and run every test (what CI runs)
-test: $(STAMP) lint typecheck
+test: $(STAMP) $(PEERS) lint typecheck
 	$(PY) -m pytest
 
 lint: $(STAMP)
@@ -37,10 +37,19 @@ conformance: $(STAMP)
 ## One part alone: make bench-micro | bench-overhead | bench-routing | bench-live
 BENCH_OUT ?= bench-results
 SEED ?= 0
-bench: $(STAMP)
+PEERS := $(VENV)/.peers
+bench: $(STAMP) $(PEERS)
 	$(PY) -m bench --seed $(SEED) --out $(BENCH_OUT)
-bench-micro bench-overhead bench-routing bench-live: $(STAMP)
+bench-micro bench-overhead bench-routing: $(STAMP)
 	$(PY) -m bench $(@:bench-%=%) --seed $(SEED) --out $(BENCH_OUT)
+bench-live: $(STAMP) $(PEERS)
+	$(PY) -m bench live --seed $(SEED) --out $(BENCH_OUT)
+
+## peers: vllm-router and sglang-router (pinned in pyproject's `peers` extra) for bench-live
+peers: $(PEERS)
+$(PEERS): pyproject.toml $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,peers]'
+	touch $(PEERS)
 
 ## images: the service images with Docker (or any BuildKit builder):
 ## $(IMAGE_PREFIX)/lwepp, /bbr and /simulator, tagged $(IMAGE_TAG)

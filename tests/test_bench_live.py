@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 from bench import live, peers
@@ -62,8 +63,6 @@ def test_a_peer_not_installed_says_how_to_install_it() -> None:
 def test_the_peers_extra_pins_exactly_the_benchmarked_versions() -> None:
     """`make peers` installs pyproject's `peers` extra; it must name the versions the benchmark
     checks for, or every peer would be skipped as the wrong version."""
-    import tomllib
-
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     extra = project["project"]["optional-dependencies"]["peers"]
 

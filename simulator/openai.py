@@ -9,7 +9,7 @@ does, so the end of a stream is easy to check).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -58,6 +58,9 @@ class Request:
     """The prompt's token ids (``simulator.tokenizer``), what the engine caches by."""
     max_tokens: int
     stream: bool
+    prompts: tuple[tuple[int, ...], ...]
+    """The prompt as the client split it: one entry per string of a list prompt, else
+    one. Concatenated they are ``tokens``; the render endpoint answers one per entry."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -81,7 +84,8 @@ def parse(api: Api, raw: bytes, served: Collection[str]) -> Request:
         raise bad_request("missing required field 'model' (a non-empty string)")
     if model not in served:
         raise ApiError(404, "NotFoundError", f"The model `{model}` does not exist.")
-    prompt = _prompt_tokens(body) if api == "completions" else _chat_tokens(body)
+    prompts = _prompt_tokens(body) if api == "completions" else (_chat_tokens(body),)
+    prompt = tuple(token for part in prompts for token in part)
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_completion_tokens", DEFAULT_MAX_TOKENS)
@@ -92,18 +96,23 @@ def parse(api: Api, raw: bytes, served: Collection[str]) -> Request:
         raise bad_request("'stream' must be true or false")
     if not prompt:
         raise bad_request("the prompt must have at least one token")
-    return Request(api, model, prompt, max_tokens, stream)
+    return Request(api, model, prompt, max_tokens, stream, prompts)
 
 
-def _prompt_tokens(body: dict[str, Any]) -> tuple[int, ...]:
-    """Completions: a string, a list of strings (one prompt, concatenated) or token ids."""
+def _prompt_tokens(body: dict[str, Any]) -> tuple[tuple[int, ...], ...]:
+    """Completions: a string, a list of strings (one prompt, concatenated) or token ids.
+
+    Returns the parts: one per string of a list, else one. The engine runs
+    their concatenation as one sequence; ``/v1/completions/render`` answers
+    each part separately, as vLLM renders each prompt of a list.
+    """
     match body.get("prompt"):
         case str() as text:
-            return tuple(tokenize(text))
+            return (tuple(tokenize(text)),)
         case [*items] if items and all(isinstance(item, str) for item in items):
-            return tuple(token for item in items for token in tokenize(item))
+            return tuple(tuple(tokenize(item)) for item in items)
         case [*items] if items and all(type(item) is int for item in items):
-            return tuple(items)
+            return (tuple(items),)
         case None:
             raise bad_request("missing required field 'prompt'")
         case _:
@@ -195,3 +204,32 @@ def usage_chunk(
         "choices": [],
         "usage": usage(request, tokens, cached),
     }
+
+
+def rendered(request: Request, rid: str, tokens: tuple[int, ...]) -> dict[str, Any]:
+    """One prompt as vLLM's render endpoints answer it: a token-in generate request.
+
+    vLLM's ``/v1/completions/render`` and ``/v1/chat/completions/render``
+    return the request the engine would run, without running it:
+    ``request_id``, ``token_ids`` (the prompt exactly as the engine tokenizes
+    it), ``model``, ``sampling_params``, the ``stream`` flag, and
+    ``token_offsets`` (null unless asked for; the simulator never fills it).
+    A router that tokenizes through these endpoints (vllm-router's
+    ``cache_aware``) thus keys its prefix tree by the ids the engine caches by.
+    """
+    return {
+        "request_id": rid,
+        "token_ids": list(tokens),
+        "model": request.model,
+        "sampling_params": {"max_tokens": request.max_tokens},
+        "stream": request.stream,
+        "token_offsets": None,
+    }
+
+
+def render(request: Request, rid: Callable[[], str]) -> list[dict[str, Any]] | dict[str, Any]:
+    """The render endpoint's answer: completions, a list with one entry per prompt (each
+    with its own ``rid()``); chat, a single object."""
+    if request.api == "chat":
+        return rendered(request, rid(), request.tokens)
+    return [rendered(request, rid(), part) for part in request.prompts]

@@ -168,6 +168,8 @@ class Replica:
         app.on_response_prepare.append(self.stamp)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions/render", self.render_completions)
+        app.router.add_post("/v1/chat/completions/render", self.render_chat)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
@@ -202,6 +204,26 @@ class Replica:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "chat")
+
+    async def render_completions(self, request: web.Request) -> web.Response:
+        return await self._render(request, "completions")
+
+    async def render_chat(self, request: web.Request) -> web.Response:
+        return await self._render(request, "chat")
+
+    async def _render(self, request: web.Request, api: Api) -> web.Response:
+        """vLLM's render endpoints: the prompt's token ids, parsed exactly as for generation.
+
+        The same ``openai.parse`` that feeds the engine produces the ids, so a
+        router that tokenizes here sees the engine's own ids. Nothing is
+        queued or generated, and faults such as ``--error-rate`` do not apply.
+        """
+        try:
+            parsed = openai.parse(api, await request.read(), (self.model, *self.adapters))
+        except ApiError as error:
+            return _error(error)
+        prefix = "cmpl" if api == "completions" else "chatcmpl"
+        return _json(openai.render(parsed, lambda: f"{prefix}-{uuid.uuid4().hex}"))
 
     @web.middleware
     async def _dead_after_crash(self, request: web.Request, handler: Handler) -> web.StreamResponse:

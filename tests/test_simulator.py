@@ -31,7 +31,7 @@ from simulator.clocks import EngineError, RealTimeEngine, Sleep
 from simulator.engine import Engine
 from simulator.profiles import PROFILES
 from simulator.server import echo_set_headers
-from simulator.tokenizer import token_block
+from simulator.tokenizer import token_block, tokenize
 
 INSTANT = Settings(time_scale=0)
 ROOT = Path(__file__).resolve().parents[1]
@@ -296,6 +296,107 @@ def test_chat_without_messages_is_rejected() -> None:
         assert (status, status2) == (400, 400)
         assert "'messages'" in answer["error"]["message"]
         assert "messages[0]" in answer2["error"]["message"]
+
+    run(test)
+
+
+# --- render (vLLM's tokenize-only endpoints) -----------------------------------------------
+
+
+def test_completion_render_gives_the_ids_the_engine_caches_by() -> None:
+    """/v1/completions/render answers a list with one generate request whose token_ids are the
+    prompt as the engine tokenizes it: sending those ids back as the prompt hits every full
+    block the text prompt left in the prefix cache, and render itself queues nothing."""
+
+    async def test() -> None:
+        async with cluster(pod(model="llama")) as ((replica,), session):
+            prompt = " ".join(f"word{i}" for i in range(40))
+            body = {"model": "llama", "prompt": prompt, "max_tokens": 3}
+            status, answer, _ = await post(session, replica, "/v1/completions/render", body)
+            before = await scrape(session, replica)
+            await post(session, replica, "/v1/completions", body)
+            (item,) = answer
+            by_ids = {"model": "llama", "prompt": item["token_ids"], "max_tokens": 3}
+            await post(session, replica, "/v1/completions", by_ids)
+            after = await scrape(session, replica)
+        assert status == 200
+        assert item["token_ids"] == tokenize(prompt)
+        assert item["request_id"].startswith("cmpl-")
+        assert item["model"] == "llama"
+        assert item["sampling_params"] == {"max_tokens": 3}
+        assert before["vllm:prompt_tokens_total"] == 0  # rendering generates nothing
+        assert after["vllm:prefix_cache_hits_total"] == 32  # 2 full blocks of the 40 tokens
+
+    run(test)
+
+
+def test_completion_render_answers_one_entry_per_prompt_of_a_list() -> None:
+    """A list of strings renders to one entry per string, each with its own request id; joined,
+    their ids are the one sequence the engine runs (the usage of the same completion)."""
+
+    async def test() -> None:
+        async with cluster() as ((replica,), session):
+            body = {"model": "sim-model", "prompt": ["Hello, world!", "a b c"]}
+            status, answer, _ = await post(session, replica, "/v1/completions/render", body)
+            _, done, _ = await post(session, replica, "/v1/completions", body)
+            ids = {"model": "sim-model", "prompt": [7, 8, 9]}
+            _, by_ids, _ = await post(session, replica, "/v1/completions/render", ids)
+        assert status == 200
+        assert [item["token_ids"] for item in answer] == [
+            tokenize("Hello, world!"),
+            tokenize("a b c"),
+        ]
+        assert len({item["request_id"] for item in answer}) == 2
+        assert sum(len(item["token_ids"]) for item in answer) == done["usage"]["prompt_tokens"]
+        assert [item["token_ids"] for item in by_ids] == [[7, 8, 9]]
+
+    run(test)
+
+
+def test_chat_render_answers_one_object_with_the_template_ids() -> None:
+    """/v1/chat/completions/render answers a single object whose token_ids are the messages
+    rendered by the chat template (``role: content`` lines), as the engine runs them."""
+
+    async def test() -> None:
+        async with cluster() as ((replica,), session):
+            messages = [{"role": "user", "content": "Hi there"}, {"role": "user", "content": "x"}]
+            body = {"model": "sim-model", "messages": messages, "stream": True}
+            status, answer, _ = await post(session, replica, "/v1/chat/completions/render", body)
+        assert status == 200
+        assert answer["token_ids"] == tokenize("user: Hi there\nuser: x")
+        assert answer["request_id"].startswith("chatcmpl-")
+        assert answer["model"] == "sim-model"
+        assert answer["stream"] is True
+
+    run(test)
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "status", "says"),
+    [
+        ("/v1/completions/render", b"{not json", 400, "not valid JSON"),
+        ("/v1/completions/render", b'{"model": "sim-model"}', 400, "'prompt'"),
+        ("/v1/completions/render", b'{"model": "sim-model", "prompt": []}', 400, "'prompt'"),
+        ("/v1/completions/render", b'{"model": "gpt-9", "prompt": "x"}', 404, "`gpt-9`"),
+        ("/v1/chat/completions/render", b'{"model": "sim-model"}', 400, "'messages'"),
+        ("/v1/chat/completions/render", b'{"model": "gpt-9", "messages": []}', 404, "`gpt-9`"),
+    ],
+    ids=["malformed", "no-prompt", "empty-prompt", "unknown-model", "no-messages", "chat-model"],
+)
+def test_render_errors_are_the_openai_layers(path: str, raw: bytes, status: int, says: str) -> None:
+    """Render refuses what generation refuses, with the same bodies: 400 naming the field,
+    404 naming an unknown model."""
+
+    async def test() -> None:
+        async with (
+            cluster() as ((replica,), session),
+            session.post(replica.url + path, data=raw) as response,
+        ):
+            answered = response.status
+            error = (await response.json())["error"]
+        assert answered == status
+        assert says in error["message"]
+        assert error["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
 
     run(test)
 

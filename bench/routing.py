@@ -395,27 +395,10 @@ def _on_event(run: _Run) -> Callable[[Event], None]:
 def engine_state(engine: Engine, now: float, model: str = workloads.MODEL) -> metrics.State:
     """What the simulator's server puts on ``/metrics`` for ``engine``.
 
-    Field for field as ``simulator.server.Replica.metrics_text`` fills it, for
-    a replica serving one base model and no adapters.
+    ``simulator.metrics.state_of``, the construction the server itself uses,
+    for a replica serving one base model and no adapters.
     """
-    profile = engine.profile
-    return metrics.State(
-        model=model,
-        running=engine.running,
-        waiting=engine.waiting,
-        max_running=profile.max_num_seqs,
-        kv_usage=engine.kv_usage,
-        kv_capacity=profile.kv_tokens,
-        prompt_tokens=engine.prompt_tokens_total,
-        generation_tokens=engine.generation_tokens_total,
-        lora=None,
-        now=now,
-        prefix_queries=engine.prefix_queries_total,
-        prefix_hits=engine.prefix_hits_total,
-        preemptions=engine.preemptions_total,
-        block_size=profile.block_size,
-        num_blocks=engine.num_blocks,
-    )
+    return metrics.state_of(engine, model, now)
 
 
 def _scrape(

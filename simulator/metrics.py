@@ -44,6 +44,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from simulator.engine import Engine
+
 ENGINES: Final = ("vllm", "sglang", "trtllm", "triton", "llamacpp")
 """The dialects, named as ``--engine`` takes them."""
 
@@ -82,6 +84,44 @@ class State:
         if self.num_blocks is not None:
             return self.num_blocks
         return math.ceil(self.kv_capacity / self.block_size)
+
+
+def state_of(engine: Engine, model: str, now: float, adapters: Sequence[str] = ()) -> State:
+    """What ``engine`` reports on ``/metrics``, every field filled from the engine itself.
+
+    The one construction of a replica's state: the HTTP server renders it on
+    each scrape, and the routing benchmark renders it for pickers that read
+    ``/metrics`` in virtual time, so both see the same page. ``model`` is the
+    base model (the ``model_name`` label); ``now`` the timestamp vLLM puts in
+    ``vllm:lora_requests_info``; ``adapters`` the LoRA adapters served (none:
+    no LoRA family). ``max_lora`` is the profile's ``max_loras``, at most the
+    number of adapters served, since that many can be resident at once.
+    """
+    profile = engine.profile
+    lora = None
+    if adapters:
+        lora = {
+            "max_lora": str(min(profile.max_loras, len(adapters))),
+            "running_lora_adapters": ",".join(sorted(engine.running_adapters)),
+            "waiting_lora_adapters": ",".join(sorted(engine.waiting_adapters)),
+        }
+    return State(
+        model=model,
+        running=engine.running,
+        waiting=engine.waiting,
+        max_running=profile.max_num_seqs,
+        kv_usage=engine.kv_usage,
+        kv_capacity=profile.kv_tokens,
+        prompt_tokens=engine.prompt_tokens_total,
+        generation_tokens=engine.generation_tokens_total,
+        lora=lora,
+        now=now,
+        prefix_queries=engine.prefix_queries_total,
+        prefix_hits=engine.prefix_hits_total,
+        preemptions=engine.preemptions_total,
+        block_size=profile.block_size,
+        num_blocks=engine.num_blocks,
+    )
 
 
 Labels = Mapping[str, str]

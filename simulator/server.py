@@ -346,33 +346,7 @@ class Replica:
 
     def metrics_text(self) -> str:
         """The engine's state in Prometheus text format, in the names of ``self.dialect``."""
-        engine = self.engine
-        profile = engine.profile
-        lora = None
-        if self.adapters:
-            lora = {
-                # The adapters that can be resident at once: max_loras, at most those served.
-                "max_lora": str(min(profile.max_loras, len(self.adapters))),
-                "running_lora_adapters": ",".join(sorted(engine.running_adapters)),
-                "waiting_lora_adapters": ",".join(sorted(engine.waiting_adapters)),
-            }
-        state = metrics.State(
-            model=self.model,
-            running=engine.running,
-            waiting=engine.waiting,
-            max_running=profile.max_num_seqs,
-            kv_usage=engine.kv_usage,
-            kv_capacity=profile.kv_tokens,
-            prompt_tokens=engine.prompt_tokens_total,
-            generation_tokens=engine.generation_tokens_total,
-            lora=lora,
-            now=self._clock(),
-            prefix_queries=engine.prefix_queries_total,
-            prefix_hits=engine.prefix_hits_total,
-            preemptions=engine.preemptions_total,
-            block_size=profile.block_size,
-            num_blocks=engine.num_blocks,
-        )
+        state = metrics.state_of(self.engine, self.model, self._clock(), self.adapters)
         return metrics.render(self.dialect, state)
 
     async def echo(self, request: web.Request) -> web.Response:

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pods.model import Pod
-from simulator import Settings, serve_pods
+from simulator import Settings, metrics, serve_pods
 from simulator.__main__ import main
+from simulator.clocks import VirtualEngine, VirtualLoop
+from simulator.engine import Engine, Request
 from simulator.metrics import ENGINES
+from simulator.profiles import PROFILES
+from simulator.tokenizer import token_block
 
 # Per engine: (queued, running, KV usage) as (metric name, labels that pick the sample).
 SIGNALS = {
@@ -138,3 +143,28 @@ def test_cli_takes_engine_namespace_and_h2c_ports(capsys: pytest.CaptureFixture[
     text = capsys.readouterr().out
     for flag in ("--engine", "--namespace", "--h2c-port", "llamacpp"):
         assert flag in text
+
+
+def test_state_of_fills_every_field_from_the_engine() -> None:
+    """``metrics.state_of`` reads the engine's own gauges, counters and cache geometry, so the
+    server and the routing benchmark render the same page; adapters add the LoRA labels."""
+    engine = Engine(PROFILES["llama-3.1-8b-h100"].replace(num_blocks=64))
+    loop = VirtualLoop()
+    driver = VirtualEngine(engine, loop, on_event=lambda _event: None)
+    for n in range(2):
+        request = Request(f"r{n}", token_block(3, 40), 4, float(n))
+        loop.at(n, functools.partial(driver.submit, request))
+    loop.run()
+    state = metrics.state_of(engine, "llama", 7.0)
+    with_adapters = metrics.state_of(engine, "llama", 7.0, ("a", "b"))
+    assert (state.model, state.now, state.lora) == ("llama", 7.0, None)
+    assert (state.running, state.waiting, state.kv_usage) == (0, 0, 0.0)
+    assert (state.prompt_tokens, state.generation_tokens) == (80, 8)
+    assert (state.prefix_queries, state.prefix_hits) == (80, 32)
+    assert (state.preemptions, state.block_size, state.num_blocks) == (0, 16, 64)
+    assert state.max_running == 1024
+    assert with_adapters.lora == {
+        "max_lora": "2",
+        "running_lora_adapters": "",
+        "waiting_lora_adapters": "",
+    }

@@ -22,6 +22,9 @@ them with those defaults, as a user who installs them gets them.
 What the routers ask of a worker, and what the simulator answers:
 
 - ``GET /health`` at start and every ``--health-check-interval-secs``: 200.
+- vllm-router's ``cache_aware`` has every worker tokenize each request first,
+  ``POST /v1/completions/render`` (vLLM's endpoint; the simulator answers it
+  with the token ids its engine will use), and matches its tree on those ids.
 - SGLang's router first tries gRPC on the worker port (the HTTP/2 preface;
   the simulator's aiohttp refuses it and the router falls back to HTTP), then
   reads ``/server_info`` (falling back to ``/get_server_info``) and

@@ -30,7 +30,7 @@ system prompt (the same for every arm: one arrival schedule, cold start).
 
 Why the numbers mean something on a 2-core machine: the simulator runs its
 modelled times slowed down by ``time_scale`` (every modelled second lasts
-``time_scale`` wall seconds), so an engine step (60 ms on the L4 profile)
+``time_scale`` wall seconds), so an engine step (67 ms on the L4 profile)
 lasts 120 ms of wall time while the Python and Envoy hops add about 10 ms per
 request. Arrival rates are given in modelled time and divided by the time
 scale.
@@ -56,6 +56,7 @@ from bench.report import Options, Plot, Section, Series, Table, Target, percenti
 from bench.workloads import Arrival, SharedPrefix, shared_prefix
 from demo.topology import HOST, Service, Topology, free_ports, listening_line, wait_for
 from lwepp.plugins.prometheus import parse
+from simulator.profiles import PROFILES
 
 PREFIX_AWARE: Final = Path(__file__).resolve().parent.parent / "demo/configs/prefix-aware.yaml"
 """The demo's prefix-aware picker configuration, benchmarked as shipped."""
@@ -68,7 +69,7 @@ PROFILE: Final = "llama-3.1-8b-l4"
 """The simulator's profile: Llama-3.1-8B on one L4 (``simulator/profiles.py`` gives the
 sources). Its KV cache holds 32k tokens, fewer than the workload's system prompts
 together (32 x 2,048), so a replica that sees every prompt must keep evicting; and its
-60 ms engine step dwarfs the hops' Python overhead."""
+67 ms engine step dwarfs the hops' Python overhead."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -582,12 +583,14 @@ def section(size: Size, results: Sequence[ArmResult], notes: list[str], quick: b
             )
         )
     starved = [f"{r.arm.label} ({_ms(r.lag()):.0f} ms)" for r in results if r.lag() > LAG_LIMIT]
+    step = PROFILES[PROFILE].step_overhead
     notes = [
         *notes,
         *(note for r in results for note in r.notes),
         f"Time scale {size.time_scale:g}: every modelled second of the simulator lasts "
-        f"{size.time_scale:g} wall seconds, so one engine step of the {PROFILE} profile (60 ms "
-        f"modelled) lasts {60 * size.time_scale:g} ms, and a miss on a {shape.prefix_tokens}-"
+        f"{size.time_scale:g} wall seconds, so one engine step of the {PROFILE} profile "
+        f"({step * 1000:.0f} ms modelled, at least) lasts {step * 1000 * size.time_scale:.0f} ms, "
+        f"and a miss on a {shape.prefix_tokens}-"
         "token prefix far longer, against about 10 ms that the gateway's hops (Python, Envoy) "
         "add per request on this 2-core machine, where the client, the routers and the "
         "simulators share the CPU.",

@@ -777,6 +777,15 @@ def workload_notes(sizes: Sizes) -> dict[str, str]:
     }
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when it is inside it (reports name no home folders)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        return str(path.resolve().relative_to(root))
+    except ValueError:
+        return str(path)
+
+
 def notes_for(
     sizes: Sizes, profile: Profile, traces_found: bool, shared: Sequence[Outcome] = ()
 ) -> list[str]:
@@ -853,7 +862,8 @@ def notes_for(
     if traces_found:
         mc, az = sizes.mooncake_replay, sizes.azure_replay
         notes.append(
-            f"Traces ({TRACES}): Mooncake synthetic trace (kvcache-ai/Mooncake, Apache-2.0; "
+            f"Traces ({_shown(TRACES)}): Mooncake synthetic trace (kvcache-ai/Mooncake, "
+            "Apache-2.0; "
             "Qin et al., FAST 2025) and Azure LLM inference trace, code (Azure/"
             "AzurePublicDataset, CC-BY-4.0; Patel et al., ISCA 2024). Mooncake records "
             f"{MOONCAKE_FIRST + sizes.mooncake_start}–"

@@ -162,7 +162,7 @@ class Sizes:
     def of(cls, options: Options) -> Sizes:
         if options.quick:
             return cls(1, 0.25, 0.25, 40.0, 1, 40, 1)
-        return cls(9, 1.5, 1.5, 100.0, 16, 1500, 3)
+        return cls(9, 1.5, 1.5, 100.0, 16, 1500, 5)
 
 
 # --- where each process runs ------------------------------------------------------

@@ -56,6 +56,8 @@ from bench.report import Options, Plot, Section, Series, Table, Target, percenti
 from bench.workloads import Arrival, SharedPrefix, shared_prefix
 from demo.topology import HOST, Service, Topology, free_ports, listening_line, wait_for
 from lwepp.plugins.prometheus import parse
+from pods.file import dump_pods
+from pods.model import Pod
 from simulator.profiles import PROFILES
 
 PREFIX_AWARE: Final = Path(__file__).resolve().parent.parent / "demo/configs/prefix-aware.yaml"
@@ -367,16 +369,11 @@ async def renders(endpoint: str, model: str) -> bool:
 def write_pods(path: Path, size: Size, model: str) -> list[str]:
     """A pod file of ``size.replicas`` single-port pods on free ports; their ``ip:port``."""
     ports = free_ports(size.replicas)
-    lines = ["# The live benchmark's replicas (bench/live.py writes this file per arm).", "pods:"]
-    for n, port in enumerate(ports):
-        lines += [
-            f"- name: sim-{n}",
-            f"  address: {HOST}",
-            f"  ports: [{port}]",
-            f"  labels: {{pool: live, model: {model}}}",
-        ]
+    labels = {"pool": "live", "model": model}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(
+        dump_pods(Pod(f"sim-{n}", HOST, (port,), labels) for n, port in enumerate(ports))
+    )
     return [f"{HOST}:{port}" for port in ports]
 
 

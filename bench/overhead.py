@@ -99,6 +99,8 @@ from demo.topology import (
     wait_envoy_ready,
     wait_for,
 )
+from pods.file import dump_pods
+from pods.model import Pod
 
 P99_BOUND: Final = 0.025
 """Open-loop pass mark: p99 latency at most 25 ms, and no request failed.
@@ -374,15 +376,12 @@ class Rig:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         upstream_ports = free_ports(2)
         pods = self.work_dir / "pods.yaml"
-        lines = ["pods:"]
-        for i, port in enumerate(upstream_ports):
-            lines += [
-                f"- name: replica-{i}",
-                f"  address: {HOST}",
-                f"  ports: [{port}]",
-                f"  labels: {{pool: {POOL.name}, model: {POOL.models[0]}}}",
-            ]
-        pods.write_text("\n".join(lines) + "\n")
+        labels = {"pool": POOL.name, "model": POOL.models[0]}
+        pods.write_text(
+            dump_pods(
+                Pod(f"replica-{i}", HOST, (port,), labels) for i, port in enumerate(upstream_ports)
+            )
+        )
         self.upstreams = [f"{HOST}:{port}" for port in upstream_ports]
         python = sys.executable
         ports = ["--host", HOST, "--grpc-port", "0", "--grpc-health-port", "0"]

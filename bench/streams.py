@@ -34,6 +34,8 @@ from typing import Any
 import grpc
 import orjson
 
+from pods.file import dump_pods
+from pods.model import Pod
 from protos.extproc import BodyMode
 from protos.server import EXT_PROC_SERVICE
 from protos.testing import request_body, request_headers
@@ -210,11 +212,8 @@ class WorkersResult:
 
 def _pod_file(directory: Path) -> Path:
     """Eight pods for the picker to name; nothing connects to them."""
-    lines = ["pods:"]
-    for i in range(8):
-        lines += [f"- name: pod-{i}", f"  address: 10.0.0.{i + 1}", "  ports: [8000]"]
     path = directory / "pods.yaml"
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(dump_pods(Pod(f"pod-{i}", f"10.0.0.{i + 1}", (8000,)) for i in range(8)))
     return path
 
 

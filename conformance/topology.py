@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Final
 
 import grpc
-import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conformance.envoy import (
@@ -71,6 +70,8 @@ from demo.topology import (
     wait_envoy_ready,
     wait_for,
 )
+from pods.file import dump_pods
+from pods.model import Pod
 
 NAMESPACE: Final = "inference-conformance-app-backend"
 REPLICAS: Final = 3
@@ -241,12 +242,8 @@ class Topology(Processes):
         return service
 
     def _pod_file(self, name: str, pods: Iterable[tuple[EchoPod, tuple[int, ...]]]) -> Path:
-        entries = [
-            {"name": pod.name, "address": pod.ip, "ports": list(ports), "labels": {"app": pod.app}}
-            for pod, ports in pods
-        ]
         path = self.work_dir / f"{name}.yaml"
-        path.write_text(yaml.safe_dump({"pods": entries}, sort_keys=False))
+        path.write_text(dump_pods(Pod(p.name, p.ip, ports, {"app": p.app}) for p, ports in pods))
         return path
 
     def start(self) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -107,6 +107,19 @@ def _pod(entry: Any, where: str) -> Pod:
         labels={k: str(v) for k, v in labels.items()},
         ready=ready,
     )
+
+
+def dump_pods(pods: Iterable[Pod]) -> str:
+    """The pod file for ``pods``: the inverse of ``parse_pods`` (``ready`` only when false)."""
+    entries = []
+    for pod in pods:
+        entry: dict[str, Any] = {"name": pod.name, "address": pod.address, "ports": list(pod.ports)}
+        if pod.labels:
+            entry["labels"] = dict(pod.labels)
+        if not pod.ready:
+            entry["ready"] = False
+        entries.append(entry)
+    return yaml.safe_dump({"pods": entries}, sort_keys=False)
 
 
 def load_pods(path: str | os.PathLike[str]) -> tuple[Pod, ...]:

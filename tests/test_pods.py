@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pods.file import FileSource, PodFileError, parse_pods
-from pods.model import endpoints_of, join_host_port, parse_selector
+from pods.file import FileSource, PodFileError, dump_pods, parse_pods
+from pods.model import Pod, endpoints_of, join_host_port, parse_selector
 from tests.fakes import pod
 
 GOOD = """
@@ -151,3 +151,18 @@ def test_selector_without_value_is_an_error() -> None:
     """A pair without ``=`` is refused with the offending item."""
     with pytest.raises(ValueError, match="expected key=value, got 'pool'"):
         parse_selector("pool")
+
+
+def test_dump_writes_a_file_parse_reads_back() -> None:
+    """A pod list written with dump_pods parses back to the same pods, labels and readiness
+    included; a ready pod's file leaves ``ready`` out, as hand-written files do."""
+    pods = (
+        Pod("a", "127.0.0.1", (8000, 8001), {"pool": "p", "model": "m"}),
+        Pod("b", "::1", (9000,), ready=False),
+    )
+
+    text = dump_pods(pods)
+
+    assert parse_pods(text) == pods
+    assert [dict(p.labels) for p in parse_pods(text)] == [{"pool": "p", "model": "m"}, {}]
+    assert text.count("ready") == 1

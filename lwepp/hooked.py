@@ -44,11 +44,11 @@ from lwepp.picking import PickRequest, Pool
 from lwepp.pipeline import Decision, Pipeline, PipelineMetrics
 from lwepp.server import (
     MAX_BODY_BYTES,
-    SERVED,
     EndpointPickerService,
     Metrics,
     Refusal,
     RequestState,
+    served_endpoint,
     served_endpoint_reply,
 )
 from protos import extproc
@@ -213,12 +213,6 @@ class HookedService(EndpointPickerService):
         body, exchange.body = exchange.body, None
         usage = response_usage(bytes(body), exchange.event_stream) if body else None
         self.pipeline.response_complete(exchange.decision.request, exchange.served, usage)
-
-
-def served_endpoint(message: ProcessingRequest) -> str | None:
-    """The ``ip:port`` the gateway reports in ``envoy.lb`` metadata, or None if it did not."""
-    served = (extproc.filter_metadata(message, extproc.LB_NAMESPACE) or {}).get(SERVED)
-    return served if isinstance(served, str) else None
 
 
 # --- hosting a configuration ------------------------------------------------------

@@ -297,12 +297,20 @@ def served_report(message: ProcessingRequest) -> str:
     ``Struct``: converting the namespace to a dict (``extproc.filter_metadata``)
     cost more than the rest of the response side together.
     """
+    if extproc.LB_NAMESPACE not in message.metadata_context.filter_metadata:
+        return "fail: missing envoy lb metadata"
+    served = served_endpoint(message)
+    return "fail: missing destination endpoint served metadata" if served is None else served
+
+
+def served_endpoint(message: ProcessingRequest) -> str | None:
+    """The ``ip:port`` the gateway reports in ``envoy.lb`` metadata, or None if it did not."""
     entries = message.metadata_context.filter_metadata
     if extproc.LB_NAMESPACE not in entries:
-        return "fail: missing envoy lb metadata"
+        return None
     value = entries[extproc.LB_NAMESPACE].fields.get(SERVED)
     if value is None or value.WhichOneof("kind") != "string_value":
-        return "fail: missing destination endpoint served metadata"
+        return None
     return str(value.string_value)
 
 

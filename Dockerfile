@@ -18,6 +18,7 @@ RUN python -m pip install --no-cache-dir --disable-pip-version-check --no-deps -
         --only-binary=:all: --require-hashes --target /opt/switchyard/lib \
         -r images/requirements.lock
 COPY pyproject.toml README.md ./
+COPY plugin plugin
 COPY protos protos
 COPY pods pods
 COPY lwepp lwepp

@@ -4,151 +4,36 @@ GIE's BBR hands every plugin one ``InferenceMessage``: the headers, the body
 parsed into a generic map, and bookkeeping of what the plugins changed, so the
 service can answer Envoy with exactly those changes. ``Message`` is the same
 idea with one rule added: the parsed body is *shared* (parsed once, read by
-every plugin) and therefore *read-only*, enforced by the views below. A plugin
-that changes the body takes its own copy (``body_copy()``) and returns new
-bytes.
+every plugin) and therefore *read-only*, enforced by the views of
+``plugin.frozen`` (LWEPP's plugins get the same). A plugin that changes the
+body takes its own copy (``body_copy()``) and returns new bytes.
 
-``BBRError`` is the service's one error type: raising it anywhere on the
-request path stops processing and answers the client with its HTTP status
-(an Envoy ``ImmediateResponse``, built in one place: ``bbr.server``).
+To refuse a request, a plugin raises ``protos.exchange.Refusal`` with an HTTP
+status: processing stops and the client gets that status (an Envoy
+``ImmediateResponse``, built in one place: ``bbr.server``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
-from typing import Any, Final, NoReturn, final
+from typing import Any, Final, final
 
-import orjson
-
+from plugin.frozen import FrozenDict, parse_object
+from protos.exchange import Refusal
 from protos.extproc import Phase
-
-CODES: Final = {
-    400: "BadRequest",
-    401: "Unauthorized",
-    403: "Forbidden",
-    404: "NotFound",
-    413: "PayloadTooLarge",
-    429: "ResourceExhausted",
-    500: "Internal",
-    503: "ServiceUnavailable",
-}
-"""The names GIE's ``errcommon`` codes print as, by the HTTP status each maps to (413 is ours)."""
-
-
-class BBRError(Exception):
-    """Stop processing this request and answer the client with ``status``.
-
-    ``str(error)`` is the response body, in GIE's format:
-    ``inference error: BadRequest - failed to parse request body: ...``.
-    """
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-    @property
-    def code(self) -> str:
-        """GIE's name for the status (``BadRequest``...), also the ``bbr_errors_total`` reason."""
-        return CODES.get(self.status, str(self.status))
-
-    def __str__(self) -> str:
-        return f"inference error: {self.code} - {self.message}"
-
-
-# --- the read-only body ----------------------------------------------------------
-
-
-def _refuse(*_args: object, **_kwargs: object) -> NoReturn:
-    raise TypeError(
-        "the parsed body is shared by all plugins and read-only; "
-        "change a copy from message.body_copy() and return the new bytes"
-    )
-
-
-def frozen(value: Any) -> Any:
-    """``value`` from a JSON parse, with objects and arrays wrapped in read-only views."""
-    if type(value) is dict:
-        return FrozenDict(value)
-    if type(value) is list:
-        return FrozenList(value)
-    return value
-
-
-@final
-class FrozenDict(Mapping[str, Any]):
-    """A read-only view of a JSON object; what it returns is read-only too.
-
-    Wrapping happens on access, so viewing a large body costs nothing until a
-    plugin reads into it. Item assignment and deletion raise ``TypeError`` (a
-    ``Mapping`` has no ``__setitem__``); so do dict's mutating methods.
-    """
-
-    __slots__ = ("_data",)
-
-    def __init__(self, data: dict[str, Any]) -> None:
-        self._data = data
-
-    def __getitem__(self, key: str) -> Any:
-        return frozen(self._data[key])
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __repr__(self) -> str:
-        return f"FrozenDict({self._data!r})"
-
-    clear = pop = popitem = setdefault = update = _refuse
-
-
-@final
-class FrozenList(Sequence[Any]):
-    """A read-only view of a JSON array; ``append`` and friends raise ``TypeError``."""
-
-    __slots__ = ("_data",)
-
-    def __init__(self, data: list[Any]) -> None:
-        self._data = data
-
-    def __getitem__(self, index: int | slice) -> Any:
-        if isinstance(index, slice):
-            return FrozenList(self._data[index])
-        return frozen(self._data[index])
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, FrozenList | list | tuple):
-            return list(self) == list(other)
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]  # equal to a list, so unhashable like one
-
-    def __repr__(self) -> str:
-        return f"FrozenList({self._data!r})"
-
-    append = clear = extend = insert = pop = remove = reverse = sort = _refuse
 
 
 def parse(raw: bytes, phase: Phase) -> dict[str, Any]:
     """Parse a body that must be a JSON object, as GIE's BBR requires.
 
-    Raises ``BBRError(400)`` with GIE's wording when it is empty, not JSON,
-    or JSON but not an object.
+    Raises ``Refusal(400)`` with GIE's wording when it is empty, not JSON, or
+    JSON but not an object.
     """
     try:
-        value = orjson.loads(raw)
-    except orjson.JSONDecodeError as error:
-        raise BBRError(400, f"failed to parse {phase} body: {error}") from None
-    if type(value) is not dict:
-        kind = "an array" if type(value) is list else "a scalar"
-        raise BBRError(400, f"failed to parse {phase} body: {kind}, not a JSON object")
-    return value
+        return parse_object(raw)
+    except ValueError as error:
+        raise Refusal(400, f"failed to parse {phase} body: {error}") from None
 
 
 # --- the message -----------------------------------------------------------------
@@ -167,9 +52,11 @@ class Message:
 
     __slots__ = ("_parsed", "_removed", "_set", "body_mutated", "headers", "phase", "raw")
 
-    def __init__(self, phase: Phase, headers: Mapping[str, str], raw: bytes) -> None:
+    def __init__(
+        self, phase: Phase, headers: Mapping[str, str] | Iterable[tuple[str, str]], raw: bytes
+    ) -> None:
         self.phase: Final = phase
-        self.headers: Final = MappingProxyType(dict(headers))
+        self.headers: Final = MappingProxyType({k.lower(): v for k, v in dict(headers).items()})
         self.raw = raw
         """The body as it will be sent on: the original bytes, or the last plugin's new ones."""
         self.body_mutated = False
@@ -182,7 +69,7 @@ class Message:
     def parse(self) -> FrozenDict:
         """The shared parse of ``raw``: parsed with orjson on first use, then reused.
 
-        Raises ``BBRError(400)`` when the body is not a JSON object.
+        Raises ``Refusal(400)`` when the body is not a JSON object.
         """
         if self._parsed is None:
             self._parsed = FrozenDict(parse(self.raw, self.phase))

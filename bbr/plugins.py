@@ -1,18 +1,14 @@
-"""Plugins: the request and response hook contracts, the chain that runs them, and the built-ins.
+"""Plugins: the request and response contracts, the chain that runs them, and the built-ins.
 
-A plugin is any object with ``process_request`` (it joins the request chain),
-``process_response`` (the response chain), or both, plus a class attribute
-``needs_parsed_body``. It is made from configuration by a *factory*::
-
-    factory(name, parameters, metrics) -> plugin
-
-``name`` is the instance's name (plugins of one type can be configured
-twice), ``parameters`` the decoded JSON object from ``--plugin type:name:{...}``,
-``metrics`` the service's ``Metrics`` (GIE's factories take a ``Handle`` third
-for the same reason: what a plugin needs from its host). A plugin class is its
-own factory. ``PLUGINS`` maps the built-in types to their factories; a type
-with a dot in it, ``package.module.Class``, is imported from that path. Nothing
-registers itself on import.
+BBR's plugins follow the vocabulary both services share (``plugin``): a
+plugin is any object with a ``name`` and ``process_request`` (it joins the
+request chain), ``process_response`` (the response chain), or both; its class
+is its own factory, ``Class(name, params)``; ``needs_body = True`` says it
+reads the parsed body. ``PLUGINS`` maps the built-in types to their classes;
+a type with a dot in it, ``package.module.Class``, is imported from that path.
+Nothing registers itself on import. What BBR gives its plugins (GIE's
+factories take a ``Handle`` for the same reason) is its metrics:
+``params.service(BBRMetrics)``.
 
 Default chain (no ``--plugin``): ``body-field-to-header/model-extractor``
 (body ``model`` → ``X-Gateway-Model-Name``) only. GIE also runs
@@ -24,42 +20,37 @@ configured, with its mapping given as a parameter.
 
 from __future__ import annotations
 
-import importlib
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any, Final, Protocol, final, runtime_checkable
+from typing import Any, Final, Protocol, final
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from bbr.message import Message
+from plugin import NO_PARAMS, ConfigError, Factory, Params, Role, build, needs_body
 from protos.extproc import Phase
 
 MODEL_HEADER: Final = "X-Gateway-Model-Name"
 BASE_MODEL_HEADER: Final = "X-Gateway-Base-Model-Name"
 
 
-class ConfigError(ValueError):
-    """A plugin configuration that cannot work; the message names the plugin and the field."""
-
-
 # --- the contracts ---------------------------------------------------------------
 
 
-@runtime_checkable
 class RequestPlugin(Protocol):
-    """A step of the request chain (GIE's ``RequestProcessor``)."""
+    """A step of the request chain (GIE's ``RequestProcessor``).
 
-    needs_parsed_body: bool
-    """Whether ``process_request`` reads ``message.body``.
-
-    If any plugin of a chain says so, BBR parses the body once, before the
-    chain runs, and answers 400 when it is not a JSON object. If none does,
-    the body is never parsed.
+    ``needs_body = True`` (optional, default False) says ``process_request``
+    reads ``message.body``: if any plugin of a chain says so, BBR parses the
+    body once, before the chain runs, and answers 400 when it is not a JSON
+    object. If none does, the body is never parsed.
     """
+
+    name: str
 
     def process_request(self, message: Message) -> bytes | None:
         """Look at one request; record header changes; maybe replace the body.
@@ -80,21 +71,23 @@ class RequestPlugin(Protocol):
             receives it with a matching Content-Length.
 
         Raises:
-            BBRError: stop the chain and answer the client with the error's
-                status and text instead of forwarding the request.
+            protos.exchange.Refusal: stop the chain and answer the client with
+                its status and text instead of forwarding the request.
             Exception: any other error is a bug: it is logged with the request
                 id and answered 500; the stream still ends cleanly.
         """
         ...
 
 
-@runtime_checkable
 class ResponsePlugin(Protocol):
-    """A step of the response chain (GIE's ``ResponseProcessor``)."""
+    """A step of the response chain (GIE's ``ResponseProcessor``).
 
-    needs_parsed_body: bool
-    """As for ``RequestPlugin``, but a response that is not a JSON object is no error:
-    the chain is skipped and the response passes unchanged (SSE streams, for one)."""
+    ``needs_body`` as for ``RequestPlugin``, but a response that is not a JSON
+    object is no error: the chain is skipped and the response passes unchanged
+    (SSE streams, for one).
+    """
+
+    name: str
 
     def process_response(self, message: Message) -> bytes | None:
         """Look at one response; record header changes; maybe replace the body.
@@ -110,7 +103,7 @@ class ResponsePlugin(Protocol):
             None, or the complete new response body.
 
         Raises:
-            BBRError: answer the client with that status instead of the response.
+            protos.exchange.Refusal: answer the client with that status instead.
             Exception: logged with the request id and answered 500.
         """
         ...
@@ -120,7 +113,7 @@ class ResponsePlugin(Protocol):
 
 
 @final
-class Metrics:
+class BBRMetrics:
     """BBR's Prometheus metrics (GIE's names), on the registry the caller passes."""
 
     DURATION_BUCKETS: Final = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
@@ -157,7 +150,7 @@ class Step:
 
     type: str
     name: str
-    needs_parsed_body: bool
+    needs_body: bool
     hook: Callable[[Message], bytes | None]
     duration: Any  # the plugin's child of bbr_plugin_duration_seconds
 
@@ -169,12 +162,12 @@ class Step:
 class Chain:
     """The plugins of one extension point, run in list order."""
 
-    __slots__ = ("needs_parsed_body", "point", "steps")
+    __slots__ = ("needs_body", "point", "steps")
 
     def __init__(self, point: Phase, steps: Sequence[Step] = ()) -> None:
         self.point: Final = point
         self.steps: Final = tuple(steps)
-        self.needs_parsed_body: Final = any(step.needs_parsed_body for step in self.steps)
+        self.needs_body: Final = any(step.needs_body for step in self.steps)
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -199,10 +192,6 @@ class Chain:
 
 
 # --- configuration ---------------------------------------------------------------
-
-
-Factory = Callable[[str, Mapping[str, Any], Metrics], object]
-"""Makes a plugin: ``factory(name, parameters, metrics)``; raises ``ConfigError``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,76 +228,26 @@ DEFAULT_PLUGINS: Final = (
 )
 
 
-Fields = Mapping[str, type]
-
-
-def decode(where: str, parameters: Mapping[str, Any], required: Fields, optional: Fields) -> Any:
-    """Check a plugin's parameters strictly: nothing unknown, nothing missing, right JSON types."""
-    expected = {**required, **optional}
-    for key, value in parameters.items():
-        if key not in expected:
-            known = ", ".join(expected) or "none"
-            raise ConfigError(f"{where}: unknown parameter {key!r} (known: {known})")
-        if not isinstance(value, expected[key]):
-            raise ConfigError(f"{where}: parameter {key!r} must be a {_JSON_TYPES[expected[key]]}")
-    for key in required:
-        if key not in parameters:
-            raise ConfigError(f"{where}: missing parameter {key!r}")
-    return dict(parameters)
-
-
-_JSON_TYPES: Final[Mapping[type, str]] = {str: "string", dict: "JSON object", list: "JSON array"}
+CHAINS: Final = (Role.REQUEST, Role.RESPONSE)
 
 
 def build_chains(
-    specs: Sequence[PluginSpec], metrics: Metrics, plugin_types: Mapping[str, Factory] | None = None
+    specs: Sequence[PluginSpec], metrics: BBRMetrics, registry: Mapping[str, Factory] | None = None
 ) -> tuple[Chain, Chain]:
     """Make each configured plugin and place it in the request chain, the response chain, or both.
 
     Raises ``ConfigError`` naming the plugin for an unknown type, a path that
     does not import, bad parameters, or an object that is no plugin.
     """
-    plugin_types = PLUGINS if plugin_types is None else plugin_types
-    steps: dict[Phase, list[Step]] = {"request": [], "response": []}
+    steps: dict[Role, list[Step]] = {role: [] for role in CHAINS}
     for spec in specs:
-        where = f"plugin {spec.name!r} (type {spec.type})"
-        factory = _factory(spec.type, where, plugin_types)
-        try:
-            plugin = factory(spec.name, spec.parameters, metrics)
-        except ConfigError:
-            raise
-        except Exception as error:
-            raise ConfigError(f"{where}: {type(error).__name__}: {error}") from error
-        hooks: list[tuple[Phase, Callable[[Message], bytes | None], bool]] = []
-        if isinstance(plugin, RequestPlugin):
-            hooks.append(("request", plugin.process_request, plugin.needs_parsed_body))
-        if isinstance(plugin, ResponsePlugin):
-            hooks.append(("response", plugin.process_response, plugin.needs_parsed_body))
-        if not hooks:
-            raise ConfigError(
-                f"{where}: {type(plugin).__name__} has no process_request or process_response "
-                "(or no needs_parsed_body)"
-            )
-        for point, hook, needs_parsed_body in hooks:
+        made = build(spec.type, spec.name, spec.parameters, registry or PLUGINS, CHAINS, metrics)
+        for role in made.roles:
+            point: Phase = "request" if role is Role.REQUEST else "response"
             duration = metrics.plugin_duration.labels(point, spec.type, spec.name)
-            steps[point].append(Step(spec.type, spec.name, needs_parsed_body, hook, duration))
-    return Chain("request", steps["request"]), Chain("response", steps["response"])
-
-
-def _factory(plugin_type: str, where: str, registry: Mapping[str, Factory]) -> Factory:
-    if "." not in plugin_type:
-        if plugin_type not in registry:
-            known = ", ".join(registry)
-            raise ConfigError(
-                f"{where}: unknown plugin type (built-in: {known}; or package.module.Class)"
-            )
-        return registry[plugin_type]
-    module, _, attribute = plugin_type.rpartition(".")
-    try:
-        factory: Factory = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ConfigError(f"{where}: cannot load {plugin_type!r}: {error}") from None
-    return factory
+            hook = getattr(made.plugin, role.value)
+            steps[role].append(Step(spec.type, spec.name, needs_body(made.plugin), hook, duration))
+    return Chain("request", steps[Role.REQUEST]), Chain("response", steps[Role.RESPONSE])
 
 
 # --- built-in plugins ------------------------------------------------------------
@@ -366,18 +305,16 @@ class BodyFieldToHeader:
     the request goes on.
     """
 
-    TYPE: Final = "body-field-to-header"
-    needs_parsed_body = True
+    needs_body = True
 
-    def __init__(self, name: str, parameters: Mapping[str, Any], metrics: Metrics) -> None:
-        where = f"plugin {name!r} (type {self.TYPE})"
-        fields = {"fieldName": str, "headerName": str}
-        decoded = decode(where, parameters, fields, {})
-        for key in fields:
-            if not decoded[key]:
-                raise ConfigError(f"{where}: parameter {key!r} must not be empty")
-        self.field: Final[str] = decoded["fieldName"]
-        self.header: Final[str] = decoded["headerName"]
+    def __init__(self, name: str, params: Params) -> None:
+        self.name = name
+        self.field: Final = params.require("fieldName", str)
+        self.header: Final = params.require("headerName", str)
+        for key, value in (("fieldName", self.field), ("headerName", self.header)):
+            if not value:
+                raise params.error(key, "must not be empty")
+        metrics = params.service(BBRMetrics)
         self._not_found = metrics.body_field_not_found.labels(field=self.field)
         self._empty = metrics.body_field_empty.labels(field=self.field)
 
@@ -411,22 +348,20 @@ class BaseModelToHeader:
         {"baseModels": {"llama-3": ["llama-3-sql-lora", "llama-3-chat-lora"]}}
     """
 
-    TYPE: Final = "base-model-to-header"
-    needs_parsed_body = True
+    needs_body = True
 
-    def __init__(self, name: str, parameters: Mapping[str, Any], _metrics: Metrics) -> None:
-        where = f"plugin {name!r} (type {self.TYPE})"
-        decoded = decode(where, parameters, {}, {"baseModels": dict})
+    def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
+        self.name = name
         self.base_of: Final[dict[str, str]] = {}
-        for base, adapters in decoded.get("baseModels", {}).items():
+        for base, adapters in params.get("baseModels", dict, {}).items():
             if not base.strip():
-                raise ConfigError(f"{where}: parameter 'baseModels' has an empty base model")
+                raise params.error("baseModels", "has an empty base model")
             if not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters):
-                raise ConfigError(f"{where}: baseModels[{base!r}] must be a list of strings")
+                raise params.error(f"baseModels.{base}", "must be a list of strings")
             self.base_of.setdefault(base.strip(), base.strip())
             for adapter in filter(None, (a.strip() for a in adapters)):
                 if self.base_of.setdefault(adapter, base.strip()) != base.strip():
-                    raise ConfigError(f"{where}: adapter {adapter!r} has two base models")
+                    raise params.error("baseModels", f"adapter {adapter!r} has two base models")
 
     def process_request(self, message: Message) -> None:
         if "model" in message.body:
@@ -435,7 +370,7 @@ class BaseModelToHeader:
 
 
 PLUGINS: Final[Mapping[str, Factory]] = {
-    BodyFieldToHeader.TYPE: BodyFieldToHeader,
-    BaseModelToHeader.TYPE: BaseModelToHeader,
+    "body-field-to-header": BodyFieldToHeader,
+    "base-model-to-header": BaseModelToHeader,
 }
 """The built-in plugin types and their factories; the only registry."""

@@ -4,15 +4,14 @@ Envoy opens one ext_proc stream per HTTP exchange. What it sends, and what
 BBR answers (as GIE's BBR at 670c0a21 except where marked *ours*):
 
 ``request_headers``
-    Kept (one value per name, the last winning). If no body follows
-    (``end_of_stream``), or the body is not streamed to us, answered at once,
-    unchanged. In ``FULL_DUPLEX_STREAMED`` the answer is *held*: Envoy keeps
-    the request until we answer its headers, and the header we add (the
-    model) is only known once the body is read.
+    Kept. If no body follows (``end_of_stream``), or the body is not streamed
+    to us, answered at once, unchanged. In ``FULL_DUPLEX_STREAMED`` the answer
+    is *held*: Envoy keeps the request until we answer its headers, and the
+    header we add (the model) is only known once the body is read.
 ``request_body``
-    Chunks are collected, at most ``--max-body-bytes`` (*ours*: GIE has no
-    cap; more is answered 413). At the end of the body, it is parsed once (if
-    a plugin needs it: not a JSON object is 400) and the request chain runs.
+    Chunks are held, at most ``--max-body-bytes`` (*ours*: GIE has no cap;
+    more is answered 413). At the end of the body, it is parsed once (if a
+    plugin needs it: not a JSON object is 400) and the request chain runs.
     Then, in ``FULL_DUPLEX_STREAMED``, the held headers answer goes out with
     the header changes, ``Content-Length`` and ``clear_route_cache``, followed
     by the body as ``streamed_response`` chunks of at most 62,000 bytes: in
@@ -40,7 +39,7 @@ first message (Envoy 1.34 and later); an older proxy sends none, and then
 ``--streaming`` says whether to expect full duplex (GIE's chart sets it).
 
 Errors become an ``ImmediateResponse`` in one place, ``BodyBasedRouter.refusal``:
-a ``BBRError`` with its own status and text; anything else (a bug, in a plugin
+a ``Refusal`` with its own status and text; anything else (a bug, in a plugin
 or here) is logged with the request id and answered 500. Either way the
 stream then ends normally.
 """
@@ -53,21 +52,29 @@ from typing import Any, Final, final
 import structlog
 from prometheus_client import CollectorRegistry
 
-from bbr.message import BBRError, Message
-from bbr.plugins import DEFAULT_PLUGINS, Factory, Metrics, PluginSpec, build_chains
+from bbr.message import Message
+from bbr.plugins import DEFAULT_PLUGINS, BBRMetrics, PluginSpec, build_chains
+from plugin import Factory
 from protos import extproc
-from protos.extproc import BodyMode, Phase, ProcessingRequest, ProcessingResponse
+from protos.exchange import MAX_BODY_BYTES, Exchange, Half, Refusal
+from protos.extproc import BodyMode, ProcessingResponse
 from protos.server import EXT_PROC_SERVICE, Stream
-
-MAX_BODY_BYTES: Final = 10 * 1024 * 1024
-"""Default ``--max-body-bytes``: the most of a body BBR holds (10 MiB)."""
 
 HEALTH_SERVICES: Final = ("", EXT_PROC_SERVICE)
 """Health names reported SERVING (GIE's BBR answers SERVING for any name)."""
 
-REQUEST_ID: Final = "x-request-id"
-
 log = structlog.get_logger()
+
+
+class RouteState(Exchange):
+    """What one stream remembers: the two halves, and whether the response flows through."""
+
+    __slots__ = ("flowing",)
+
+    def __init__(self, modes: tuple[int, int], limit: int) -> None:
+        super().__init__(modes, limit)
+        self.flowing = False
+        """Response chunks go back as they arrive, untouched (no plugin will read them)."""
 
 
 @final
@@ -84,214 +91,166 @@ class BodyBasedRouter:
         plugin_types: Mapping[str, Factory] | None = None,
     ) -> None:
         """Make the plugins of ``specs`` (raises ``ConfigError``); metrics go to ``registry``."""
-        self.metrics: Final = Metrics(registry)
+        self.metrics: Final = BBRMetrics(registry)
         self.request_chain, self.response_chain = build_chains(specs, self.metrics, plugin_types)
-        self.streaming: Final = streaming
+        mode = BodyMode.FULL_DUPLEX_STREAMED if streaming else BodyMode.BUFFERED
+        self.modes: Final = (mode, mode)
         self.max_body_bytes: Final = max_body_bytes
 
     async def __call__(self, stream: Stream) -> None:
-        exchange = Exchange(self)
+        state = RouteState(self.modes, self.max_body_bytes)
         while (message := await stream.recv()) is not None:
-            exchange.use_modes(message)
+            state.use_modes(message)
             try:
                 match extproc.kind(message):
                     case "request_headers":
-                        replies = exchange.request_headers(message.request_headers)
+                        replies = self.request_headers(message.request_headers, state)
                     case "request_body":
-                        replies = exchange.request_body(message.request_body)
+                        replies = self.request_body(message.request_body, state)
                     case "request_trailers":
-                        replies = exchange.trailers(exchange.request)
+                        replies = self.trailers(state.request, state)
                     case "response_headers":
-                        replies = exchange.response_headers(message.response_headers)
+                        replies = self.response_headers(message.response_headers, state)
                     case "response_body":
-                        replies = exchange.response_body(message.response_body)
+                        replies = self.response_body(message.response_body, state)
                     case "response_trailers":
-                        replies = exchange.trailers(exchange.response)
+                        replies = self.trailers(state.response, state)
                     case other:
                         raise ValueError(f"unexpected ext_proc message {other!r}")
             except Exception as error:
                 # Envoy ends the exchange after an ImmediateResponse, and so do we.
-                await stream.send(self.refusal(exchange, error))
+                await stream.send(self.refusal(state, error))
                 return
             for reply in replies:
                 await stream.send(reply)
 
-    def refusal(self, exchange: Exchange, error: Exception) -> ProcessingResponse:
+    def refusal(self, state: RouteState, error: Exception) -> ProcessingResponse:
         """The one place an error becomes an HTTP answer (an ``ImmediateResponse``)."""
-        if isinstance(error, BBRError):
-            exchange.log.debug("refused", status=error.status, error=error.message)
+        if isinstance(error, Refusal):
+            log.debug(
+                "refused", status=error.status, error=error.message, request_id=state.request_id
+            )
         else:
-            exchange.log.error("unexpected error", exc_info=error)
+            log.error("unexpected error", exc_info=error, request_id=state.request_id)
             what = "; ".join(getattr(error, "__notes__", ())) or type(error).__name__
-            error = BBRError(500, f"unexpected error: {what}")
+            error = Refusal(500, f"unexpected error: {what}")
         self.metrics.errors.labels(reason=error.code).inc()
-        return extproc.immediate_response(error.status, str(error))
-
-
-@final
-class Half:
-    """One direction of the exchange, request or response: its headers, body so far, and mode."""
-
-    __slots__ = ("chunks", "flowing", "headers", "held", "phase", "size", "streaming")
-
-    def __init__(self, phase: Phase, streaming: bool) -> None:
-        self.phase: Final = phase
-        self.streaming = streaming
-        """FULL_DUPLEX_STREAMED: Envoy forwards only the body we send back."""
-        self.headers: dict[str, str] = {}
-        self.chunks: list[bytes] = []
-        self.size = 0
-        self.held = False
-        """Our headers answer waits for the end of the body."""
-        self.flowing = False
-        """Chunks go back as they arrive, untouched (responses no plugin will read)."""
-
-    def keep(self, headers: Any) -> None:
-        """Envoy's headers, one value per (lower-case) name, the last winning, as in GIE."""
-        self.headers = {name.lower(): value for name, value in extproc.header_pairs(headers)}
-
-    def add(self, chunk: bytes) -> None:
-        self.chunks.append(chunk)
-        self.size += len(chunk)
-
-    def take(self) -> bytes:
-        body = b"".join(self.chunks)
-        self.chunks = []
-        return body
-
-
-@final
-class Exchange:
-    """What one stream remembers between messages, and how each message is answered."""
-
-    __slots__ = ("log", "request", "response", "router")
-
-    def __init__(self, router: BodyBasedRouter) -> None:
-        self.router: Final = router
-        self.log: Any = log
-        self.request: Final = Half("request", router.streaming)
-        self.response: Final = Half("response", router.streaming)
-
-    def use_modes(self, message: ProcessingRequest) -> None:
-        """Take each direction's body mode from Envoy's ``protocol_config``, when it is sent."""
-        if (modes := extproc.body_modes(message)) is not None:
-            self.request.streaming = modes[0] == BodyMode.FULL_DUPLEX_STREAMED
-            self.response.streaming = modes[1] == BodyMode.FULL_DUPLEX_STREAMED
+        return extproc.immediate_response(
+            error.status, f"inference error: {error.code} - {error.message}"
+        )
 
     # --- the request ---
 
-    def request_headers(self, headers: Any) -> list[ProcessingResponse]:
-        """Keep the headers and bind the request id to this stream's logs."""
-        self.router.metrics.requests.inc()
-        self.request.keep(headers)
-        if request_id := self.request.headers.get(REQUEST_ID):
-            self.log = log.bind(request_id=request_id)
-        return self.answer_or_hold(self.request, headers.end_of_stream)
+    def request_headers(self, headers: Any, state: RouteState) -> list[ProcessingResponse]:
+        """Keep the headers; answer now, or after the body when it streams to us."""
+        self.metrics.requests.inc()
+        state.request.headers = extproc.header_pairs(headers)
+        return answer_or_hold(state.request, headers.end_of_stream)
 
-    def request_body(self, body: Any) -> list[ProcessingResponse]:
-        """Collect a chunk; at the end of the body, run the request chain."""
-        self.request.add(body.body)
-        if self.request.size > self.router.max_body_bytes:
-            limit = self.router.max_body_bytes
-            raise BBRError(413, f"request body exceeds the {limit}-byte limit (--max-body-bytes)")
-        if self.request.streaming and not body.end_of_stream:
+    def request_body(self, body: Any, state: RouteState) -> list[ProcessingResponse]:
+        """Hold a chunk; at the end of the body, run the request chain."""
+        state.request.hold(body.body)
+        if state.request.streamed and not body.end_of_stream:
             return []
-        return self.finish_request(end_of_stream=True)
+        return self.finish_request(state, end_of_stream=True)
 
-    def finish_request(self, *, end_of_stream: bool) -> list[ProcessingResponse]:
+    def finish_request(self, state: RouteState, *, end_of_stream: bool) -> list[ProcessingResponse]:
         """Parse once (if a plugin needs it), run the chain, send its changes on."""
-        message = Message("request", self.request.headers, self.request.take())
-        chain = self.router.request_chain
-        if chain.needs_parsed_body:
-            message.parse()  # raises BBRError(400) unless the body is a JSON object
-        chain.run(message)
-        if self.request.streaming or message.body_mutated:
+        half = state.request
+        message = Message("request", dict(half.headers), half.take())
+        if self.request_chain.needs_body:
+            message.parse()  # raises Refusal(400) unless the body is a JSON object
+        self.request_chain.run(message)
+        if half.streamed or message.body_mutated:
             message.set_content_length()
-        self.router.metrics.success.inc()
-        self.log.debug("request processed", body_bytes=len(message.raw))
-        return self.changed(self.request, message, end_of_stream)
+        self.metrics.success.inc()
+        log.debug("request processed", body_bytes=len(message.raw), request_id=state.request_id)
+        return changed(half, message, end_of_stream)
 
     # --- the response ---
 
-    def response_headers(self, headers: Any) -> list[ProcessingResponse]:
+    def response_headers(self, headers: Any, state: RouteState) -> list[ProcessingResponse]:
         """Keep the headers; with no response plugin, let a streamed body flow through."""
-        self.response.keep(headers)
-        self.response.flowing = self.response.streaming and not self.router.response_chain
-        return self.answer_or_hold(self.response, headers.end_of_stream)
+        state.response.headers = extproc.header_pairs(headers)
+        state.flowing = state.response.streamed and not self.response_chain
+        if state.flowing:
+            return [extproc.headers_response("response")]
+        return answer_or_hold(state.response, headers.end_of_stream)
 
-    def response_body(self, body: Any) -> list[ProcessingResponse]:
-        """Collect a chunk (or pass it on); at the end of the body, run the response chain."""
-        half = self.response
-        if half.flowing:
+    def response_body(self, body: Any, state: RouteState) -> list[ProcessingResponse]:
+        """Hold a chunk (or pass it on); at the end of the body, run the response chain."""
+        half = state.response
+        if state.flowing:
             return extproc.streamed_body_responses(
                 "response", body.body, end_of_stream=body.end_of_stream
             )
-        half.add(body.body)
-        if half.size > self.router.max_body_bytes:
-            half.flowing = half.streaming  # too large to hold: the rest streams through
-            return self.unchanged(half, half.take(), body.end_of_stream)
-        if half.streaming and not body.end_of_stream:
+        if not half.fits(body.body):
+            state.flowing = half.streamed  # too large to hold: the rest streams through
+            return unchanged(half, half.take() + body.body, body.end_of_stream)
+        half.hold(body.body)
+        if half.streamed and not body.end_of_stream:
             return []
-        return self.finish_response(end_of_stream=True)
+        return self.finish_response(state, end_of_stream=True)
 
-    def finish_response(self, *, end_of_stream: bool) -> list[ProcessingResponse]:
+    def finish_response(
+        self, state: RouteState, *, end_of_stream: bool
+    ) -> list[ProcessingResponse]:
         """Run the response chain on a JSON object body; pass anything else unchanged."""
-        message = Message("response", self.response.headers, self.response.take())
-        chain = self.router.response_chain
+        half = state.response
+        message = Message("response", dict(half.headers), half.take())
+        chain = self.response_chain
         if not chain:
-            return self.unchanged(self.response, message.raw, end_of_stream)
+            return unchanged(half, message.raw, end_of_stream)
         try:
-            if chain.needs_parsed_body:
+            if chain.needs_body:
                 message.parse()
-        except BBRError:
-            return self.unchanged(self.response, message.raw, end_of_stream)  # SSE, say
+        except Refusal:
+            return unchanged(half, message.raw, end_of_stream)  # SSE, say
         chain.run(message)
         if message.body_mutated:
             message.set_content_length()
-        return self.changed(self.response, message, end_of_stream)
+        return changed(half, message, end_of_stream)
 
     # --- both ---
 
-    def trailers(self, half: Half) -> list[ProcessingResponse]:
+    def trailers(self, half: Half, state: RouteState) -> list[ProcessingResponse]:
         """Trailers end a streamed body whose last chunk had no ``end_of_stream``."""
         finish = self.finish_request if half.phase == "request" else self.finish_response
-        replies = finish(end_of_stream=False) if half.held else []
+        replies = finish(state, end_of_stream=False) if half.held else []
         return [*replies, extproc.trailers_response(half.phase)]
 
-    @staticmethod
-    def answer_or_hold(half: Half, end_of_stream: bool) -> list[ProcessingResponse]:
-        """Answer headers now, unchanged; or, when the body streams to us, after it."""
-        if half.streaming and not half.flowing and not end_of_stream:
-            half.held = True
-            return []
-        return [extproc.headers_response(half.phase)]
 
-    @staticmethod
-    def changed(half: Half, message: Message, end_of_stream: bool) -> list[ProcessingResponse]:
-        """The answer carrying the chain's header changes, and the body if streamed or new."""
-        half.held = False
-        set_headers, remove = message.header_changes()
-        if half.streaming:
-            return [
-                extproc.headers_response(half.phase, set_headers, remove, clear_route_cache=True),
-                *extproc.streamed_body_responses(
-                    half.phase, message.raw, end_of_stream=end_of_stream
-                ),
-            ]
-        new_body = message.raw if message.body_mutated else None
+def answer_or_hold(half: Half, end_of_stream: bool) -> list[ProcessingResponse]:
+    """Answer headers now, unchanged; or, when the body streams to us, after it."""
+    if half.streamed and not end_of_stream:
+        half.held = True
+        return []
+    return [extproc.headers_response(half.phase)]
+
+
+def changed(half: Half, message: Message, end_of_stream: bool) -> list[ProcessingResponse]:
+    """The answer carrying the chain's header changes, and the body if streamed or new."""
+    half.held = False
+    set_headers, remove = message.header_changes()
+    if half.streamed:
         return [
-            extproc.body_response(
-                half.phase, set_headers, remove, clear_route_cache=True, body=new_body
-            )
+            extproc.headers_response(half.phase, set_headers, remove, clear_route_cache=True),
+            *extproc.streamed_body_responses(half.phase, message.raw, end_of_stream=end_of_stream),
         ]
+    new_body = message.raw if message.body_mutated else None
+    return [
+        extproc.body_response(
+            half.phase, set_headers, remove, clear_route_cache=True, body=new_body
+        )
+    ]
 
-    @staticmethod
-    def unchanged(half: Half, body: bytes, end_of_stream: bool) -> list[ProcessingResponse]:
-        """Let the body through as it came, after the held headers answer (if streamed)."""
-        half.held = False
-        if half.streaming:
-            return [
-                extproc.headers_response(half.phase),
-                *extproc.streamed_body_responses(half.phase, body, end_of_stream=end_of_stream),
-            ]
-        return [extproc.body_response(half.phase)]
+
+def unchanged(half: Half, body: bytes, end_of_stream: bool) -> list[ProcessingResponse]:
+    """Let the body through as it came, after the held headers answer (if streamed)."""
+    half.held = False
+    if half.streamed:
+        return [
+            extproc.headers_response(half.phase),
+            *extproc.streamed_body_responses(half.phase, body, end_of_stream=end_of_stream),
+        ]
+    return [extproc.body_response(half.phase)]

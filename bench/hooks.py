@@ -9,8 +9,8 @@ What real plugins cost on top is ``bench/plugins.py``'s table.
 
 Two measurements, each a ratio to plain round-robin in the same run:
 
-1. **The pick**, in process: the core ``EndpointPickerService.pick`` with
-   ``RoundRobin`` against ``HookedService.pick`` with each pipeline, 8
+1. **The pick**, in process: the core's ``EndpointPickerService.pick`` with
+   ``RoundRobin`` as its strategy against the same with each ``Pipeline``, 8
    candidates, the 15 request headers of ``bench.streams``.
 2. **Whole ext_proc streams** (``bench.streams``: headers + a 4 KB body in
    full-duplex mode, server on one core): server CPU per stream, where the
@@ -30,23 +30,22 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from bench.server import PODS
 from bench.streams import HEADERS, measure
-from lwepp.hooked import EXPLAIN_HEADER, HookedService
-from lwepp.hooks import Candidate, LLMRequest
-from lwepp.picking import Pool, RoundRobin
-from lwepp.pipeline import Pipeline, Weighted
-from lwepp.server import EndpointPickerService, Metrics, RequestState
-from pods.model import Endpoint, StaticSource
+from lwepp.contracts import Candidate, LLMRequest
+from lwepp.picking import Pool, RoundRobin, Strategy
+from lwepp.pipeline import EXPLAIN_HEADER, Pipeline
+from lwepp.server import EndpointPickerService, PickerMetrics, PickState
+from pods.model import Endpoint, Pod, StaticSource
+from protos.extproc import ProcessingResponse
 
 PLUGINS = (0, 1, 5)
+
+PODS = tuple(Pod(f"pod-{i}", f"10.0.0.{i + 1}", (8000,), {"pool": "a"}) for i in range(8))
+"""Eight model-server pods in one pool: the candidates of every pick measured."""
 
 
 class Constant:
     """A scorer that rates every candidate 1.0."""
-
-    reads: frozenset[str] = frozenset()
-    needs_body = False
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -61,8 +60,6 @@ class KeepAll:
     """A filter that keeps every candidate."""
 
     name = "keep-all"
-    reads: frozenset[str] = frozenset()
-    needs_body = False
 
     def filter(
         self, request: LLMRequest, candidates: Sequence[Candidate], now: float
@@ -74,8 +71,6 @@ class Nothing:
     """A prepare and picked hook that does nothing."""
 
     name = "nothing"
-    reads: frozenset[str] = frozenset()
-    needs_body = False
 
     def prepare(self, request: LLMRequest) -> None:
         return None
@@ -93,14 +88,8 @@ def pipeline(plugins: int) -> Pipeline:
     if plugins == 0:
         return Pipeline()
     if plugins == 1:
-        return Pipeline(scorers=[Weighted(Constant("one"))])
-    hook = Nothing()
-    return Pipeline(
-        prepare=[hook],
-        filters=[KeepAll()],
-        scorers=[Weighted(Constant(f"s{i}")) for i in range(3)],
-        picked=[hook],
-    )
+        return Pipeline([Constant("one")])
+    return Pipeline([Nothing(), KeepAll(), *(Constant(f"s{i}") for i in range(3))])
 
 
 def pool() -> Pool:
@@ -108,10 +97,9 @@ def pool() -> Pool:
 
 
 def service(plugins: int | None) -> EndpointPickerService:
-    """The core with round-robin (None), or the hooked service with a pipeline of ``plugins``."""
-    if plugins is None:
-        return EndpointPickerService(pool(), RoundRobin(), Metrics(CollectorRegistry()))
-    return HookedService(pool(), pipeline(plugins), Metrics(CollectorRegistry()))
+    """The core with round-robin (None), or with a pipeline of ``plugins`` as its strategy."""
+    strategy: Strategy = RoundRobin() if plugins is None else pipeline(plugins)
+    return EndpointPickerService(pool(), strategy, PickerMetrics(CollectorRegistry()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,11 +113,29 @@ class Row:
         return self.us / self.baseline_us
 
 
-def _pick(
-    picker: EndpointPickerService, headers: Sequence[tuple[str, str]]
-) -> Callable[[], object]:
-    state = RequestState(headers=list(headers), candidates=picker.pool.endpoints)
-    return lambda: picker.pick(state)
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One picker measured: the service (its strategy plugged in) and the request's headers."""
+
+    what: str
+    service: EndpointPickerService
+    headers: Sequence[tuple[str, str]] = tuple(HEADERS)
+
+    def pick(self) -> Callable[[], ProcessingResponse]:
+        """One pick as the service makes it once the request headers are in, ready to time."""
+        state = PickState(self.service.max_body_bytes)
+        state.request.headers = list(self.headers)
+        state.candidates = self.service.pool.endpoints
+        return lambda: self.service.pick(state)
+
+
+def variants() -> list[Variant]:
+    """Round-robin first (the baseline), then each pipeline, then five plugins explained."""
+    return [
+        Variant("round-robin (the core)", service(None)),
+        *(Variant(_label(n), service(n)) for n in PLUGINS),
+        Variant("pipeline, 5 plugins, explained", service(5), [*HEADERS, (EXPLAIN_HEADER, "1")]),
+    ]
 
 
 def _us_per_call(fn: Callable[[], object], budget: float) -> float:
@@ -141,18 +147,14 @@ def _us_per_call(fn: Callable[[], object], budget: float) -> float:
 
 def run(budget: float = 0.3, rounds: int = 3) -> list[Row]:
     """Per-pick µs of each variant, interleaved ``rounds`` times, best round kept."""
-    variants: list[tuple[str, Callable[[], object]]] = [
-        ("round-robin (the core)", _pick(service(None), HEADERS)),
-        *((_label(n), _pick(service(n), HEADERS)) for n in PLUGINS),
-        ("pipeline, 5 plugins, explained", _pick(service(5), [*HEADERS, (EXPLAIN_HEADER, "1")])),
-    ]
+    measured = [(v.what, v.pick()) for v in variants()]
     best: dict[str, float] = {}
     for _ in range(rounds):
-        for name, fn in variants:
+        for name, fn in measured:
             us = _us_per_call(fn, budget)
             best[name] = min(us, best.get(name, us))
-    base = best[variants[0][0]]
-    return [Row(name, best[name], base) for name, _ in variants]
+    base = best[measured[0][0]]
+    return [Row(name, best[name], base) for name, _ in measured]
 
 
 def table(rows: list[Row]) -> str:
@@ -162,7 +164,7 @@ def table(rows: list[Row]) -> str:
 
 
 STREAM_KINDS = ("lwepp", *(f"lwepp-hooks-{n}" for n in PLUGINS))
-"""``bench.server`` kinds: the core, then the hooked service with each pipeline."""
+"""``bench.server`` kinds: the core with round-robin, then with each pipeline."""
 
 
 def stream_rows(streams: int = 2000, concurrency: int = 16, rounds: int = 3) -> list[Row]:

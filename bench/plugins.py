@@ -24,13 +24,14 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.codec import per_call_us
-from lwepp.hooks import Candidate, Filter, LLMRequest, Measurement, Scorer
+from lwepp.contracts import Candidate, Filter, LLMRequest, Measurement, Scorer
 from lwepp.plugins import REGISTRY
 from lwepp.plugins.metrics_source import MetricsDataSource
-from lwepp.plugins.params import Params
 from lwepp.plugins.prefix import PrefixCacheScorer
 from lwepp.plugins.prefix_index import PrefixIndex, block_hashes, seed
 from lwepp.plugins.session_affinity import token
+from plugin import Params
+from plugin.frozen import FrozenDict
 from pods.model import Endpoint
 
 CANDIDATES = 8
@@ -101,7 +102,7 @@ def _scoring(
 
 
 def build(kind: str, **parameters: object) -> Any:
-    return REGISTRY[kind](kind, Params(kind, parameters))
+    return REGISTRY[kind](kind, Params(parameters, kind))
 
 
 Measure = Callable[[Callable[[], object]], float]
@@ -144,7 +145,7 @@ def plugin_rows(measure: Measure) -> list[Row]:
 
     # Prefix: a 4 KB chat prompt whose every block the index already knows.
     prefix = PrefixCacheScorer("prefix")
-    body = chat_body()
+    body = FrozenDict(chat_body())  # as the pipeline hands it over: parsed once, read-only
     warm = LLMRequest("warm", {}, model="sql", parsed=body)
     prefix.prepare(warm)
     prefix.score(warm, pool, now)

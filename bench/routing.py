@@ -16,9 +16,9 @@ oracle            ``bench/oracle.py``: reads every engine's cache and queue dire
 ================  ==========================================================
 
 The first four are the picker users run: ``lwepp.config.load_config(path)
-.pipeline(store, clock)`` with the virtual clock, each request routed with
-``pipeline.decide(pipeline.request_of(PickRequest(headers, body)), endpoints)``,
-the body handed over only when a plugin needs it (as ``lwepp.hooked`` does).
+.pipeline(store=..., clock=...)`` with the virtual clock, each request routed
+through the ``Strategy`` seam exactly as the service does it,
+``pipeline.pick(PickRequest(headers, body), endpoints)``.
 The metrics a configured ``metrics-data-source`` would scrape are what the
 simulator's HTTP server would serve: each engine's state rendered as vLLM's
 ``/metrics`` page (``simulator.metrics.render``), read by that plugin's own
@@ -27,10 +27,9 @@ virtual clock, every ``refreshIntervalSeconds`` (the plugin's default unless
 the file sets it) per endpoint, the endpoints' scrapes staggered across the
 interval as independent pollers drift apart. The scrape itself takes no
 virtual time (a loopback scrape takes well under a millisecond). The
-response side is told what ``lwepp.hooked`` tells it: ``response_headers``
-with the served endpoint when the first token comes back, and
-``response_complete`` with the served endpoint and the token usage when the
-stream ends.
+pick's followup hears what the service would tell it: the response headers
+with the served endpoint when the first token comes back, and, when the
+stream ends, its last event (the token usage) and its end.
 
 Measured per run (workload × strategy, × rate for the swept workload): time
 to first token (arrival to first token) p50/p90/p99; inter-token latency,
@@ -55,18 +54,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final, Protocol
 
+import orjson
+
 from bench import workloads
 from bench.oracle import Oracle
 from bench.report import Options, Plot, Section, Series, Table, Target, percentile, progress
 from bench.workloads import Arrival, MultiTurn, Replay, SharedPrefix
 from lwepp.attributes import AttributeStore
 from lwepp.config import load_config
-from lwepp.hooks import DataSource, LLMRequest, Measurement, Usage
-from lwepp.picking import PickRequest
+from lwepp.contracts import DataSource, Measurement
+from lwepp.picking import Followup, PickRequest
 from lwepp.pipeline import Pipeline
 from lwepp.plugins.metrics_source import MetricsDataSource
-from lwepp.plugins.pickers import RandomPicker, WeightedRandomPicker
+from lwepp.plugins.pickers import RandomPicker
 from pods.model import Endpoint
+from protos.exchange import Refusal
 from simulator import metrics
 from simulator.clocks import VirtualEngine, VirtualLoop
 from simulator.engine import Engine, Event, Request
@@ -120,7 +122,7 @@ class Router(Protocol):
 
 
 class PipelineRouter:
-    """LWEPP's pipeline, exactly as the hooked service drives it (see the module docstring)."""
+    """LWEPP's pipeline, exactly as the service drives it (see the module docstring)."""
 
     def __init__(
         self,
@@ -147,31 +149,52 @@ class PipelineRouter:
             ("x-gateway-model-name", str(arrival.body.get("model", ""))),
         )
         body = arrival.body_bytes() if pipeline.needs_body else None
-        llm_request = pipeline.request_of(PickRequest(headers, body))
-        decision = pipeline.decide(llm_request, self.endpoints)
-        if decision.failure is not None:
-            self.fallbacks += 1
-        if not decision.endpoints:
-            return None, llm_request
-        return self.index[decision.endpoints[0].hostport], llm_request
+        failures = pipeline.metrics.plugin_errors
+        before = _request_side_failures(failures)
+        try:
+            pick = pipeline.pick(PickRequest(headers, body), self.endpoints)
+        except Refusal:
+            return None, None
+        finally:
+            self.fallbacks += int(_request_side_failures(failures) - before)
+        return self.index[pick.endpoints[0].hostport], pick.followup
 
     def first_token(self, arrival: Arrival, index: int, handle: Any) -> None:
-        if self.pipeline.responses:
-            served = self.endpoints[index].hostport
-            self.pipeline.response_headers(handle, served, _STREAM_HEADERS)
+        followup: Followup | None = handle
+        if followup is not None:
+            followup.headers(self.endpoints[index].hostport, _STREAM_HEADERS)
 
     def complete(self, arrival: Arrival, index: int, handle: Any, request: Request) -> None:
-        if self.pipeline.responses:
-            usage = (
-                None
-                if request.error
-                else Usage(len(request.tokens), request.generated, request.cached_tokens)
-            )
-            llm_request: LLMRequest = handle
-            self.pipeline.response_complete(llm_request, self.endpoints[index].hostport, usage)
+        followup: Followup | None = handle
+        if followup is None:
+            return
+        if not request.error:  # the stream's last event carries the usage, as vLLM sends it
+            usage = {
+                "prompt_tokens": len(request.tokens),
+                "completion_tokens": request.generated,
+                "prompt_tokens_details": {"cached_tokens": request.cached_tokens},
+            }
+            followup.chunk(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + _DONE)
+        followup.end()
 
 
 _STREAM_HEADERS: Final = {":status": "200", "content-type": "text/event-stream"}
+_DONE: Final = b"\n\ndata: [DONE]\n\n"
+
+
+def _request_side_failures(counter: Any) -> float:
+    """Plugin failures at request-side stages so far: each sent one request round-robin."""
+    return sum(
+        float(sample.value)
+        for metric in counter.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total") and sample.labels["stage"] not in _AFTER_PICK
+    )
+
+
+_AFTER_PICK: Final = frozenset(
+    {"picked", "response_headers", "response_chunk", "response_complete", "source"}
+)
 
 
 class OracleRouter:
@@ -219,9 +242,10 @@ def router(
     if strategy == "round-robin" and config_file is None:
         return PipelineRouter(strategy, Pipeline(clock=clock), (), pool)
     config = load_config(config_file or CONFIG_FILES[strategy])
-    if isinstance(config.picker, RandomPicker | WeightedRandomPicker):
-        config.picker.rng = random.Random(seed)  # the pickers take an injected rng; seeded here
-    return PipelineRouter(strategy, config.pipeline(AttributeStore(), clock), config.sources, pool)
+    pipeline = config.pipeline(store=AttributeStore(), clock=clock, explain="off")
+    if isinstance(pipeline.picker, RandomPicker):  # weighted-random-picker is one too
+        pipeline.picker.rng = random.Random(seed)  # the pickers take an injected rng; seeded here
+    return PipelineRouter(strategy, pipeline, pipeline.sources, pool)
 
 
 # --- one run -------------------------------------------------------------------------

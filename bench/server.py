@@ -11,15 +11,12 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from bbr.server import BodyBasedRouter
-from lwepp.picking import Pool, RoundRobin
-from lwepp.server import EndpointPickerService, Metrics, pass_chunk
-from pods.model import Pod, StaticSource
+from bench.hooks import STREAM_KINDS
+from bench.hooks import service as picker_service
 from protos import extproc
 from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse
 from protos.logs import configure_logging
 from protos.server import EXT_PROC_SERVICE, Handler, Stream, ext_proc_handler
-
-PODS = tuple(Pod(f"pod-{i}", f"10.0.0.{i + 1}", (8000,), {"pool": "a"}) for i in range(8))
 
 
 def _noop_replies(message: ProcessingRequest) -> list[ProcessingResponse]:
@@ -64,8 +61,8 @@ async def passthrough(stream: Stream) -> None:
                     await stream.send(extproc.headers_response("request"))
             case "request_body":
                 chunk = message.request_body
-                if not held:
-                    await stream.send(pass_chunk("request", chunk, BodyMode.BUFFERED))
+                if not held:  # Envoy keeps the body: acknowledge it
+                    await stream.send(extproc.body_response("request"))
                     continue
                 chunks.append(chunk.body)
                 if chunk.end_of_stream:
@@ -86,7 +83,7 @@ async def passthrough(stream: Stream) -> None:
             case "response_headers":
                 await stream.send(extproc.headers_response("response"))
             case "response_body":
-                await stream.send(pass_chunk("response", message.response_body, None))
+                await stream.send(extproc.body_response("response"))
             case "response_trailers":
                 await stream.send(extproc.trailers_response("response"))
 
@@ -117,14 +114,11 @@ def handler_for(kind: str) -> grpc.GenericRpcHandler:
         case "passthrough":
             service = passthrough
         case "lwepp":
-            pool = Pool(StaticSource(*PODS), {"pool": "a"})
-            service = EndpointPickerService(pool, RoundRobin(), Metrics(CollectorRegistry()))
+            service = picker_service(None)
         case "bbr":
             service = BodyBasedRouter(CollectorRegistry())
-        case hooked if hooked.startswith("lwepp-hooks-"):  # the pipeline (bench/hooks.py)
-            from bench.hooks import service as pipeline_service
-
-            service = pipeline_service(int(hooked.removeprefix("lwepp-hooks-")))
+        case hooked if hooked in STREAM_KINDS:  # the pipelines of bench/hooks.py
+            service = picker_service(int(hooked.removeprefix("lwepp-hooks-")))
         case _:
             raise SystemExit(f"unknown server kind {kind!r}")
     return ext_proc_handler(service)

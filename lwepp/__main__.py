@@ -9,19 +9,23 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+import structlog
 from prometheus_client import CollectorRegistry
 
 from lwepp import config as picker_config
-from lwepp.hooked import host
 from lwepp.leader import LeaderElector, LeaseTimings
-from lwepp.picking import Pool, RoundRobin
-from lwepp.server import MAX_BODY_BYTES, EndpointPickerService, Metrics
+from lwepp.picking import Pool, RoundRobin, Strategy
+from lwepp.pipeline import DecisionLog, PipelineMetrics
+from lwepp.server import EndpointPickerService, PickerMetrics
 from pods.file import FileSource, PodFileError, load_pods
-from pods.kubeapi import ConfigError, load_config
+from pods.kubeapi import KubeconfigError, load_kubeconfig
 from pods.kubernetes import DEFAULT_GROUP, InferencePoolSource
 from pods.model import PodSource, parse_selector
+from protos.cli import Parser, add_serving_flags, ports_of, serving_problem
 from protos.logs import configure_logging
-from protos.server import EXT_PROC_SERVICE, Health, Ports, serve, supervise
+from protos.server import EXT_PROC_SERVICE, Health, Ports, run_workers, serve
+
+log = structlog.get_logger()
 
 HEALTH_SERVICES = ("", "inference-extension", "liveness", "readiness", EXT_PROC_SERVICE)
 """GIE's lwepp reports ``inference-extension``; the protocol document lists the others."""
@@ -53,7 +57,7 @@ class CheckConfig(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m lwepp",
         description="Lightweight endpoint picker: an Envoy ext_proc service that names, for "
         "each request, the model-server endpoint to send it to (round-robin, or the filters "
@@ -148,63 +152,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --config: how many explained decisions and fallbacks "
         "GET /debug/decisions on the metrics port keeps",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument(
-        "--grpc-port", type=int, default=9002, help="ext_proc gRPC port Envoy calls (0: any free)"
-    )
-    parser.add_argument(
-        "--grpc-health-port",
-        type=int,
-        default=9003,
-        help="gRPC health service port; SERVING once the pod file has been read",
-    )
-    parser.add_argument(
-        "--metrics-port", type=int, default=9090, help="HTTP port serving Prometheus /metrics"
-    )
-    parser.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=MAX_BODY_BYTES,
-        help="largest request body held while waiting for its end (413 above it)",
-    )
     parser.add_argument(
         "--pods-interval",
         type=float,
         default=1.0,
         help="seconds between checks of the pod file for changes",
     )
-    parser.add_argument(
-        "--grace",
-        type=float,
-        default=10.0,
-        help="seconds in-flight streams get to finish after SIGTERM",
-    )
-    parser.add_argument(
-        "--trace-messages",
-        metavar="FILE",
-        help="append every ext_proc message, both ways, to FILE in protobuf text format "
-        "(for learning and debugging; slow)",
-    )
-    parser.add_argument(
-        "--workers",
-        type=int,
-        default=1,
-        metavar="N",
-        help="serve from N processes on the same ext_proc and health ports (SO_REUSEPORT "
-        "spreads Envoy's connections over them, one core each); worker i serves its own "
-        "/metrics on --metrics-port + i. Each worker keeps its own state: its own "
-        "round-robin turn and its own data-source polling; a --config whose plugins learn "
-        "from the requests served (picked or response hooks, such as the prefix index) is "
-        "refused, as each worker would learn only its share (default 1)",
-    )
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
-    )
+    add_serving_flags(parser, Ports("127.0.0.1", 9002, 9003, 9090))
     return parser
 
 
 def workers_problem(args: argparse.Namespace) -> str | None:
-    """Why ``--workers`` above 1 cannot run with these flags, or None.
+    """Why these flags cannot run, ``--workers`` above 1 above all, or None.
 
     Workers share nothing but the ports. Stateless picking (round-robin,
     scorers over polled metrics) works the same in each, one turn counter
@@ -212,29 +171,25 @@ def workers_problem(args: argparse.Namespace) -> str | None:
     in that worker, so with N workers each would see about 1/N of the traffic
     (a prefix index that finds a prefix only one time in N).
     """
-    if args.workers < 1:
-        return "--workers must be at least 1"
+    if problem := serving_problem(args):
+        return problem
     if args.workers == 1:
         return None
     if args.leader_elect:
         return "--workers with --leader-elect: each worker would campaign for the Lease alone"
-    if args.trace_messages:
-        return "--workers with --trace-messages: trace one process (--workers 1)"
-    if args.config is not None:
-        learning = [p.name for p in args.config.plugins if {"picked", "response"} & set(p.roles)]
-        if learning:
-            return (
-                f"--workers {args.workers} with {args.config.path}: plugin(s) "
-                f"{', '.join(learning)} learn from the requests served, and each worker "
-                "would learn only its own share; run one worker per replica instead"
-            )
+    if args.config is not None and (learning := args.config.learning):
+        return (
+            f"--workers {args.workers} with {args.config.path}: plugin(s) "
+            f"{', '.join(learning)} learn from the requests served, and each worker "
+            "would learn only its own share; run one worker per replica instead"
+        )
     return None
 
 
 def pod_source(args: argparse.Namespace) -> tuple[PodSource, LeaderElector | None]:
     """The pod list the flags name (a file, or an InferencePool) and the optional elector.
 
-    Raises ``PodFileError``, ``ConfigError`` or ``ValueError`` with a message
+    Raises ``PodFileError``, ``KubeconfigError`` or ``ValueError`` with a message
     naming the file, variable or flag at fault.
     """
     if args.pods is not None:
@@ -246,7 +201,7 @@ def pod_source(args: argparse.Namespace) -> tuple[PodSource, LeaderElector | Non
         return source, None
     if args.selector:
         raise ValueError("--selector is for --pods; an InferencePool brings its own selector")
-    config = load_config(args.kubeconfig)
+    config = load_kubeconfig(args.kubeconfig)
     namespace = args.pool_namespace or config.namespace
     pool = InferencePoolSource(config, args.pool_name, namespace, group=args.pool_group)
     if not args.leader_elect:
@@ -268,21 +223,22 @@ async def run(
 ) -> None:
     pool = Pool(source, args.selector)
     registry = CollectorRegistry()
-    service: EndpointPickerService
+    strategy: Strategy = RoundRobin()
     jobs, pages = [], {}
-    if args.config is None:
-        service = EndpointPickerService(pool, RoundRobin(), Metrics(registry), args.max_body_bytes)
-    else:
-        hosted = host(
-            args.config,
-            pool,
-            registry,
-            max_body_bytes=args.max_body_bytes,
+    if args.config is not None:
+        for warning in args.config.warnings:
+            log.warning("configuration", detail=warning)
+        pipeline = args.config.pipeline(
+            metrics=PipelineMetrics(registry),
             explain=args.explain,
-            keep_decisions=args.debug_decisions,
+            decisions=DecisionLog(args.debug_decisions),
         )
-        service, jobs, pages = hosted.service, hosted.background, hosted.json_routes
-    ports = Ports(args.host, args.grpc_port, args.grpc_health_port, args.metrics_port)
+        strategy, jobs, pages = (
+            pipeline,
+            pipeline.background(lambda: pool.endpoints),
+            pipeline.debug_pages(),
+        )
+    service = EndpointPickerService(pool, strategy, PickerMetrics(registry), args.max_body_bytes)
     health = Health(HEALTH_SERVICES, ready=lambda: source.synced)
     if elector is not None:
         # A standby is alive but not ready: only readiness names follow the lease.
@@ -295,7 +251,7 @@ async def run(
     await serve(
         "lwepp",
         service,
-        ports,
+        ports_of(args),
         health,
         registry,
         background=[source.run, *jobs] if elector is None else [source.run, elector.run, *jobs],
@@ -312,12 +268,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"lwepp: {problem}")
     try:
         source, elector = pod_source(args)
-    except (PodFileError, ConfigError, ValueError) as error:
+    except (PodFileError, KubeconfigError, ValueError) as error:
         sys.exit(f"lwepp: {error}")
     if args.workers > 1:
-        ports = Ports(args.host, args.grpc_port, args.grpc_health_port, args.metrics_port)
         flags = list(sys.argv[1:] if argv is None else argv)
-        sys.exit(supervise("lwepp", flags, args.workers, ports))
+        sys.exit(run_workers("lwepp", flags, args.workers, ports_of(args)))
     with contextlib.ExitStack() as files:
         trace = files.enter_context(open(args.trace_messages, "a")) if args.trace_messages else None
         asyncio.run(run(args, trace, source, elector))

@@ -24,7 +24,7 @@ from typing import Any, Final
 
 import structlog
 
-from lwepp.hooks import DataSource, Measurement
+from lwepp.contracts import DataSource, Measurement
 from pods.model import Endpoint
 
 log = structlog.get_logger()
@@ -85,7 +85,7 @@ OnError = Callable[[str, BaseException], None]
 """Told the source's name and its exception when a source fails (to count and log it)."""
 
 
-async def supervise(
+async def keep_running(
     source: DataSource,
     endpoints: Callable[[], Sequence[Endpoint]],
     store: AttributeStore,
@@ -134,7 +134,7 @@ def background_jobs(
 ) -> list[Callable[[], Coroutine[Any, Any, None]]]:
     """The tasks ``protos.server.serve`` starts for the sources (its ``background``)."""
     jobs: list[Callable[[], Coroutine[Any, Any, None]]] = [
-        functools.partial(supervise, source, endpoints, store, clock, on_error)
+        functools.partial(keep_running, source, endpoints, store, clock, on_error)
         for source in sources
     ]
     if sources:

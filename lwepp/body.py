@@ -1,58 +1,27 @@
 """Bodies as the picker's plugins see them: the request parsed read-only, the response's usage.
 
 Both are optional work. The request body is parsed only when a configured
-plugin says it ``needs_body``; the response body is read only when a plugin
-hooks the response, and then only for its ``usage`` object.
+plugin says it ``needs_body`` (into the read-only view BBR's plugins get too,
+``plugin.frozen``); the response body is read only when a plugin hooks the
+response's end, and then only for its ``usage`` object.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Final, NoReturn
+from typing import Any, Final
 
 import orjson
 
-from lwepp.hooks import Usage
+from lwepp.contracts import Usage
+from plugin.frozen import FrozenDict, parse_object
 
 
-class ReadOnlyDict(dict[str, Any]):
-    """A JSON object shared by every plugin of a request: reading works, changing raises.
-
-    A ``dict`` subclass, so it serialises (orjson, json) and copies
-    (``dict(view)``) like the object it came from. A plugin that wants a
-    changed body builds its own.
-    """
-
-    __slots__ = ()
-
-    def _refuse(self, *_args: object, **_kwargs: object) -> NoReturn:
-        raise TypeError("the parsed request body is shared by all plugins and read-only")
-
-    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
-    __ior__ = _refuse
-
-
-def freeze(value: Any) -> Any:
-    """A parsed JSON value made read-only throughout: objects → ``ReadOnlyDict``, arrays → tuples.
-
-    Done once, eagerly: a request body is a small tree (a prompt is one
-    string, a chat a few dozen nodes), cheaper to freeze than to wrap on
-    every access.
-    """
-    if type(value) is dict:
-        return ReadOnlyDict({key: freeze(item) for key, item in value.items()})
-    if type(value) is list:
-        return tuple(freeze(item) for item in value)
-    return value
-
-
-def parse_request(body: bytes) -> Mapping[str, Any] | None:
+def parse_request(body: bytes) -> FrozenDict | None:
     """The body as a read-only JSON object, or None when it is not one (empty, not JSON, ...)."""
     try:
-        value = orjson.loads(body)
-    except orjson.JSONDecodeError:
+        return FrozenDict(parse_object(body))
+    except ValueError:
         return None
-    return freeze(value) if type(value) is dict else None
 
 
 # --- the response's token usage ---------------------------------------------------

@@ -9,8 +9,10 @@ Picking happens in two steps, kept apart on purpose:
    conformance tests pin requests with the ``test-epp-endpoint-selection``
    header instead. Both hold ``ip`` or ``ip:port`` entries.
 2. **The pick.** A ``Strategy`` gets the request and the candidates and returns
-   endpoints in order of preference. Round-robin is the default; filters and
-   scorers plug in here without touching the stream handling around it.
+   a ``Pick``: endpoints in order of preference and, when the strategy wants
+   to hear the response, a ``Followup``. Round-robin is the default; the
+   filter/scorer pipeline (``lwepp.pipeline``) is another strategy, and plugs
+   in here, and only here, without touching the stream handling around it.
 """
 
 from __future__ import annotations
@@ -35,19 +37,47 @@ class PickRequest:
     body: bytes | None = None
 
 
+class Followup(Protocol):
+    """What a strategy hears of the response to its pick; the core calls it as the response passes.
+
+    ``headers`` once, when the response headers arrive; ``chunk`` for each
+    piece of the response body Envoy sends (only in a body mode other than
+    ``NONE``); ``end`` exactly once, when the response is over: at the end of
+    the body, at the trailers, or right after ``headers`` when no body comes.
+    A response that breaks off (the client went away) never ends.
+    """
+
+    def headers(self, served: str | None, headers: Mapping[str, str]) -> Sequence[tuple[str, str]]:
+        """Headers to add to the response. ``served`` is the ``ip:port`` the gateway reports
+        in ``envoy.lb`` metadata (None if none); ``headers`` the response's, first value each."""
+        ...
+
+    def chunk(self, chunk: bytes) -> None: ...
+
+    def end(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """What a strategy chose: endpoints best first (the first is the destination, the others
+    fallbacks in order), and the followup to call on the response, if any."""
+
+    endpoints: Sequence[Endpoint]
+    followup: Followup | None = None
+
+
 class Strategy(Protocol):
     """Chooses endpoints for one request: the seam where smarter picking plugs in.
 
-    ``RoundRobin`` is the default strategy; a filter/scorer pipeline is another.
+    ``RoundRobin`` is the default strategy; the filter/scorer pipeline is another.
     """
 
-    def pick(self, request: PickRequest, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
-        """Return the endpoints to use, best first.
+    def pick(self, request: PickRequest, candidates: Sequence[Endpoint]) -> Pick:
+        """Choose among ``candidates``: never empty, only endpoints the request may go to.
 
-        ``candidates`` is never empty and holds only endpoints the request may
-        go to. The first endpoint returned is the destination; any others are
-        fallbacks in order. Returning nothing means no endpoint is acceptable,
-        which the service answers with HTTP 503.
+        A pick with no endpoints means none is acceptable: the service answers
+        HTTP 503. A strategy may also raise ``protos.exchange.Refusal`` to
+        answer with a status and headers of its own.
         """
         ...
 
@@ -64,8 +94,8 @@ class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count(1)
 
-    def pick(self, request: PickRequest, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
-        return (candidates[next(self._counter) % len(candidates)],)
+    def pick(self, request: PickRequest, candidates: Sequence[Endpoint]) -> Pick:
+        return Pick((candidates[next(self._counter) % len(candidates)],))
 
 
 class Pool:

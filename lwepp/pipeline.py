@@ -1,23 +1,25 @@
-"""The filter/scorer pipeline: how one request becomes a pick, and what the plugins hear afterwards.
+"""The filter/scorer pipeline: a ``Strategy`` that picks for one request, then hears its response.
 
-Request side (``decide``), each stage one loop over its plugins in
-configuration order::
+Each plugin plays every role whose method it has (``plugin.Role``), at each
+stage in the order the plugins were given. Request side (``decide``), each
+stage one loop::
 
-    prepare hooks    each computes per-request data once, into request.state
-    filters          each narrows the candidates; none left → HTTP 503
-    scorers          each rates every candidate in [0, 1]; the pipeline clamps the
-                     score (NaN counts as 0), multiplies it by the scorer's weight
-                     and adds it to the candidate's total
-    picker           the scored candidates → endpoints, best first (then fallbacks)
-    picked hooks     each learns the pick
+    prepare     each computes per-request data once, into request.state
+    filter      each narrows the candidates; none left → HTTP 503
+    score       each rates every candidate in [0, 1]; the pipeline clamps the
+                score (NaN counts as 0), multiplies it by the scorer's weight
+                and adds it to the candidate's total
+    pick        the scored candidates → endpoints, best first (then fallbacks)
+    picked      each learns the pick
 
-Response side (called by ``lwepp.hooked``): response headers, body chunks,
-completion, each a loop over the response hooks.
+Response side: when a plugin hooks the response (or the decision is to be
+explained), the ``Pick`` carries a ``Followup``, which the core calls as the
+response passes: its headers (hooks add headers), each body chunk, and its
+end (hooks hear the served endpoint and the token usage read from the body).
 
-``Pipeline`` is a ``Strategy`` (``lwepp.picking``): the core's stream
-handling asks it for endpoints exactly as it asks ``RoundRobin``, and with
-no scorers the default picker (``max-score-picker``, ties in turn) answers
-exactly as round-robin does.
+The pipeline plugs into the core (``lwepp.server``) through ``Strategy``
+alone, exactly as ``RoundRobin`` does. With no scorers the default picker
+(``max-score-picker``, ties in turn) answers exactly as round-robin does.
 
 A plugin that raises, or breaks its contract (a filter returning a stranger,
 a scorer returning the wrong number of scores, a picker choosing a
@@ -28,54 +30,70 @@ exceptions: a failing picked hook leaves the pick standing (it was sound, and
 other hooks have already learned it), and a failing response hook is skipped
 (the response is on its way).
 
-The record of why a request went where it went (``Explanation``) is built
-only when asked for: explaining costs nothing otherwise.
+Explaining: a request with ``x-switchyard-explain: 1`` (or every request,
+with ``explain="all"``) gets ``x-switchyard-decision`` on its response:
+compact JSON of what each filter removed, every candidate's scores and the
+pick, or the failure that made it round-robin. The record is built only when
+asked for. The last ones, and every fallback, are kept for
+``GET /debug/decisions``.
 """
 
 from __future__ import annotations
 
+import collections
+import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Final
+from typing import Any, Final, Literal
 
+import orjson
 import structlog
 from prometheus_client import CollectorRegistry, Counter
 
-from lwepp.attributes import NO_ATTRIBUTES, AttributeStore, Snapshot, plain
-from lwepp.body import parse_request
-from lwepp.hooks import (
+from lwepp.attributes import NO_ATTRIBUTES, AttributeStore, Snapshot, background_jobs, plain
+from lwepp.body import SSE_TAIL, parse_request, response_usage
+from lwepp.contracts import (
     Candidate,
+    DataSource,
     Filter,
     LLMRequest,
     PickedHook,
     Picker,
     Plugin,
     PrepareHook,
-    ResponseHook,
+    ResponseChunkHook,
+    ResponseCompleteHook,
+    ResponseHeadersHook,
     Scored,
     Scorer,
-    Usage,
 )
-from lwepp.picking import PickRequest, RoundRobin
+from lwepp.picking import Pick, PickRequest, RoundRobin
 from lwepp.plugins.pickers import MaxScorePicker
+from plugin import ConfigError, Role, needs_body, roles_of
 from pods.model import Endpoint
+from protos.exchange import MAX_BODY_BYTES, Refusal
 
 log = structlog.get_logger()
+
+ROLES: Final = tuple(Role)[tuple(Role).index(Role.SOURCE) :]
+"""The roles a picker's plugins play: ``plugin.Role`` from data sources on, in stage order."""
 
 MODEL_HEADER: Final = "x-gateway-model-name"
 """Set by BBR from the body's ``model``; the request's model when the body is not parsed."""
 
+EXPLAIN_HEADER: Final = "x-switchyard-explain"
+"""Request header asking for the decision to be explained (``1``, ``true``, ``yes``)."""
+
+DECISION_HEADER: Final = "x-switchyard-decision"
+"""Response header carrying the explained decision, compact JSON."""
+
+ExplainMode = Literal["header", "all", "off"]
+"""When to explain: on request (the header), every request, or never."""
+
+_YES: Final = frozenset({"1", "true", "yes", "on"})
 NO_SCORES: Final[Mapping[str, float]] = MappingProxyType({})
-
-
-@dataclass(frozen=True, slots=True)
-class Weighted:
-    """A scorer and the weight its scheduling profile gives it (default 1.0, never negative)."""
-
-    scorer: Scorer
-    weight: float = 1.0
 
 
 class PluginFailure(Exception):
@@ -86,13 +104,13 @@ class PluginFailure(Exception):
         self.plugin, self.stage = plugin, stage
 
     @classmethod
-    def of(cls, plugin: Plugin, stage: str, error: Exception) -> PluginFailure:
-        return cls(plugin.name, stage, f"{type(error).__name__}: {error}")
+    def of(cls, plugin: Plugin, stage: Role, error: Exception) -> PluginFailure:
+        return cls(plugin.name, stage.value, f"{type(error).__name__}: {error}")
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """What the pipeline decided for one request, and what its response side needs.
+    """What the pipeline decided for one request.
 
     ``endpoints`` is empty when filtering left no candidate (answered 503).
     ``explanation`` is set only when explaining was asked for; ``failure``
@@ -117,55 +135,112 @@ class PipelineMetrics:
         )
 
 
-class Pipeline:
-    """Prepare hooks, filters, weighted scorers, a picker, and the hooks after it.
+class DecisionLog:
+    """The last decisions explained, and every fallback, for ``GET /debug/decisions``.
 
-    Every argument is optional: ``Pipeline()`` has no plugins and picks
-    round-robin. ``store`` holds the endpoint attributes data sources write;
-    ``clock`` is the one they stamp measurements with (the ``now`` plugins get).
+    A bounded deque: the oldest record goes when a new one comes. A fallback
+    is kept even unexplained (a short record): a failing plugin is exactly
+    what one looks for here.
+    """
+
+    def __init__(self, size: int = 100) -> None:
+        self._records: collections.deque[Mapping[str, Any]] = collections.deque(maxlen=size)
+
+    def add(self, decision: Decision) -> None:
+        record = decision.explanation
+        if record is None:
+            record = {
+                "request": decision.request.request_id,
+                "picked": [e.hostport for e in decision.endpoints],
+                "fallback": str(decision.failure),
+            }
+        self._records.append(record)
+
+    def render(self) -> bytes:
+        """The records, oldest first, as a JSON array."""
+        return orjson.dumps(list(self._records))
+
+
+class Pipeline:
+    """Plugins at each stage of a pick, and the hooks on its response: a ``Strategy``.
+
+    ``plugins`` are placed at every stage whose method they have, in the
+    order given (at most one picker; with none, ``max-score-picker``).
+    ``weights`` multiply scorers' scores by scorer name (default 1.0).
+    ``store`` holds the endpoint attributes data sources write; ``clock`` is
+    the one they stamp measurements with (the ``now`` plugins get).
+    ``Pipeline()`` has no plugins and picks round-robin.
     """
 
     def __init__(
         self,
+        plugins: Sequence[object] = (),
         *,
-        prepare: Sequence[PrepareHook] = (),
-        filters: Sequence[Filter] = (),
-        scorers: Sequence[Weighted] = (),
-        picker: Picker | None = None,
-        picked: Sequence[PickedHook] = (),
-        responses: Sequence[ResponseHook] = (),
+        weights: Mapping[str, float] | None = None,
         store: AttributeStore | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics: PipelineMetrics | None = None,
+        explain: ExplainMode = "header",
+        decisions: DecisionLog | None = None,
     ) -> None:
-        self.prepare = tuple(prepare)
-        self.filters = tuple(filters)
-        self.scorers = tuple(scorers)
-        self.picker: Picker = picker or MaxScorePicker("max-score-picker")
-        self.picked = tuple(picked)
-        self.responses = tuple(responses)
+        self.plugins: tuple[Any, ...] = tuple(plugins)
+        stages: dict[Role, list[Any]] = {role: [] for role in ROLES}
+        for plugin in self.plugins:
+            for role in roles_of(plugin, ROLES):
+                stages[role].append(plugin)
+        if len(stages[Role.PICK]) > 1:
+            names = ", ".join(p.name for p in stages[Role.PICK])
+            raise ConfigError(f"more than one picker: {names}")
+        if not stages[Role.PICK]:
+            stages[Role.PICK].append(MaxScorePicker("max-score-picker"))
+        self.stages: Mapping[Role, tuple[Any, ...]] = {r: tuple(p) for r, p in stages.items()}
+        """The plugins of each role, in stage order (``--check-config`` prints them)."""
+        self.sources: tuple[DataSource, ...] = self.stages[Role.SOURCE]
+        self.prepare: tuple[PrepareHook, ...] = self.stages[Role.PREPARE]
+        self.filters: tuple[Filter, ...] = self.stages[Role.FILTER]
+        weights = weights or {}
+        self.scorers: tuple[tuple[Scorer, float], ...] = tuple(
+            (scorer, weights.get(scorer.name, 1.0)) for scorer in self.stages[Role.SCORE]
+        )
+        self.picker: Picker = self.stages[Role.PICK][0]
+        self.picked: tuple[PickedHook, ...] = self.stages[Role.PICKED]
+        self.on_headers: tuple[ResponseHeadersHook, ...] = self.stages[Role.RESPONSE_HEADERS]
+        self.on_chunk: tuple[ResponseChunkHook, ...] = self.stages[Role.RESPONSE_CHUNK]
+        self.on_complete: tuple[ResponseCompleteHook, ...] = self.stages[Role.RESPONSE_COMPLETE]
+        self.hears_response = bool(self.on_headers or self.on_chunk or self.on_complete)
+        self.needs_body = any(needs_body(p) for p in self.plugins)
+        """True when some plugin reads the body: only then is it parsed."""
+        self.reads: frozenset[str] = frozenset().union(
+            *(getattr(p, "reads", frozenset()) for p in self.plugins)
+        )
         self.store = store or AttributeStore()
         self.clock = clock
         self.metrics = metrics or PipelineMetrics(CollectorRegistry())
-        plugins: list[Plugin] = [
-            *self.prepare,
-            *self.filters,
-            *(w.scorer for w in self.scorers),
-            self.picker,
-            *self.picked,
-            *self.responses,
-        ]
-        self.needs_body = any(p.needs_body for p in plugins)
-        """True when some plugin reads the body: only then is it parsed."""
-        self.reads: frozenset[str] = frozenset().union(*(p.reads for p in plugins))
+        self.explain = explain
+        self.decisions = decisions or DecisionLog()
         self._fallback = RoundRobin()
         self._last: _Candidates | None = None
 
-    # --- request side ------------------------------------------------------------
+    # --- the Strategy seam -----------------------------------------------------------
 
-    def pick(self, request: PickRequest, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
-        """The ``Strategy`` seam: the chosen endpoints, all the core needs."""
-        return self.decide(self.request_of(request), candidates).endpoints
+    def pick(self, request: PickRequest, candidates: Sequence[Endpoint]) -> Pick:
+        """Decide, and carry the response side along when a hook or an explanation needs it."""
+        llm = self.request_of(request)
+        explain = self.explain == "all" or (
+            self.explain == "header" and llm.headers.get(EXPLAIN_HEADER, "").lower() in _YES
+        )
+        decision = self.decide(llm, candidates, explain=explain)
+        if decision.explanation is not None or decision.failure is not None:
+            self.decisions.add(decision)
+        if not decision.endpoints:
+            explained = decision.explanation
+            headers = [(DECISION_HEADER, header_json(explained))] if explained else []
+            raise Refusal(
+                503, "no endpoint accepted the request", reason="no_pick", headers=headers
+            )
+        if self.hears_response or decision.explanation is not None:
+            return Pick(decision.endpoints, Followup(self, decision))
+        return Pick(decision.endpoints)
 
     def request_of(self, request: PickRequest) -> LLMRequest:
         """The request as plugins see it: headers (lower-case, first value), model, body."""
@@ -183,6 +258,8 @@ class Pipeline:
             parsed=parsed,
         )
 
+    # --- the request side ------------------------------------------------------------
+
     def decide(
         self, request: LLMRequest, candidates: Sequence[Endpoint], *, explain: bool = False
     ) -> Decision:
@@ -192,7 +269,7 @@ class Pipeline:
             chosen = self._choose(request, candidates, record)
         except PluginFailure as failure:
             self.failed(failure, request)
-            chosen = tuple(self._fallback.pick(PickRequest(()), candidates))
+            chosen = tuple(self._fallback.pick(PickRequest(()), candidates).endpoints)
             if record is not None:
                 record.fell_back(failure, chosen)
             return Decision(chosen, request, record.data if record else None, failure)
@@ -200,7 +277,7 @@ class Pipeline:
             try:
                 hook.picked(request, chosen)
             except Exception as error:
-                self.failed(PluginFailure.of(hook, "picked", error), request)
+                self.failed(PluginFailure.of(hook, Role.PICKED, error), request)
         return Decision(chosen, request, record.data if record else None)
 
     def _choose(
@@ -214,7 +291,7 @@ class Pipeline:
             try:
                 hook.prepare(request)
             except Exception as error:
-                raise PluginFailure.of(hook, "prepare", error) from error
+                raise PluginFailure.of(hook, Role.PREPARE, error) from error
 
         for step in self.filters:
             try:
@@ -223,7 +300,7 @@ class Pipeline:
                 if any(id(c) not in ids for c in kept):
                     raise ValueError("returned a candidate it was not given")
             except Exception as error:
-                raise PluginFailure.of(step, "filter", error) from error
+                raise PluginFailure.of(step, Role.FILTER, error) from error
             if record is not None:
                 record.filtered(step.name, candidates, kept)
             candidates = kept
@@ -233,8 +310,7 @@ class Pipeline:
         unfiltered = candidates is given.candidates
         totals = [0.0] * len(candidates)
         raw: list[dict[str, float]] = [{} for _ in candidates] if self.scorers else []
-        for weighted in self.scorers:
-            scorer = weighted.scorer
+        for scorer, weight in self.scorers:
             try:
                 scores = scorer.score(request, candidates, now)
                 if len(scores) != len(candidates):
@@ -242,9 +318,9 @@ class Pipeline:
                 for i, score in enumerate(scores):
                     score = min(1.0, max(0.0, score))  # NaN fails both tests: it counts as 0
                     raw[i][scorer.name] = score
-                    totals[i] += weighted.weight * score
+                    totals[i] += weight * score
             except Exception as error:
-                raise PluginFailure.of(scorer, "score", error) from error
+                raise PluginFailure.of(scorer, Role.SCORE, error) from error
         if unfiltered and not self.scorers:
             scored: Sequence[Scored] = given.unscored
         else:
@@ -262,7 +338,7 @@ class Pipeline:
                 if endpoint.hostport not in allowed:  # the subset hint is the protocol's hard rule
                     raise ValueError(f"chose {endpoint.hostport}, which is not a candidate")
         except Exception as error:
-            raise PluginFailure.of(self.picker, "pick", error) from error
+            raise PluginFailure.of(self.picker, Role.PICK, error) from error
         if record is not None:
             record.picked(self.picker.name, chosen)
         return chosen
@@ -288,36 +364,6 @@ class Pipeline:
             )
         return last
 
-    # --- response side -----------------------------------------------------------
-
-    def response_headers(
-        self, request: LLMRequest, served: str | None, headers: Mapping[str, str]
-    ) -> list[tuple[str, str]]:
-        """The headers every response hook adds, in hook order."""
-        added: list[tuple[str, str]] = []
-        for hook in self.responses:
-            try:
-                added += hook.response_headers(request, served, headers).items()
-            except Exception as error:
-                self.failed(PluginFailure.of(hook, "response_headers", error), request)
-        return added
-
-    def response_chunk(self, request: LLMRequest, chunk: bytes) -> None:
-        for hook in self.responses:
-            try:
-                hook.response_chunk(request, chunk)
-            except Exception as error:
-                self.failed(PluginFailure.of(hook, "response_chunk", error), request)
-
-    def response_complete(
-        self, request: LLMRequest, served: str | None, usage: Usage | None
-    ) -> None:
-        for hook in self.responses:
-            try:
-                hook.response_complete(request, served, usage)
-            except Exception as error:
-                self.failed(PluginFailure.of(hook, "response_complete", error), request)
-
     def failed(self, failure: PluginFailure, request: LLMRequest) -> None:
         """Count and log a plugin's failure, naming the plugin, the stage and the request."""
         self.metrics.plugin_errors.labels(failure.plugin, failure.stage).inc()
@@ -329,6 +375,93 @@ class Pipeline:
             request_id=request.request_id,
             exc_info=failure.__cause__,
         )
+
+    # --- hosting: what runs beside the picks -----------------------------------------
+
+    def background(
+        self, endpoints: Callable[[], Sequence[Endpoint]]
+    ) -> list[Callable[[], Coroutine[Any, Any, None]]]:
+        """The data sources' tasks, for ``protos.server.serve`` to run (each restarted on failure).
+
+        A source that fails is counted as ``lwepp_plugin_errors_total{stage="source"}``.
+        """
+
+        def source_failed(source: str, error: BaseException) -> None:
+            self.metrics.plugin_errors.labels(source, "source").inc()
+            log.warning("data source failed; restarting it", source=source, exc_info=error)
+
+        return background_jobs(self.sources, endpoints, self.store, self.clock, source_failed)
+
+    def debug_pages(self) -> dict[str, Callable[[], bytes]]:
+        """``/debug/decisions`` and ``/debug/attributes`` (the store, with ages), as JSON."""
+        return {
+            "/debug/decisions": self.decisions.render,
+            "/debug/attributes": lambda: orjson.dumps(self.store.describe(self.clock())),
+        }
+
+
+class Followup:
+    """One request's response side: what the pipeline's response hooks hear as it passes.
+
+    The body is kept (its tail, for an event stream) only when a
+    ``response_complete`` hook will want the token usage read from it.
+    """
+
+    __slots__ = ("body", "decision", "event_stream", "pipeline", "served")
+
+    def __init__(self, pipeline: Pipeline, decision: Decision) -> None:
+        self.pipeline, self.decision = pipeline, decision
+        self.served: str | None = None
+        self.event_stream = False
+        self.body: bytearray | None = None
+
+    def headers(self, served: str | None, headers: Mapping[str, str]) -> list[tuple[str, str]]:
+        """The response headers arrived: what every hook adds, then the explanation."""
+        self.served = served
+        request, added = self.decision.request, list[tuple[str, str]]()
+        for hook in self.pipeline.on_headers:
+            try:
+                added += hook.response_headers(request, served, headers).items()
+            except Exception as error:
+                self._failed(hook, Role.RESPONSE_HEADERS, error)
+        if self.pipeline.on_complete:
+            self.event_stream = "text/event-stream" in headers.get("content-type", "")
+            self.body = bytearray()
+        if self.decision.explanation is not None:
+            added.append((DECISION_HEADER, header_json(self.decision.explanation)))
+        return added
+
+    def chunk(self, chunk: bytes) -> None:
+        """A piece of the response body: to every chunk hook, and kept for its usage."""
+        for hook in self.pipeline.on_chunk:
+            try:
+                hook.response_chunk(self.decision.request, chunk)
+            except Exception as error:
+                self._failed(hook, Role.RESPONSE_CHUNK, error)
+        if self.body is not None:
+            self.body += chunk
+            if self.event_stream:
+                del self.body[:-SSE_TAIL]  # the usage event is at the end
+            elif len(self.body) > MAX_BODY_BYTES:
+                self.body = None  # too big to parse for its usage: report none
+
+    def end(self) -> None:
+        """The response is over: the served endpoint and the usage, to every completion hook."""
+        body, self.body = self.body, None
+        usage = response_usage(bytes(body), self.event_stream) if body else None
+        for hook in self.pipeline.on_complete:
+            try:
+                hook.response_complete(self.decision.request, self.served, usage)
+            except Exception as error:
+                self._failed(hook, Role.RESPONSE_COMPLETE, error)
+
+    def _failed(self, hook: Plugin, stage: Role, error: Exception) -> None:
+        self.pipeline.failed(PluginFailure.of(hook, stage, error), self.decision.request)
+
+
+def header_json(data: Mapping[str, Any]) -> str:
+    """Compact JSON that is safe in a header value: ASCII only, no line breaks."""
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,12 +507,12 @@ class Explanation:
 
     def scored(
         self,
-        scorers: Sequence[Weighted],
+        scorers: Sequence[tuple[Scorer, float]],
         scored: Sequence[Scored],
         reads: frozenset[str],
         now: float,
     ) -> None:
-        self.data["weights"] = {w.scorer.name: w.weight for w in scorers}
+        self.data["weights"] = {scorer.name: weight for scorer, weight in scorers}
         rows = []
         for s in sorted(scored, key=lambda s: s.total, reverse=True):
             row: dict[str, Any] = {

@@ -11,11 +11,13 @@ request_headers        If the headers end the request, or Envoy does not
                        hold the reply: the pick waits for the whole body, as
                        in GIE (a body-aware picker needs it).
 request_body chunks    In FULL_DUPLEX_STREAMED mode Envoy forwards only what
-                       we send back, so chunks are kept (at most 10 MiB) and,
+                       we send back, so chunks are held (at most 10 MiB) and,
                        at the end, the held headers reply goes out followed
                        by the body. In other modes each chunk is acknowledged.
 response_headers       Report the endpoint the gateway says served the
-                       request (``envoy.lb`` metadata) as a response header.
+                       request (``envoy.lb`` metadata) as a response header,
+                       with whatever the pick's followup adds.
+response_body chunks   Passed on, and to the pick's followup.
 anything else          Acknowledge unchanged.
 =====================  =====================================================
 
@@ -24,14 +26,20 @@ request header ``x-gateway-destination-endpoint`` (which an ORIGINAL_DST
 cluster routes on) and the same value in dynamic metadata ``envoy.lb``; it
 also clears the route cache so Envoy routes again with the new header.
 
-Refusals are ImmediateResponses with an HTTP status: 503 when no endpoint may
-serve the request (the protocol's rule), 413 for a body over the cap.
+The pick itself is the ``Strategy``'s (``lwepp.picking``): round-robin, or
+the filter/scorer pipeline. What it returns may carry a ``Followup``, which
+this service calls as the response passes (headers, body chunks, end); that
+is the whole seam.
+
+Refusals are ImmediateResponses with an HTTP status, made in one place
+(``refuse``): 503 when no endpoint may serve the request (the protocol's
+rule), 413 for a body over the cap, 500 for a bug (logged with the request id).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Final
 
 import structlog
@@ -40,6 +48,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from lwepp.picking import (
     SUBSET_NAMESPACE,
     TEST_SELECTION_HEADER,
+    Followup,
     PickRequest,
     Pool,
     Strategy,
@@ -48,6 +57,7 @@ from lwepp.picking import (
 )
 from pods.model import Endpoint
 from protos import extproc
+from protos.exchange import MAX_BODY_BYTES, Exchange, Half, Refusal
 from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse
 from protos.server import Stream
 
@@ -57,36 +67,23 @@ DESTINATION: Final = "x-gateway-destination-endpoint"
 SERVED: Final = "x-gateway-destination-endpoint-served"
 SERVED_REPORT: Final = "x-conformance-test-served-endpoint"
 ECHO_SET_HEADER: Final = "X-Echo-Set-Header"
-MAX_BODY_BYTES: Final = 10 * 1024 * 1024
+
+MODES: Final = (BodyMode.FULL_DUPLEX_STREAMED, BodyMode.NONE)
+"""Body modes assumed when Envoy sends no ``protocol_config``: GIE's full-duplex request."""
 
 
-class Refusal(Exception):
-    """A request the picker answers with an HTTP error instead of an endpoint."""
+class PickState(Exchange):
+    """What one stream remembers: the two halves, the candidates, and the pick's followup."""
 
-    def __init__(
-        self, status: int, reason: str, message: str, headers: Sequence[tuple[str, str]] = ()
-    ) -> None:
-        super().__init__(message)
-        self.status, self.reason, self.message = status, reason, message
-        self.headers = headers
+    __slots__ = ("candidates", "followup")
 
-
-@dataclass(slots=True)
-class RequestState:
-    """What one stream remembers between messages."""
-
-    headers: list[tuple[str, str]] = field(default_factory=list)
-    candidates: tuple[Endpoint, ...] = ()
-    body_mode: int | None = None
-    response_body_mode: int | None = None
-    deferred: bool = False
-    chunks: list[bytes] = field(default_factory=list)
-    size: int = 0
-    exchange: Any = None
-    """What a hosted pipeline keeps from the pick for the response side (``lwepp/hooked.py``)."""
+    def __init__(self, limit: int) -> None:
+        super().__init__(MODES, limit)
+        self.candidates: tuple[Endpoint, ...] = ()
+        self.followup: Followup | None = None
 
 
-class Metrics:
+class PickerMetrics:
     """The picker's Prometheus metrics, in a registry of its own."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -106,24 +103,24 @@ class EndpointPickerService:
     def __init__(
         self,
         pool: Pool,
-        picker: Strategy,
-        metrics: Metrics,
+        strategy: Strategy,
+        metrics: PickerMetrics,
         max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
         self.pool = pool
-        self.picker = picker
+        self.strategy = strategy
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         metrics.endpoints.set_function(lambda: len(pool.endpoints))
-        # The reply depends on the endpoint alone, so each is built once and reused:
-        # building a Struct for the metadata is the costliest step of a pick. The
-        # same goes for the served-endpoint report and each endpoint's counter.
-        self._routing_replies: dict[str, ProcessingResponse] = {}
-        self._served_replies: dict[str, ProcessingResponse] = {}
-        self._pick_counters: dict[str, Any] = {}
+        # Speed, behind three names: a reply depends on the endpoint (or the report)
+        # alone, and building its Struct is the costliest step of a stream, so each is
+        # built once and reused; so is each endpoint's counter. Bounded: pods come and go.
+        self.routing_reply = functools.lru_cache(maxsize=4096)(routing_reply)
+        self.served_reply = functools.lru_cache(maxsize=4096)(served_endpoint_reply)
+        self.pick_counter = functools.lru_cache(maxsize=4096)(metrics.picks.labels)
 
     async def __call__(self, stream: Stream) -> None:
-        state = RequestState()
+        state = PickState(self.max_body_bytes)
         self.metrics.requests.inc()
         while (message := await stream.recv()) is not None:
             try:
@@ -131,7 +128,7 @@ class EndpointPickerService:
                     case "request_headers":
                         replies = self.on_request_headers(message, state)
                     case "request_body":
-                        replies = self.on_request_body(message, state)
+                        replies = self.on_request_body(message.request_body, state)
                     case "request_trailers":
                         replies = [
                             *self.finish_request(state),
@@ -140,62 +137,62 @@ class EndpointPickerService:
                     case "response_headers":
                         replies = self.on_response_headers(message, state)
                     case "response_body":
-                        replies = self.on_response_body(message, state)
+                        replies = self.on_response_body(message.response_body, state)
                     case "response_trailers":
-                        replies = self.on_response_trailers(state)
+                        self.end_response(state)
+                        replies = [extproc.trailers_response("response")]
                     case other:
-                        raise Refusal(500, "unexpected_message", f"unexpected message {other!r}")
+                        raise Refusal(
+                            500, f"unexpected message {other!r}", reason="unexpected_message"
+                        )
             except Refusal as refusal:
-                await self.refuse(stream, state, refusal)
+                await stream.send(self.refuse(state, refusal))
                 return
             except Exception:
-                log.exception("request failed", request_id=_request_id(state))
-                internal = Refusal(500, "internal", "endpoint picker: internal error")
-                await self.refuse(stream, state, internal)
+                log.exception("request failed", request_id=state.request_id)
+                internal = Refusal(500, "endpoint picker: internal error", reason="internal")
+                await stream.send(self.refuse(state, internal))
                 return
             for reply in replies:
                 await stream.send(reply)
 
+    def refuse(self, state: PickState, refusal: Refusal) -> ProcessingResponse:
+        """The one place a refusal becomes an HTTP answer (an ``ImmediateResponse``)."""
+        self.metrics.errors.labels(refusal.reason).inc()
+        log.info(
+            "request refused",
+            status=refusal.status,
+            reason=refusal.reason,
+            request_id=state.request_id,
+        )
+        return extproc.immediate_response(refusal.status, refusal.message, refusal.headers)
+
     # --- request side ----------------------------------------------------------
 
     def on_request_headers(
-        self, message: ProcessingRequest, state: RequestState
+        self, message: ProcessingRequest, state: PickState
     ) -> list[ProcessingResponse]:
         """Work out the candidates now; pick now unless the body is coming to us."""
-        state.headers = extproc.header_pairs(message.request_headers)
-        modes = extproc.body_modes(message)
-        if modes is not None:
-            state.body_mode, state.response_body_mode = modes
-        state.candidates = self.candidates_for(message, state.headers)
-        # Without protocol_config (older Envoy) assume full-duplex, as GIE does.
-        body_comes_back = state.body_mode in (None, BodyMode.FULL_DUPLEX_STREAMED)
-        if message.request_headers.end_of_stream or not body_comes_back:
+        state.use_modes(message)
+        state.request.headers = extproc.header_pairs(message.request_headers)
+        state.candidates = self.candidates_for(message, state.request.headers)
+        if message.request_headers.end_of_stream or not state.request.streamed:
             return [self.pick(state)]
-        state.deferred = True
+        state.request.held = True
         return []
 
-    def on_request_body(
-        self, message: ProcessingRequest, state: RequestState
-    ) -> list[ProcessingResponse]:
-        chunk = message.request_body
-        if not state.deferred:
-            return [pass_chunk("request", chunk, state.body_mode)]
-        state.size += len(chunk.body)
-        if state.size > self.max_body_bytes:
-            raise Refusal(
-                413,
-                "body_too_large",
-                f"request body exceeds the endpoint picker's limit of {self.max_body_bytes} bytes",
-            )
-        state.chunks.append(chunk.body)
+    def on_request_body(self, chunk: Any, state: PickState) -> list[ProcessingResponse]:
+        if not state.request.held:
+            return [pass_chunk(state.request, chunk)]
+        state.request.hold(chunk.body)
         return self.finish_request(state) if chunk.end_of_stream else []
 
-    def finish_request(self, state: RequestState) -> list[ProcessingResponse]:
+    def finish_request(self, state: PickState) -> list[ProcessingResponse]:
         """The held headers reply, then the body we kept, now that the body has ended."""
-        if not state.deferred:
+        if not state.request.held:
             return []
-        state.deferred = False
-        body, state.chunks = b"".join(state.chunks), []
+        state.request.held = False
+        body = state.request.take()
         return [self.pick(state, body), *extproc.streamed_body_responses("request", body)]
 
     def candidates_for(
@@ -203,7 +200,7 @@ class EndpointPickerService:
     ) -> tuple[Endpoint, ...]:
         endpoints = self.pool.endpoints
         if not endpoints:
-            raise Refusal(503, "no_endpoints", "no ready endpoint in the pool")
+            raise Refusal(503, "no ready endpoint in the pool", reason="no_endpoints")
         allowed = allowed_entries(
             extproc.filter_metadata(message, SUBSET_NAMESPACE),
             extproc.first_header(headers, TEST_SELECTION_HEADER),
@@ -212,68 +209,59 @@ class EndpointPickerService:
         if not found:
             raise Refusal(
                 503,
-                "no_candidates",
                 f"no ready endpoint matches the allowed subset {','.join(allowed or [])!r}",
+                reason="no_candidates",
             )
         return found
 
-    def pick(self, state: RequestState, body: bytes | None = None) -> ProcessingResponse:
-        """Ask the picker (given the body, when it was held), then route to its choice."""
-        return self.route(self.picker.pick(PickRequest(state.headers, body), state.candidates))
-
-    def route(self, chosen: Sequence[Endpoint]) -> ProcessingResponse:
-        """The headers reply sending the request to ``chosen[0]``, the others being fallbacks.
+    def pick(self, state: PickState, body: bytes | None = None) -> ProcessingResponse:
+        """Ask the strategy (given the body, when it was held), then route to its choice.
 
         Several endpoints travel as one ordered list, ``ip:port,ip:port`` (GIE
         protocol v0.4.0): the proxy uses the first and walks the list on retries.
         """
-        if not chosen:
-            raise Refusal(503, "no_pick", "no endpoint accepted the request")
-        first = chosen[0].hostport
-        counter = self._pick_counters.get(first)
-        if counter is None:
-            counter = _remember(self._pick_counters, first, self.metrics.picks.labels(first))
-        counter.inc()
-        endpoint = ",".join(e.hostport for e in chosen) if len(chosen) > 1 else first
-        reply = self._routing_replies.get(endpoint)
-        if reply is None:
-            reply = _remember(self._routing_replies, endpoint, routing_reply(endpoint))
-        return reply
-
-    async def refuse(self, stream: Stream, state: RequestState, refusal: Refusal) -> None:
-        self.metrics.errors.labels(refusal.reason).inc()
-        log.info(
-            "request refused",
-            status=refusal.status,
-            reason=refusal.reason,
-            request_id=_request_id(state),
-        )
-        reply = extproc.immediate_response(refusal.status, refusal.message, refusal.headers)
-        await stream.send(reply)
+        chosen = self.strategy.pick(PickRequest(state.request.headers, body), state.candidates)
+        if not chosen.endpoints:
+            raise Refusal(503, "no endpoint accepted the request", reason="no_pick")
+        state.followup = chosen.followup
+        first = chosen.endpoints[0].hostport
+        self.pick_counter(first).inc()
+        if len(chosen.endpoints) == 1:
+            return self.routing_reply(first)
+        return self.routing_reply(",".join(e.hostport for e in chosen.endpoints))
 
     # --- response side ----------------------------------------------------------
 
     def on_response_headers(
-        self, message: ProcessingRequest, state: RequestState
+        self, message: ProcessingRequest, state: PickState
     ) -> list[ProcessingResponse]:
-        """Report the served endpoint; a hosted pipeline adds its hooks' headers (``hooked``)."""
-        served = served_report(message)
-        reply = self._served_replies.get(served)
-        if reply is None:
-            reply = _remember(self._served_replies, served, served_endpoint_reply(message))
-        return [reply]
+        """Report the served endpoint, with the headers the pick's followup adds."""
+        if state.followup is None:
+            return [self.served_reply(served_report(message))]
+        pairs = extproc.header_pairs(message.response_headers)
+        added = state.followup.headers(served_endpoint(message), dict(reversed(pairs)))
+        # The body comes to us only in a body mode other than NONE, and only if there is one.
+        if message.response_headers.end_of_stream or state.response.mode == BodyMode.NONE:
+            self.end_response(state)
+        return [served_endpoint_reply(served_report(message), tuple(added))]
 
-    def on_response_body(
-        self, message: ProcessingRequest, state: RequestState
-    ) -> list[ProcessingResponse]:
-        return [pass_chunk("response", message.response_body, state.response_body_mode)]
+    def on_response_body(self, chunk: Any, state: PickState) -> list[ProcessingResponse]:
+        if state.followup is not None:
+            state.followup.chunk(chunk.body)
+            if chunk.end_of_stream:
+                self.end_response(state)
+        return [pass_chunk(state.response, chunk)]
 
-    def on_response_trailers(self, state: RequestState) -> list[ProcessingResponse]:
-        return [extproc.trailers_response("response")]
+    @staticmethod
+    def end_response(state: PickState) -> None:
+        """Tell the followup, once, that the response is over."""
+        followup, state.followup = state.followup, None
+        if followup is not None:
+            followup.end()
 
 
 def routing_reply(endpoint: str) -> ProcessingResponse:
-    """The headers reply that sends the request to ``endpoint`` (``ip:port``)."""
+    """The headers reply that sends the request to ``endpoint`` (``ip:port``, or a list)."""
     return extproc.headers_response(
         "request",
         [
@@ -286,17 +274,8 @@ def routing_reply(endpoint: str) -> ProcessingResponse:
     )
 
 
-# --- response side ---------------------------------------------------------------
-
-
 def served_report(message: ProcessingRequest) -> str:
-    """What to report as the served endpoint: the ``ip:port``, or GIE's failure string.
-
-    The protocol has the data plane put it in ``envoy.lb`` metadata under
-    ``x-gateway-destination-endpoint-served``. Read straight from the
-    ``Struct``: converting the namespace to a dict (``extproc.filter_metadata``)
-    cost more than the rest of the response side together.
-    """
+    """What to report as the served endpoint: the ``ip:port``, or GIE's failure string."""
     if extproc.LB_NAMESPACE not in message.metadata_context.filter_metadata:
         return "fail: missing envoy lb metadata"
     served = served_endpoint(message)
@@ -304,7 +283,12 @@ def served_report(message: ProcessingRequest) -> str:
 
 
 def served_endpoint(message: ProcessingRequest) -> str | None:
-    """The ``ip:port`` the gateway reports in ``envoy.lb`` metadata, or None if it did not."""
+    """The ``ip:port`` the gateway reports in ``envoy.lb`` metadata, or None if it did not.
+
+    The protocol has the data plane put it under ``x-gateway-destination-endpoint-served``.
+    Read straight from the ``Struct``: converting the namespace to a dict
+    (``extproc.filter_metadata``) costs more than the rest of the response side together.
+    """
     entries = message.metadata_context.filter_metadata
     if extproc.LB_NAMESPACE not in entries:
         return None
@@ -314,41 +298,25 @@ def served_endpoint(message: ProcessingRequest) -> str | None:
     return str(value.string_value)
 
 
-def served_endpoint_reply(
-    message: ProcessingRequest, extra: Sequence[tuple[str, str]] = ()
-) -> ProcessingResponse:
+def served_endpoint_reply(report: str, extra: Sequence[tuple[str, str]] = ()) -> ProcessingResponse:
     """Report, as a response header, the endpoint the gateway says served the request.
 
-    The failure strings are GIE's (``served_report``). ``extra`` headers
-    follow the report.
+    ``report`` is ``served_report``'s; ``extra`` headers follow it.
     """
     return extproc.headers_response(
-        "response",
-        [(SERVED_REPORT, served_report(message)), ("x-went-into-resp-headers", "true"), *extra],
+        "response", [(SERVED_REPORT, report), ("x-went-into-resp-headers", "true"), *extra]
     )
 
 
-def _remember(cache: dict[str, Any], key: str, value: Any) -> Any:
-    """Keep ``value`` under ``key``; endpoints come and go, so the cache stays bounded."""
-    if len(cache) > 4096:
-        cache.clear()
-    cache[key] = value
-    return value
-
-
-def pass_chunk(phase: extproc.Phase, chunk: Any, body_mode: int | None) -> ProcessingResponse:
+def pass_chunk(half: Half, chunk: Any) -> ProcessingResponse:
     """Let a body chunk through unchanged.
 
     In FULL_DUPLEX_STREAMED mode Envoy forwards only what the processor sends
     back, so the chunk is returned; in the other modes an empty answer means
     "continue with it as it is".
     """
-    if body_mode == BodyMode.FULL_DUPLEX_STREAMED:
+    if half.streamed:
         return extproc.body_response(
-            phase, streamed_body=chunk.body, end_of_stream=chunk.end_of_stream
+            half.phase, streamed_body=chunk.body, end_of_stream=chunk.end_of_stream
         )
-    return extproc.body_response(phase)
-
-
-def _request_id(state: RequestState) -> str | None:
-    return extproc.first_header(state.headers, "x-request-id")
+    return extproc.body_response(half.phase)

@@ -55,7 +55,7 @@ Object = dict[str, Any]
 """A Kubernetes object as decoded JSON: ``apiVersion``, ``kind``, ``metadata``, ``spec``…"""
 
 
-class ConfigError(ValueError):
+class KubeconfigError(ValueError):
     """No usable connection to a cluster: the message says which file or variable is wrong."""
 
 
@@ -120,13 +120,13 @@ def in_cluster_config(
     """
     host, port = environ.get("KUBERNETES_SERVICE_HOST"), environ.get("KUBERNETES_SERVICE_PORT")
     if not host or not port:
-        raise ConfigError(
+        raise KubeconfigError(
             "not running in a cluster (KUBERNETES_SERVICE_HOST/PORT are not set); give --kubeconfig"
         )
     token_file, ca_file = directory / "token", directory / "ca.crt"
     for needed in (token_file, ca_file):
         if not needed.is_file():
-            raise ConfigError(f"{needed}: missing (is a service account token mounted?)")
+            raise KubeconfigError(f"{needed}: missing (is a service account token mounted?)")
     host = f"[{host}]" if ":" in host else host
 
     async def token() -> str:
@@ -152,11 +152,11 @@ def kubeconfig_config(path: str | os.PathLike[str], context: str | None = None) 
     try:
         document = yaml.safe_load(where.read_text())
     except OSError as error:
-        raise ConfigError(f"{where}: cannot read: {error.strerror}") from None
+        raise KubeconfigError(f"{where}: cannot read: {error.strerror}") from None
     except yaml.YAMLError as error:
-        raise ConfigError(f"{where}: not valid YAML: {error}") from None
+        raise KubeconfigError(f"{where}: not valid YAML: {error}") from None
     if not isinstance(document, Mapping):
-        raise ConfigError(f"{where}: not a kubeconfig")
+        raise KubeconfigError(f"{where}: not a kubeconfig")
 
     def entry(section: str, name: str) -> Mapping[str, Any]:
         for item in document.get(section) or []:
@@ -164,17 +164,17 @@ def kubeconfig_config(path: str | os.PathLike[str], context: str | None = None) 
                 found = item.get(section[:-1]) or {}
                 if isinstance(found, Mapping):
                     return found
-        raise ConfigError(f"{where}: {section}: no entry named {name!r}")
+        raise KubeconfigError(f"{where}: {section}: no entry named {name!r}")
 
     name = context or document.get("current-context")
     if not name:
-        raise ConfigError(f"{where}: no current-context (and none given)")
+        raise KubeconfigError(f"{where}: no current-context (and none given)")
     ctx = entry("contexts", str(name))
     cluster = entry("clusters", str(ctx.get("cluster")))
     user = entry("users", str(ctx.get("user"))) if ctx.get("user") else {}
     server = cluster.get("server")
     if not isinstance(server, str) or not server:
-        raise ConfigError(f"{where}: cluster {ctx.get('cluster')!r}: no server")
+        raise KubeconfigError(f"{where}: cluster {ctx.get('cluster')!r}: no server")
 
     def local(file: str) -> str:
         return str(where.parent / file)
@@ -241,7 +241,7 @@ class _ExecCredential:
 
     def __init__(self, spec: Mapping[str, Any], where: Path) -> None:
         if not isinstance(spec.get("command"), str):
-            raise ConfigError(f"{where}: users[].user.exec.command: required")
+            raise KubeconfigError(f"{where}: users[].user.exec.command: required")
         self.command = [spec["command"], *map(str, spec.get("args") or [])]
         self.env = {str(e["name"]): str(e["value"]) for e in spec.get("env") or []}
         self.api_version = str(spec.get("apiVersion", "client.authentication.k8s.io/v1"))
@@ -268,7 +268,7 @@ class _ExecCredential:
         return self._token
 
 
-def load_config(kubeconfig: str | None = None) -> ClusterConfig:
+def load_kubeconfig(kubeconfig: str | None = None) -> ClusterConfig:
     """A kubeconfig file when given, else the in-cluster service account."""
     return kubeconfig_config(kubeconfig) if kubeconfig else in_cluster_config()
 

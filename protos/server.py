@@ -7,7 +7,7 @@ small HTTP server for Prometheus metrics. ``serve`` owns all three and the
 background tasks a service needs, and takes them down in order on SIGTERM.
 
 One Python process serves one core: the event loop runs the handlers one at
-a time. ``supervise`` runs N copies of a service (``--workers N``) on the
+a time. ``run_workers`` runs N copies of a service (``--workers N``) on the
 same ext_proc and health ports, which Linux spreads over them by connection
 (``SO_REUSEPORT``); each worker keeps its own state and its own metrics port.
 """
@@ -37,7 +37,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from protos.extproc import ProcessingRequest, ProcessingResponse
 
 WORKER_ENV: Final = "SWITCHYARD_WORKER"
-"""Set by ``supervise`` in each worker's environment: ``<index>/<count>``."""
+"""Set by ``run_workers`` in each worker's environment: ``<index>/<count>``."""
 
 EXT_PROC_SERVICE: Final = "envoy.service.ext_proc.v3.ExternalProcessor"
 """The gRPC service name Envoy calls; also a health service name the GIE protocol lists."""
@@ -252,7 +252,7 @@ async def serve(
             loop.add_signal_handler(sig, stop.set)
 
     # SO_REUSEPORT (grpc's default on Linux, spelled out): the workers of
-    # ``supervise`` bind the same ext_proc and health ports.
+    # ``run_workers`` bind the same ext_proc and health ports.
     options = [("grpc.so_reuseport", 1)]
     server = grpc.aio.server(options=options)
     server.add_generic_rpc_handlers((ext_proc_handler(handler, trace),))
@@ -341,7 +341,7 @@ def worker_argv(args: Sequence[str], index: int, ports: Ports) -> list[str]:
     ]
 
 
-def supervise(module: str, args: Sequence[str], workers: int, ports: Ports) -> int:
+def run_workers(module: str, args: Sequence[str], workers: int, ports: Ports) -> int:
     """Run ``python -m module`` ``workers`` times on the same ports; return an exit status.
 
     The workers share the ext_proc port and the gRPC health port (any worker

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 
-from lwepp.hooks import Measurement
+from lwepp.contracts import Measurement
 from pods.model import Pod, StaticSource
 
 

@@ -6,8 +6,10 @@ import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from lwepp.hooks import AttributeWriter, Candidate, LLMRequest, Measurement, Usage
-from lwepp.plugins.params import Params
+from lwepp.contracts import AttributeWriter, Candidate, LLMRequest, Measurement, Usage
+from lwepp.pipeline import ROLES
+from lwepp.plugins import REGISTRY
+from plugin import Params, build
 from pods.model import Endpoint
 
 
@@ -17,8 +19,6 @@ class Boom(RuntimeError):
 
 class FakeScorer:
     """Scores each candidate by its ``ip:port`` from a table (``default`` for the rest)."""
-
-    needs_body = False
 
     def __init__(
         self,
@@ -48,9 +48,6 @@ class FakeScorer:
 class FakeFilter:
     """Removes the candidates whose ``ip:port`` is in ``drop``."""
 
-    reads: frozenset[str] = frozenset()
-    needs_body = False
-
     def __init__(self, name: str, drop: Sequence[str] = (), *, fail: bool = False) -> None:
         self.name = name
         self.drop = set(drop)
@@ -66,8 +63,6 @@ class FakeFilter:
 
 class RecordingHook:
     """Every hook at once; appends ``(name, stage, detail)`` to ``log`` and fails where told."""
-
-    reads: frozenset[str] = frozenset()
 
     def __init__(
         self,
@@ -113,9 +108,6 @@ class RecordingHook:
 
 class FixedPicker:
     """Returns the endpoints named in ``order`` (by ``ip:port``), whatever the scores."""
-
-    reads: frozenset[str] = frozenset()
-    needs_body = False
 
     def __init__(self, name: str, order: Sequence[str], endpoints: Mapping[str, Endpoint]) -> None:
         self.name = name
@@ -207,3 +199,8 @@ class NotAPlugin:
 
     def __init__(self, name: str, params: Params) -> None:
         self.name = name
+
+
+def configured(kind: str, parameters: Mapping[str, Any] | None = None, name: str = "p") -> Any:
+    """A built-in plugin built as a configuration file builds it: every parameter checked."""
+    return build(kind, name, parameters, REGISTRY, ROLES).plugin

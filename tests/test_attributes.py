@@ -9,12 +9,13 @@ from pathlib import Path
 import aiohttp
 from prometheus_client import CollectorRegistry
 
-from lwepp.attributes import AttributeStore, supervise
+from lwepp.attributes import AttributeStore, keep_running
 from lwepp.config import load_config
-from lwepp.hooked import DECISION_HEADER, EXPLAIN_HEADER, host
-from lwepp.hooks import Measurement
+from lwepp.contracts import Measurement
 from lwepp.picking import Pool
+from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER
 from lwepp.plugins import REGISTRY
+from lwepp.server import EndpointPickerService, PickerMetrics
 from pods.model import Endpoint
 from protos.testing import ExtProcClient, request_headers, response_headers, running, set_headers
 from tests.fakes import StaticPods, pod
@@ -55,7 +56,7 @@ def test_a_failing_source_is_reported_and_restarted() -> None:
     async def scenario() -> None:
         endpoints = [Endpoint("p", "10.0.0.1", 80)]
         task = asyncio.create_task(
-            supervise(
+            keep_running(
                 source,
                 lambda: endpoints,
                 store,
@@ -84,18 +85,19 @@ def test_a_configured_picker_scores_on_what_its_source_measured(tmp_path: Path) 
         "table: {'10.0.0.2:80': 1.0}}}\n"
     )
     config = load_config(path, {**REGISTRY, "fake-source": fake_source, "fake-scorer": fake_scorer})
-    source = config.sources[0]
+    pipeline = config.pipeline(clock=lambda: 100.0)
+    (source,) = pipeline.sources
     assert isinstance(source, FakeSource)
-    pods = StaticPods(pod("p0", "10.0.0.1", 80), pod("p1", "10.0.0.2", 80))
-    hosted = host(config, Pool(pods, {}), CollectorRegistry(), clock=lambda: 100.0)
+    pool = Pool(StaticPods(pod("p0", "10.0.0.1", 80), pod("p1", "10.0.0.2", 80)), {})
+    service = EndpointPickerService(pool, pipeline, PickerMetrics(CollectorRegistry()))
 
     async def scenario() -> None:
         async with (
             running(
                 "lwepp",
-                hosted.service,
-                background=hosted.background,
-                json_routes=hosted.json_routes,
+                service,
+                background=pipeline.background(lambda: pool.endpoints),
+                json_routes=pipeline.debug_pages(),
             ) as ports,
             ExtProcClient(f"127.0.0.1:{ports.grpc}") as client,
         ):

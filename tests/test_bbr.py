@@ -17,9 +17,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from bbr.message import BBRError, Message
-from bbr.plugins import DEFAULT_PLUGINS, PLUGINS, Factory, Metrics, PluginSpec
+from bbr.message import Message
+from bbr.plugins import DEFAULT_PLUGINS, PLUGINS, PluginSpec
 from bbr.server import HEALTH_SERVICES, BodyBasedRouter
+from plugin import Factory, Params
+from protos.exchange import Refusal
 from protos.extproc import CHUNK_LIMIT, BodyMode, ProcessingRequest, ProcessingResponse
 from protos.server import Health, Stream
 from protos.testing import (
@@ -53,7 +55,7 @@ MODEL = "X-Gateway-Model-Name"
 class Recorder:
     """Reads the shared body and notes its turn."""
 
-    needs_parsed_body = True
+    needs_body = True
 
     def __init__(self, label: str, turns: list[str]) -> None:
         self.label, self.turns = label, turns
@@ -65,7 +67,7 @@ class Recorder:
 class Renamer:
     """Changes the body: a copy with a new ``model``, returned as bytes."""
 
-    needs_parsed_body = False
+    needs_body = False
 
     def __init__(self, model: str) -> None:
         self.model = model
@@ -79,7 +81,7 @@ class Renamer:
 class WritesSharedBody:
     """A buggy plugin: changes the shared parse in place."""
 
-    needs_parsed_body = True
+    needs_body = True
 
     def __init__(self, how: Callable[[Any], None]) -> None:
         self.how = how
@@ -91,16 +93,16 @@ class WritesSharedBody:
 class Refuses:
     """Stops the request with its own status."""
 
-    needs_parsed_body = False
+    needs_body = False
 
     def process_request(self, message: Message) -> None:
-        raise BBRError(429, "too many tokens today")
+        raise Refusal(429, "too many tokens today")
 
 
 class Crashes:
-    """A bug that is not a BBRError."""
+    """A bug that is not a Refusal."""
 
-    needs_parsed_body = False
+    needs_body = False
 
     def process_request(self, message: Message) -> None:
         raise RuntimeError("boom")
@@ -109,7 +111,7 @@ class Crashes:
 class UsageHeader:
     """A response plugin: reports the completion's token usage in a header."""
 
-    needs_parsed_body = True
+    needs_body = True
 
     def process_response(self, message: Message) -> None:
         usage = message.body.get("usage")
@@ -120,7 +122,7 @@ class UsageHeader:
 class Redacts:
     """A response plugin that changes the body."""
 
-    needs_parsed_body = True
+    needs_body = True
 
     def process_response(self, message: Message) -> bytes:
         body = message.body_copy()
@@ -129,9 +131,10 @@ class Redacts:
 
 
 def returning(plugin: object) -> Factory:
-    """A factory that hands out an already-made plugin."""
+    """A factory that hands out an already-made plugin, named as configured."""
 
-    def factory(_name: str, _parameters: Mapping[str, Any], _metrics: Metrics) -> object:
+    def factory(name: str, _params: Params) -> object:
+        plugin.name = name  # type: ignore[attr-defined]
         return plugin
 
     return factory
@@ -462,7 +465,7 @@ def test_chain_that_needs_no_parse_never_parses() -> None:
 
 
 def test_plugin_error_is_answered_with_its_status() -> None:
-    """A plugin's BBRError becomes an ImmediateResponse with its status and GIE-style text."""
+    """A plugin's Refusal becomes an ImmediateResponse with its status and GIE-style text."""
     registry = CollectorRegistry()
     replies = talk(bbr(Refuses(), registry=registry), *post())
     assert immediate(replies) == (429, "inference error: ResourceExhausted - too many tokens today")
@@ -607,7 +610,7 @@ def test_plugin_in_both_chains() -> None:
     """One object with both hooks joins both chains."""
 
     class Both:
-        needs_parsed_body = True
+        needs_body = True
 
         def __init__(self) -> None:
             self.seen: list[str] = []
@@ -758,15 +761,15 @@ def test_help_explains_every_flag() -> None:
         (["--plugin", "t:"], "'t:': expected type:name"),
         (["--plugin", "t:n:{oops"], "'t:n:{oops': parameters are not JSON"),
         (["--plugin", "t:n:[1]"], "'t:n:[1]': parameters must be a JSON object"),
-        (["--plugin", "nope:n"], "plugin 'n' (type nope): unknown plugin type"),
-        (["--plugin", "no.such.Module:n"], "plugin 'n' (type no.such.Module): cannot load"),
+        (["--plugin", "nope:n"], "plugin 'n' (nope): type: unknown"),
+        (["--plugin", "no.such.Module:n"], "plugin 'n' (no.such.Module): type: cannot load"),
         (
             ["--plugin", 'body-field-to-header:x:{"fieldName": "model"}'],
-            "plugin 'x' (type body-field-to-header): missing parameter 'headerName'",
+            "plugin 'x' (body-field-to-header): parameters.headerName: required",
         ),
         (
             ["--plugin", 'body-field-to-header:x:{"fieldName":"m","headerName":"h","extra":1}'],
-            "plugin 'x' (type body-field-to-header): unknown parameter 'extra'",
+            "plugin 'x' (body-field-to-header): parameters: unknown field 'extra'",
         ),
         (["--grpc-port", "70000"], "argument --grpc-port: 70000 is not a port"),
         (["--metrics-port", "9004"], "must differ"),

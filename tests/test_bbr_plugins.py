@@ -13,18 +13,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from bbr.message import BBRError, FrozenDict, FrozenList, Message
+from bbr.message import Message
 from bbr.plugins import (
     BASE_MODEL_HEADER,
     DEFAULT_PLUGINS,
     BaseModelToHeader,
+    BBRMetrics,
     BodyFieldToHeader,
-    ConfigError,
-    Metrics,
     PluginSpec,
     build_chains,
     go_format,
 )
+from plugin import ConfigError, Params
+from plugin.frozen import FrozenDict, FrozenList
+from protos.exchange import Refusal
 
 HEADERS = {"content-type": "application/json", "x-gateway-model-name": "old"}
 
@@ -205,11 +207,11 @@ def test_replaced_body_is_what_later_readers_see() -> None:
 
 
 def test_parse_errors_are_400() -> None:
-    """Parsing a body that is not a JSON object raises BBRError 400 in GIE's words."""
-    with pytest.raises(BBRError) as caught:
+    """Parsing a body that is not a JSON object is refused with 400, in GIE's words."""
+    with pytest.raises(Refusal) as caught:
         Message("request", {}, b"{").parse()
-    assert caught.value.status == 400
-    assert str(caught.value).startswith("inference error: BadRequest - failed to parse request")
+    assert (caught.value.status, caught.value.code) == (400, "BadRequest")
+    assert caught.value.message.startswith("failed to parse request body: ")
 
 
 # --- Go's %v -------------------------------------------------------------------------
@@ -278,43 +280,47 @@ def test_plugin_flag_splits_on_the_first_two_colons(flag: str, spec: PluginSpec)
 
 
 def make(plugin_type: str, parameters: Mapping[str, Any]) -> tuple[Any, Any]:
-    return build_chains([PluginSpec(plugin_type, "p", parameters)], Metrics(CollectorRegistry()))
+    return build_chains([PluginSpec(plugin_type, "p", parameters)], BBRMetrics(CollectorRegistry()))
 
 
 @pytest.mark.parametrize(
     ("plugin_type", "parameters", "error"),
     [
-        ("body-field-to-header", {}, "missing parameter 'fieldName'"),
-        ("body-field-to-header", {"fieldName": "model"}, "missing parameter 'headerName'"),
+        ("body-field-to-header", {}, "parameters.fieldName: required"),
+        ("body-field-to-header", {"fieldName": "model"}, "parameters.headerName: required"),
         (
             "body-field-to-header",
             {"fieldName": "model", "headerName": "h", "field_name": "x"},
-            "unknown parameter 'field_name' (known: fieldName, headerName)",
+            "parameters: unknown field 'field_name' (known: fieldName, headerName)",
         ),
         (
             "body-field-to-header",
             {"fieldName": 3, "headerName": "h"},
-            "parameter 'fieldName' must be a string",
+            "parameters.fieldName: expected str, got int 3",
         ),
         (
             "body-field-to-header",
             {"fieldName": "", "headerName": "h"},
-            "parameter 'fieldName' must not be empty",
+            "parameters.fieldName: must not be empty",
         ),
-        ("base-model-to-header", {"models": {}}, "unknown parameter 'models'"),
-        ("base-model-to-header", {"baseModels": []}, "'baseModels' must be a JSON object"),
-        ("base-model-to-header", {"baseModels": {"b": "a"}}, "baseModels['b'] must be a list"),
+        ("base-model-to-header", {"models": {}}, "parameters: unknown field 'models'"),
+        ("base-model-to-header", {"baseModels": []}, "parameters.baseModels: expected dict"),
+        (
+            "base-model-to-header",
+            {"baseModels": {"b": "a"}},
+            "parameters.baseModels.b: must be a list of strings",
+        ),
         ("base-model-to-header", {"baseModels": {" ": []}}, "has an empty base model"),
         (
             "base-model-to-header",
             {"baseModels": {"b1": ["a"], "b2": ["a"]}},
             "adapter 'a' has two base models",
         ),
-        ("bbr.plugins.Missing", {}, "cannot load 'bbr.plugins.Missing'"),
+        ("bbr.plugins.Missing", {}, "type: cannot load 'bbr.plugins.Missing'"),
         ("bbr.plugins.go_format", {}, "TypeError"),
-        ("bbr.plugins.Metrics", {}, "TypeError"),
-        (f"{__name__}.NotAPlugin", {}, "NotAPlugin has no process_request or process_response"),
-        ("model-extractor", {}, "unknown plugin type"),
+        ("bbr.plugins.BBRMetrics", {}, "TypeError"),
+        (f"{__name__}.NotAPlugin", {}, "NotAPlugin is no plugin here"),
+        ("model-extractor", {}, "type: unknown"),
     ],
     ids=[
         "no-params",
@@ -340,21 +346,20 @@ def test_bad_plugin_configuration_names_plugin_and_field(
     """Configuration errors name the plugin (name and type) and what is wrong."""
     with pytest.raises(ConfigError) as caught:
         make(plugin_type, parameters)
-    assert str(caught.value).startswith(f"plugin 'p' (type {plugin_type}): ")
+    assert str(caught.value).startswith(f"plugin 'p' ({plugin_type}): ")
     assert error in str(caught.value)
 
 
 class NotAPlugin:
-    def __init__(self, name: str, parameters: Mapping[str, Any], metrics: Metrics) -> None:
-        pass
+    def __init__(self, name: str, params: Params) -> None:
+        self.name = name
 
 
 class Counts:
     """A user plugin, loaded by its dotted path."""
 
-    needs_parsed_body = False
-
-    def __init__(self, name: str, parameters: Mapping[str, Any], metrics: Metrics) -> None:
+    def __init__(self, name: str, params: Params) -> None:
+        self.name = name
         self.calls = 0
 
     def process_request(self, message: Message) -> None:
@@ -365,19 +370,19 @@ def test_user_plugin_loads_by_dotted_path() -> None:
     """A type with a dot is ``package.module.Class``, imported and called as the factory."""
     request, response = make(f"{__name__}.Counts", {})
     assert [(step.type, step.name) for step in request.steps] == [(f"{__name__}.Counts", "p")]
-    assert not response.needs_parsed_body
+    assert not response.needs_body
     assert len(response) == 0
 
 
 def test_built_in_loads_by_dotted_path_too() -> None:
     """The built-ins are plain classes, so their dotted path works as well."""
     request, _ = make("bbr.plugins.BodyFieldToHeader", {"fieldName": "a", "headerName": "b"})
-    assert request.needs_parsed_body
+    assert request.needs_body
 
 
 def test_default_chain_is_the_model_extractor() -> None:
     """No --plugin: one request plugin, copying ``model`` to X-Gateway-Model-Name."""
-    request, response = build_chains(DEFAULT_PLUGINS, Metrics(CollectorRegistry()))
+    request, response = build_chains(DEFAULT_PLUGINS, BBRMetrics(CollectorRegistry()))
     assert [(s.type, s.name) for s in request.steps] == [
         ("body-field-to-header", "model-extractor")
     ]
@@ -389,9 +394,9 @@ def test_default_chain_is_the_model_extractor() -> None:
 
 def test_body_field_to_header_copies_any_field() -> None:
     """fieldName/headerName pick the field and the header; the value renders as Go's %v."""
-    plugin = BodyFieldToHeader(
-        "p", {"fieldName": "priority", "headerName": "x-priority"}, Metrics(CollectorRegistry())
-    )
+    metrics = BBRMetrics(CollectorRegistry())
+    params = Params({"fieldName": "priority", "headerName": "x-priority"}, host=metrics)
+    plugin = BodyFieldToHeader("p", params)
     m = message({"priority": 2})
     plugin.process_request(m)
     assert m.header_changes() == ([("x-priority", "2")], [])
@@ -424,7 +429,7 @@ BASES = {"baseModels": {"llama-3": ["sql-lora", " chat-lora "], "qwen": []}}
 def test_base_model_to_header(body: object, header: str | None) -> None:
     """The adapter's base model, the base model itself, else "" (always set when ``model``
     is present), nothing without ``model``."""
-    plugin = BaseModelToHeader("p", BASES, Metrics(CollectorRegistry()))
+    plugin = BaseModelToHeader("p", Params(BASES))
     m = message(body)
     plugin.process_request(m)
     expected = [] if header is None else [(BASE_MODEL_HEADER, header)]

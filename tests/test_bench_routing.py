@@ -15,7 +15,7 @@ from bench import routing, workloads
 from bench.oracle import Oracle
 from bench.report import Options, Section
 from bench.workloads import AzureRecord, MooncakeRecord, MultiTurn, Replay, SharedPrefix
-from lwepp.hooks import LLMRequest, Usage
+from lwepp.contracts import LLMRequest, Usage
 from lwepp.pipeline import Pipeline
 from lwepp.plugins.metrics_source import MetricsDataSource
 from simulator import metrics, openai
@@ -267,10 +267,7 @@ def test_the_scraped_page_reads_back_as_the_engine_state() -> None:
 
 
 class RecordingHook:
-    """A response hook that writes down what it is told."""
-
-    reads: frozenset[str] = frozenset()
-    needs_body = False
+    """A response headers and completion hook that writes down what it is told."""
 
     def __init__(self) -> None:
         self.name = "recorder"
@@ -282,9 +279,6 @@ class RecordingHook:
     ) -> Mapping[str, str]:
         self.headers.append((request.request_id, served))
         return {}
-
-    def response_chunk(self, request: LLMRequest, chunk: bytes) -> None:
-        raise AssertionError("no body chunks are delivered")
 
     def response_complete(
         self, request: LLMRequest, served: str | None, usage: Usage | None
@@ -300,7 +294,7 @@ def test_response_hooks_hear_the_served_endpoint_and_usage(
     hook = RecordingHook()
 
     def with_hook(*args: object, **kwargs: object) -> routing.PipelineRouter:
-        return routing.PipelineRouter("rr", Pipeline(responses=[hook]), (), routing.endpoints())
+        return routing.PipelineRouter("rr", Pipeline([hook]), (), routing.endpoints())
 
     monkeypatch.setattr(routing, "router", with_hook)
     arrivals = workloads.shared_prefix(SHAPE, 20.0, 24, seed=0)

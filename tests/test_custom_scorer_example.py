@@ -23,13 +23,9 @@ def test_the_example_scorer_keeps_clients_in_their_zone(
     zone: str | None, expected: list[str]
 ) -> None:
     """The example's config loads its scorer by dotted path; the zone header steers the pick."""
-    config = load_config(EXAMPLE / "picker.yaml")
-    assert [(w.scorer.name, w.weight) for w in config.scorers] == [
-        ("zone", 3.0),
-        ("queue-scorer", 1.0),
-    ]
-    pipeline = config.pipeline()
+    pipeline = load_config(EXAMPLE / "picker.yaml").pipeline()
+    assert [(s.name, w) for s, w in pipeline.scorers] == [("zone", 3.0), ("queue-scorer", 1.0)]
     endpoints = Pool(StaticSource(*load_pods(EXAMPLE / "pods.yaml")), {"pool": "a"}).endpoints
     headers = [("x-client-zone", zone)] if zone else []
-    picks = [pipeline.pick(PickRequest(headers), endpoints)[0].pod for _ in range(4)]
+    picks = [pipeline.pick(PickRequest(headers), endpoints).endpoints[0].pod for _ in range(4)]
     assert picks == expected

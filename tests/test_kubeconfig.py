@@ -15,8 +15,8 @@ import pytest
 
 from pods.kubeapi import (
     ClusterConfig,
-    ConfigError,
     KubeApi,
+    KubeconfigError,
     in_cluster_config,
     in_cluster_namespace,
     kubeconfig_config,
@@ -56,10 +56,10 @@ def test_in_cluster_reads_the_service_account_mount(tmp_path: Path) -> None:
 
 
 def test_outside_a_cluster_the_error_says_what_to_do(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="give --kubeconfig"):
+    with pytest.raises(KubeconfigError, match="give --kubeconfig"):
         in_cluster_config({}, tmp_path)
     env = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}
-    with pytest.raises(ConfigError, match="token: missing"):
+    with pytest.raises(KubeconfigError, match="token: missing"):
         in_cluster_config(env, tmp_path)
     assert in_cluster_namespace(tmp_path) is None
 
@@ -159,7 +159,7 @@ def test_kubeconfig_ca_data_is_loaded(tmp_path: Path) -> None:
 def test_broken_kubeconfig_is_named(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "config"
     path.write_text(text)
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(KubeconfigError, match=message):
         kubeconfig_config(path)
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(KubeconfigError, match="cannot read"):
         kubeconfig_config(tmp_path / "missing")

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from lwepp.__main__ import HEALTH_SERVICES
 from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, Pool, RoundRobin
-from lwepp.server import EndpointPickerService, Metrics
+from lwepp.server import EndpointPickerService, PickerMetrics
 from protos.extproc import BodyMode, ProcessingResponse
 from protos.server import Health
 from protos.testing import (
@@ -48,7 +48,7 @@ async def picker(
     source = StaticPods(*(pods or PODS), synced=synced)
     registry = CollectorRegistry()
     service = EndpointPickerService(
-        Pool(source, {"pool": "a"}), RoundRobin(), Metrics(registry), max_body_bytes
+        Pool(source, {"pool": "a"}), RoundRobin(), PickerMetrics(registry), max_body_bytes
     )
     health = Health(HEALTH_SERVICES, ready=lambda: source.synced)
     async with (
@@ -252,7 +252,7 @@ def test_body_cap(size: int, refused: bool) -> None:
                 assert len(replies) == 1
                 assert immediate(replies[0]) == (
                     413,
-                    "request body exceeds the endpoint picker's limit of 1000 bytes",
+                    "request body exceeds the 1000-byte limit (--max-body-bytes)",
                 )
             else:
                 assert [r.WhichOneof("response") for r in replies] == [

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lwepp.__main__ import build_parser, pod_source
 from pods.file import PodFileError
-from pods.kubeapi import ConfigError
+from pods.kubeapi import KubeconfigError
 from protos.testing import ExtProcClient, request_headers, set_headers
 from tests.fake_kube import ThreadedFakeKube
 from tests.processes import service
@@ -81,7 +81,7 @@ def test_exactly_one_source_with_a_clear_error(
     )
     argv = [a.format(pods=tmp_path / "pods.yaml", config=config) for a in args]
     # What main() does before it configures logging and serves.
-    with pytest.raises((SystemExit, ConfigError, PodFileError, ValueError)) as refused:
+    with pytest.raises((SystemExit, KubeconfigError, PodFileError, ValueError)) as refused:
         pod_source(build_parser().parse_args(argv))
     if isinstance(refused.value, SystemExit):
         assert refused.value.code == 2

@@ -18,14 +18,15 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from demo.topology import free_ports
-from lwepp.hooks import Candidate, DataSource
+from lwepp.contracts import Candidate, DataSource
 from lwepp.plugins import REGISTRY
-from lwepp.plugins.metrics_source import BUILTIN_ENGINES, MetricsDataSource, build
-from lwepp.plugins.params import ConfigError, Params
+from lwepp.plugins.metrics_source import BUILTIN_ENGINES, MetricsDataSource
 from lwepp.plugins.prometheus import parse
+from plugin import ConfigError, Params
 from pods.model import Endpoint, Pod
 from simulator import Settings, serve_pods
 from tests.fakes import RecordingStore
+from tests.plugin_fakes import configured
 
 VLLM = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -100,7 +101,8 @@ def endpoint(port: int = 8000, pod: str = "p", /, **labels: str) -> Endpoint:
 
 
 def source(**parameters: Any) -> MetricsDataSource:
-    return build("metrics", Params("metrics-data-source/metrics", parameters))
+    built: MetricsDataSource = configured("metrics-data-source", parameters, "metrics")
+    return built
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
@@ -295,13 +297,15 @@ def test_custom_engine_with_cache_info_labels() -> None:
 )
 def test_bad_parameters_name_the_field(parameters: dict[str, Any], message: str) -> None:
     """Every configuration error names the plugin and the field."""
-    with pytest.raises(ConfigError, match=rf"plugin metrics-data-source/metrics: .*{message}"):
+    with pytest.raises(
+        ConfigError, match=rf"plugin 'metrics' \(metrics-data-source\): .*{message}"
+    ):
         source(**parameters)
 
 
 def test_registered_and_satisfies_the_data_source_contract() -> None:
     """The registry builds it by the llm-d router's type name; it is a ``DataSource``."""
-    built: DataSource = REGISTRY["metrics-data-source"]("m", Params("m", None))
+    built: DataSource = REGISTRY["metrics-data-source"]("m", Params(None, "m"))
     assert isinstance(built, MetricsDataSource)
     assert built.produces == {
         "queue_depth",

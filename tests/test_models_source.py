@@ -10,13 +10,14 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from lwepp.hooks import DataSource
+from lwepp.contracts import DataSource
 from lwepp.plugins import REGISTRY
-from lwepp.plugins.models_source import ModelsDataSource, build, served_models
-from lwepp.plugins.params import ConfigError, Params
+from lwepp.plugins.models_source import ModelsDataSource, served_models
+from plugin import ConfigError, Params
 from pods.model import Endpoint, Pod
 from simulator import Settings, serve_pods
 from tests.fakes import RecordingStore
+from tests.plugin_fakes import configured
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
@@ -61,8 +62,8 @@ def test_served_models_refuses_what_is_not_a_model_list(answer: Any) -> None:
 )
 def test_bad_parameters_name_the_field(parameters: dict[str, Any], message: str) -> None:
     """Every configuration error names the plugin and the field."""
-    with pytest.raises(ConfigError, match=rf"plugin models: parameters.*{message}"):
-        build("models", Params("models", parameters))
+    with pytest.raises(ConfigError, match=rf"plugin 'models' \(models-data-source\): .*{message}"):
+        configured("models-data-source", parameters, "models")
 
 
 def test_polls_the_simulator_for_models_and_adapters() -> None:
@@ -75,7 +76,7 @@ def test_polls_the_simulator_for_models_and_adapters() -> None:
             Pod("b", "127.0.0.1", (0,), {"model": "other"}),
         ]
         data_source: DataSource = REGISTRY["models-data-source"](
-            "models", Params("models", {"refreshIntervalSeconds": 0.005})
+            "models", Params({"refreshIntervalSeconds": 0.005}, "models")
         )
         async with serve_pods(pods, Settings(time_scale=0), grace=0.1) as replicas:
             endpoints = [Endpoint(r.pod.name, "127.0.0.1", r.port) for r in replicas]
@@ -107,7 +108,7 @@ def test_a_bad_answer_writes_nothing() -> None:
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         target = Endpoint("p", "127.0.0.1", runner.addresses[0][1])
-        data_source = ModelsDataSource("models", interval=0.005)
+        data_source = ModelsDataSource("models", Params({"refreshIntervalSeconds": 0.005}))
         task = asyncio.create_task(data_source.run(lambda: [target], store, lambda: 1.0))
         for _ in range(3):
             await hits.get()

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from lwepp.config import ConfigErrors, PickerConfig, load_config
-from lwepp.hooked import DECISION_HEADER, EXPLAIN_HEADER
+from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER
 from lwepp.plugins import REGISTRY
 from lwepp.plugins.pickers import MaxScorePicker, RandomPicker
+from plugin import Role
 from protos.extproc import ProcessingResponse
 from protos.testing import ExtProcClient, request_headers, response_headers, set_headers
 from tests.plugin_fakes import (
@@ -68,12 +69,13 @@ def test_a_router_style_file_resolves_into_stages_with_weights(tmp_path: Path) -
           - pluginRef: no-a
         """,
     )
-    assert [f.name for f in config.filters] == ["no-a"]
-    assert [(w.scorer.name, w.weight) for w in config.scorers] == [("other", 1.0), ("queue", 2.0)]
-    assert isinstance(config.picker, MaxScorePicker)
-    assert config.default_picker
-    assert [s.name for s in config.sources] == ["fake-source"]
-    assert isinstance(config.sources[0], FakeSource)
+    pipeline = config.pipeline()
+    assert [f.name for f in pipeline.filters] == ["no-a"]
+    assert [(s.name, w) for s, w in pipeline.scorers] == [("other", 1.0), ("queue", 2.0)]
+    assert isinstance(pipeline.picker, MaxScorePicker)
+    assert not any(Role.PICK in p.roles for p in config.plugins)  # the default picker
+    assert [s.name for s in pipeline.sources] == ["fake-source"]
+    assert isinstance(pipeline.sources[0], FakeSource)
     assert config.warnings == ()
     assert config.profile == "default"
 
@@ -89,15 +91,15 @@ def test_without_profiles_every_filter_scorer_and_picker_runs_in_file_order(tmp_
         - type: fake-filter
         """,
     )
+    pipeline = config.pipeline()
     assert config.profile == "default"
-    assert isinstance(config.scorers[0].scorer, FakeScorer)
-    assert isinstance(config.filters[0], FakeFilter)
-    assert isinstance(config.picker, RandomPicker)
-    assert not config.default_picker
+    assert isinstance(pipeline.scorers[0][0], FakeScorer)
+    assert isinstance(pipeline.filters[0], FakeFilter)
+    assert isinstance(pipeline.picker, RandomPicker)
 
 
 def test_hooks_run_for_profile_plugins_and_hook_only_plugins(tmp_path: Path) -> None:
-    """A hook-only plugin runs unlisted; a scorer left out of the profile does not run at all."""
+    """A hook-only plugin runs unlisted, after the profile's; a scorer left out does not run."""
     config = load(
         tmp_path,
         """
@@ -113,9 +115,10 @@ def test_hooks_run_for_profile_plugins_and_hook_only_plugins(tmp_path: Path) -> 
           plugins: [{pluginRef: used}]
         """,
     )
-    assert [h.name for h in config.responses] == ["audit", "used"]
-    assert [h.name for h in config.picked] == ["audit", "used"]
-    assert [w.scorer.name for w in config.scorers] == ["used"]
+    pipeline = config.pipeline()
+    assert [h.name for h in pipeline.on_complete] == ["used", "audit"]
+    assert [h.name for h in pipeline.picked] == ["used", "audit"]
+    assert [s.name for s, _ in pipeline.scorers] == ["used"]
     (warning,) = config.warnings
     assert warning.endswith(
         "plugin 'unused' (tests.plugin_fakes.HookingScorer): not in profile 'p': it does not run"
@@ -135,7 +138,7 @@ def test_a_user_plugin_is_built_by_dotted_path_class_or_classmethod(tmp_path: Pa
           name: by-classmethod
         """,
     )
-    assert [w.scorer.name for w in config.scorers] == ["by-function", "by-classmethod"]
+    assert [s.name for s, _ in config.pipeline().scorers] == ["by-function", "by-classmethod"]
 
 
 def test_deprecated_api_version_and_unimplemented_sections_are_warned_about(tmp_path: Path) -> None:
@@ -297,8 +300,11 @@ def test_check_config_prints_the_pipeline_or_the_errors(tmp_path: Path) -> None:
     )
     assert ok.returncode == 0, ok.stderr
     assert f"{good}: OK" in ok.stdout
-    assert "  3 scorers   queue-scorer ×2" in ok.stdout
-    assert "  4 picker    max-score-picker  (default: the profile names no picker)" in ok.stdout
+    assert "  score              queue-scorer ×2" in ok.stdout
+    assert (
+        "  pick               max-score-picker  (default: the profile names no picker)" in ok.stdout
+    )
+    assert "  background         metrics-data-source" in ok.stdout
     assert "  queue-scorer         scorer; reads queue_depth" in ok.stdout
     bad = write(tmp_path, "plugins:\n- type: queue-scorer\n")
     refused = subprocess.run(
@@ -316,13 +322,14 @@ def test_check_config_prints_the_pipeline_or_the_errors(tmp_path: Path) -> None:
 def test_the_demo_configuration_checks_out() -> None:
     """``demo/configs/prefix-aware.yaml``: prefix, queue and KV scorers over the metrics source."""
     config = load_config(Path(__file__).parent.parent / "demo/configs/prefix-aware.yaml")
-    assert [(w.scorer.name, w.weight) for w in config.scorers] == [
+    pipeline = config.pipeline()
+    assert [(s.name, w) for s, w in pipeline.scorers] == [
         ("prefix-cache-scorer", 3.0),
         ("queue-scorer", 2.0),
         ("kv-cache-utilization-scorer", 2.0),
     ]
-    assert config.pipeline().needs_body
-    assert [s.name for s in config.sources] == ["metrics-data-source"]
+    assert pipeline.needs_body
+    assert [s.name for s in pipeline.sources] == ["metrics-data-source"]
 
 
 def test_lwepp_runs_with_a_configuration_and_explains_on_request(tmp_path: Path) -> None:

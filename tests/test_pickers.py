@@ -9,12 +9,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lwepp.hooks import Candidate, LLMRequest, Scored
+from lwepp.contracts import Candidate, LLMRequest, Scored
 from lwepp.picking import PickRequest, RoundRobin
 from lwepp.plugins import REGISTRY
-from lwepp.plugins.params import ConfigError, Params
 from lwepp.plugins.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
+from plugin import ConfigError, Params
 from pods.model import Endpoint
+from tests.plugin_fakes import configured
 
 REQUEST = LLMRequest("r", {})
 
@@ -52,7 +53,7 @@ def test_max_score_with_all_tied_is_the_cores_round_robin(n: int, picks: int) ->
     candidates = endpoints(n)
     for _ in range(picks):
         ours = picker.pick(REQUEST, [Scored(Candidate(e), 0.0, {}) for e in candidates])
-        assert list(ours) == list(round_robin.pick(PickRequest(()), candidates))
+        assert list(ours) == list(round_robin.pick(PickRequest(()), candidates).endpoints)
 
 
 @given(st.lists(st.floats(0, 10), min_size=1, max_size=8), st.integers(1, 8), st.integers(0, 20))
@@ -60,7 +61,7 @@ def test_max_score_never_puts_a_lower_total_first(
     totals: list[float], count: int, earlier: int
 ) -> None:
     """The list is ordered by total, best first, and holds min(N, candidates) distinct endpoints."""
-    picker = MaxScorePicker("m", max_endpoints=count)
+    picker = MaxScorePicker("m", Params({"maxNumOfEndpoints": count}))
     for _ in range(earlier):  # wherever the turn counter stands
         picker.pick(REQUEST, scored(totals))
     candidates = scored(totals)
@@ -74,24 +75,28 @@ def test_max_score_never_puts_a_lower_total_first(
 
 def test_max_score_returns_fallbacks_best_first() -> None:
     """``maxNumOfEndpoints: 3``: primary then two fallbacks in order of total."""
-    picker = MaxScorePicker("m", max_endpoints=3)
+    picker = MaxScorePicker("m", Params({"maxNumOfEndpoints": 3}))
     assert names(picker.pick(REQUEST, scored([0.1, 0.9, 0.5, 0.7]))) == ["p1", "p3", "p2"]
 
 
 def test_random_picker_ignores_scores_and_uses_the_injected_rng() -> None:
     """Uniform over the candidates: a seeded RNG makes the draw reproducible."""
-    first = RandomPicker("r", 2, random.Random(7)).pick(REQUEST, scored([1.0, 0.0, 0.0, 0.0]))
-    again = RandomPicker("r", 2, random.Random(7)).pick(REQUEST, scored([1.0, 0.0, 0.0, 0.0]))
+    first = RandomPicker("r", Params({"maxNumOfEndpoints": 2}), random.Random(7)).pick(
+        REQUEST, scored([1.0, 0.0, 0.0, 0.0])
+    )
+    again = RandomPicker("r", Params({"maxNumOfEndpoints": 2}), random.Random(7)).pick(
+        REQUEST, scored([1.0, 0.0, 0.0, 0.0])
+    )
     assert first == again
     assert len(set(first)) == 2
-    picker = RandomPicker("r", 1, random.Random(1))
+    picker = RandomPicker("r", Params({"maxNumOfEndpoints": 1}), random.Random(1))
     counts = Counter(names(picker.pick(REQUEST, scored([1.0, 0.0])))[0] for _ in range(2000))
     assert 850 < counts["p1"] < 1150  # the zero-scored endpoint is picked as often
 
 
 def test_weighted_random_follows_the_totals() -> None:
     """Probability proportional to the total: 3:1 totals give about 3:1 picks; 0 never first."""
-    picker = WeightedRandomPicker("w", 1, random.Random(3))
+    picker = WeightedRandomPicker("w", Params({"maxNumOfEndpoints": 1}), random.Random(3))
     counts = Counter(names(picker.pick(REQUEST, scored([3.0, 1.0, 0.0])))[0] for _ in range(4000))
     assert counts["p2"] == 0
     assert 2.6 < counts["p0"] / counts["p1"] < 3.4
@@ -99,7 +104,7 @@ def test_weighted_random_follows_the_totals() -> None:
 
 def test_weighted_random_puts_zero_totals_last_and_is_uniform_when_all_zero() -> None:
     """Zero totals come after every positive one; all zero is a uniform draw."""
-    picker = WeightedRandomPicker("w", 3, random.Random(5))
+    picker = WeightedRandomPicker("w", Params({"maxNumOfEndpoints": 3}), random.Random(5))
     for _ in range(50):
         assert names(picker.pick(REQUEST, scored([0.0, 0.5, 0.0])))[0] == "p1"
     uniform = Counter(names(picker.pick(REQUEST, scored([0.0, 0.0])))[0] for _ in range(2000))
@@ -109,7 +114,7 @@ def test_weighted_random_puts_zero_totals_last_and_is_uniform_when_all_zero() ->
 @pytest.mark.parametrize("kind", ["max-score-picker", "random-picker", "weighted-random-picker"])
 def test_pickers_are_registered_and_decode_max_num_of_endpoints(kind: str) -> None:
     """Each picker is in the registry under the router's name and reads ``maxNumOfEndpoints``."""
-    picker = REGISTRY[kind]("p", Params("p", {"maxNumOfEndpoints": 2}))
+    picker = REGISTRY[kind]("p", Params({"maxNumOfEndpoints": 2}, "p"))
     assert picker.max_endpoints == 2
     assert len(picker.pick(REQUEST, scored([0.5, 0.2, 0.1]))) == 2
 
@@ -126,4 +131,4 @@ def test_pickers_are_registered_and_decode_max_num_of_endpoints(kind: str) -> No
 def test_picker_parameters_are_strict(raw: dict[str, object], message: str) -> None:
     """A bad or unknown parameter is an error naming the plugin and the field."""
     with pytest.raises(ConfigError, match=message):
-        REGISTRY["max-score-picker"]("best", Params("best", raw))
+        configured("max-score-picker", raw, "best")

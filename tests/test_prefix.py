@@ -12,20 +12,21 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lwepp.hooks import (
+from lwepp.contracts import (
     Candidate,
     LLMRequest,
     Measurement,
     PickedHook,
     PrepareHook,
-    ResponseHook,
+    ResponseCompleteHook,
     Scorer,
 )
 from lwepp.plugins import REGISTRY
-from lwepp.plugins.params import ConfigError, Params
 from lwepp.plugins.prefix import PrefixCacheScorer, prompt_text
 from lwepp.plugins.prefix_index import PrefixIndex, block_hashes, seed
+from plugin import ConfigError, Params
 from pods.model import Endpoint
+from tests.plugin_fakes import configured
 
 BLOCK = 64  # 16 tokens × 4 characters
 
@@ -348,7 +349,7 @@ def test_auto_tune_block_size_and_capacity_from_metrics() -> None:
 def test_without_auto_tune_the_configuration_is_used() -> None:
     """``autoTune: false`` ignores what the servers report."""
     scorer = REGISTRY["prefix-cache-scorer"](
-        "p", Params("p", {"autoTune": False, "blockSizeTokens": 8, "lruCapacityPerServer": 7})
+        "p", Params({"autoTune": False, "blockSizeTokens": 8, "lruCapacityPerServer": 7}, "p")
     )
     pool = [cand("a", cache_block_size=32, cache_num_blocks=5)]
     request = req({"model": "m", "prompt": PROMPT})
@@ -361,7 +362,7 @@ def test_without_auto_tune_the_configuration_is_used() -> None:
 
 def test_max_prefix_tokens_overrides_blocks() -> None:
     """``maxPrefixTokensToMatch`` caps the hashed text at that many tokens."""
-    scorer = REGISTRY["prefix-cache-scorer"]("p", Params("p", {"maxPrefixTokensToMatch": 32}))
+    scorer = REGISTRY["prefix-cache-scorer"]("p", Params({"maxPrefixTokensToMatch": 32}, "p"))
     request = req({"model": "m", "prompt": PROMPT})
     scorer.prepare(request)
     assert len(request.state["p.prompt"].hashes) == 2
@@ -411,13 +412,13 @@ def test_endpoints_that_left_are_forgotten() -> None:
 )
 def test_bad_parameters_name_the_field(parameters: dict[str, Any], message: str) -> None:
     """Every configuration error names the plugin and the field."""
-    with pytest.raises(ConfigError, match=f"plugin p: parameters.*{message}"):
-        REGISTRY["prefix-cache-scorer"]("p", Params("p", parameters))
+    with pytest.raises(ConfigError, match=rf"plugin 'p' \(prefix-cache-scorer\): .*{message}"):
+        configured("prefix-cache-scorer", parameters)
 
 
 def test_defaults_are_the_routers() -> None:
     """autoTune true, 16-token blocks, 256 blocks, 31250 hashes per endpoint; body needed."""
-    scorer = REGISTRY["prefix-cache-scorer"]("p", Params("p", None))
+    scorer = REGISTRY["prefix-cache-scorer"]("p", Params(None, "p"))
     assert (scorer.auto_tune, scorer.block_tokens, scorer.max_blocks, scorer.lru_capacity) == (
         True,
         16,
@@ -426,5 +427,5 @@ def test_defaults_are_the_routers() -> None:
     )
     assert PrefixCacheScorer.needs_body
     # It plays all four parts of the plugin contract.
-    hooks: tuple[PrepareHook, Scorer, PickedHook, ResponseHook] = (scorer,) * 4
+    hooks: tuple[PrepareHook, Scorer, PickedHook, ResponseCompleteHook] = (scorer,) * 4
     assert len(hooks) == 4

@@ -7,15 +7,17 @@ from typing import Any
 
 import pytest
 
-from lwepp.hooks import Candidate, Filter, LLMRequest, Measurement, ResponseHook, Scorer
+from lwepp.contracts import Candidate, Filter, LLMRequest, Measurement, ResponseHeadersHook, Scorer
+from lwepp.pipeline import Pipeline
 from lwepp.plugins import REGISTRY
 from lwepp.plugins.kv_cache_scorer import KVCacheUtilizationScorer
 from lwepp.plugins.label_selector import LabelSelectorFilter
 from lwepp.plugins.lora_affinity import LoraAffinityScorer
-from lwepp.plugins.params import ConfigError, Params
 from lwepp.plugins.queue_scorer import QueueScorer
 from lwepp.plugins.session_affinity import SessionAffinityScorer, token
+from plugin import ConfigError, Params
 from pods.model import Endpoint
+from tests.plugin_fakes import configured
 
 NOW = 1000.0
 STALE = NOW - 5.0  # older than the default maxAgeSeconds (1 s)
@@ -83,7 +85,7 @@ def test_queue_scorer(queues: list[Any], expected: list[float]) -> None:
 
 def test_queue_scorer_max_age_parameter() -> None:
     """``maxAgeSeconds`` decides what is stale: 10 s makes a 5 s old measurement usable."""
-    lenient = REGISTRY["queue-scorer"]("queue", Params("queue", {"maxAgeSeconds": 10}))
+    lenient = REGISTRY["queue-scorer"]("queue", Params({"maxAgeSeconds": 10}, "queue"))
     old, fresh = candidate("old", STALE, queue_depth=0), candidate("fresh", queue_depth=4)
     assert scores(lenient, old, fresh) == [1.0, 0.0]
     assert scores(QueueScorer("queue"), old, fresh) == [0.0, 1.0]
@@ -205,7 +207,7 @@ def test_session_affinity_all_ports_of_the_pod() -> None:
 def test_session_affinity_sets_the_token_on_the_response(served: str | None, pod: str) -> None:
     """The response carries the token of the served endpoint's pod, else of the primary pick."""
     scorer = SessionAffinityScorer("s")
-    hook: ResponseHook = scorer
+    hook: ResponseHeadersHook = scorer
     req = LLMRequest("r", {})
     scorer.picked(
         req, [Endpoint("primary", "10.0.0.1", 8000), Endpoint("fallback", "10.0.0.2", 8000)]
@@ -264,7 +266,7 @@ POOL = [
 )
 def test_label_selector_filter(parameters: dict[str, Any], kept: str) -> None:
     """Kubernetes label-selector semantics; order of the candidates is kept."""
-    plugin: Filter = REGISTRY["label-selector-filter"]("f", Params("f", parameters))
+    plugin: Filter = REGISTRY["label-selector-filter"]("f", Params(parameters, "f"))
     assert "".join(c.endpoint.pod for c in plugin.filter(request(), POOL, NOW)) == kept
 
 
@@ -302,8 +304,8 @@ def test_label_selector_filter(parameters: dict[str, Any], kept: str) -> None:
 )
 def test_label_selector_bad_parameters(parameters: dict[str, Any], message: str) -> None:
     """Every configuration error names the plugin and the field."""
-    with pytest.raises(ConfigError, match=rf"plugin f: parameters.*{message}"):
-        REGISTRY["label-selector-filter"]("f", Params("f", parameters))
+    with pytest.raises(ConfigError, match=rf"plugin 'f' \(label-selector-filter\): .*{message}"):
+        configured("label-selector-filter", parameters, "f")
 
 
 # --- shared ---------------------------------------------------------------------
@@ -324,7 +326,7 @@ def test_label_selector_bad_parameters(parameters: dict[str, Any], message: str)
 def test_metric_scorers_share_max_age(kind: str, parameters: dict[str, Any], message: str) -> None:
     """Scorers reading metrics take ``maxAgeSeconds`` and nothing else."""
     with pytest.raises(ConfigError, match=message):
-        REGISTRY[kind](kind, Params(kind, parameters))
+        configured(kind, parameters)
 
 
 def test_declared_reads() -> None:
@@ -332,4 +334,5 @@ def test_declared_reads() -> None:
     assert QueueScorer.reads == {"queue_depth"}
     assert KVCacheUtilizationScorer.reads == {"kv_cache_usage"}
     assert LoraAffinityScorer.reads == {"lora_running", "lora_waiting", "lora_max"}
-    assert SessionAffinityScorer.reads == LabelSelectorFilter.reads == frozenset()
+    reading_nothing = Pipeline([SessionAffinityScorer("s"), LabelSelectorFilter("f")])
+    assert reading_nothing.reads == frozenset()  # no ``reads``: the rule's default, none

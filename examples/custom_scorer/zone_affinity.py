@@ -1,7 +1,7 @@
 """A scorer of one's own for Switchyard's endpoint picker: keep each client in its zone.
 
 Nothing here is part of Switchyard. The module imports the plugin contracts
-(``lwepp.hooks``) and the parameter decoder, and is named in the picker's
+(``lwepp.contracts``) and the parameter decoder (``plugin.Params``), and is named in the picker's
 configuration by dotted path — no fork, no registration::
 
     - type: examples.custom_scorer.zone_affinity.ZoneAffinityScorer
@@ -23,17 +23,13 @@ the request headers alone.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
 
-from lwepp.hooks import Candidate, LLMRequest
-from lwepp.plugins.params import Params
+from lwepp.contracts import Candidate, LLMRequest
+from plugin import Params
 
 
 class ZoneAffinityScorer:
-    """Prefer the endpoints in the zone the request names (a ``Scorer``, ``lwepp.hooks``)."""
-
-    reads: ClassVar[frozenset[str]] = frozenset()
-    needs_body: ClassVar[bool] = False
+    """Prefer the endpoints in the zone the request names (a ``Scorer``, ``lwepp.contracts``)."""
 
     def __init__(self, name: str, params: Params) -> None:
         self.name = name

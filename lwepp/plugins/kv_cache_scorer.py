@@ -18,20 +18,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar, Final
 
-from lwepp.hooks import Candidate, LLMRequest
-from lwepp.plugins.params import Params
-from lwepp.plugins.staleness import MAX_AGE_SECONDS, max_age
+from lwepp.contracts import Candidate, LLMRequest
+from lwepp.plugins.staleness import max_age
+from plugin import NO_PARAMS, Params
 
 UNKNOWN_SCORE: Final = 0.5
 
 
 class KVCacheUtilizationScorer:
     reads: ClassVar[frozenset[str]] = frozenset({"kv_cache_usage"})
-    needs_body: ClassVar[bool] = False
 
-    def __init__(self, name: str, max_age: float = MAX_AGE_SECONDS) -> None:
+    def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         self.name = name
-        self.max_age = max_age
+        self.max_age = max_age(params)
 
     def score(
         self, request: LLMRequest, candidates: Sequence[Candidate], now: float
@@ -41,10 +40,3 @@ class KVCacheUtilizationScorer:
             usage = candidate.value("kv_cache_usage", now, self.max_age)
             scores.append(UNKNOWN_SCORE if usage is None else 1.0 - min(max(usage, 0.0), 1.0))
         return scores
-
-
-def build(name: str, params: Params) -> KVCacheUtilizationScorer:
-    """The registry's factory for ``kv-cache-utilization-scorer``."""
-    scorer = KVCacheUtilizationScorer(name, max_age(params))
-    params.done()
-    return scorer

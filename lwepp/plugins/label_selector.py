@@ -16,10 +16,10 @@ there is no unknown data.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Final
+from typing import Any, Final
 
-from lwepp.hooks import Candidate, LLMRequest
-from lwepp.plugins.params import Params
+from lwepp.contracts import Candidate, LLMRequest
+from plugin import NO_PARAMS, Params
 
 Requirement = Callable[[Mapping[str, str]], bool]
 OPERATORS: Final = ("In", "NotIn", "Exists", "DoesNotExist")
@@ -40,18 +40,14 @@ def requirement(key: str, operator: str, values: frozenset[str]) -> Requirement:
 
 
 class LabelSelectorFilter:
-    reads: ClassVar[frozenset[str]] = frozenset()
-    needs_body: ClassVar[bool] = False
-
-    def __init__(
-        self,
-        name: str,
-        match_labels: Mapping[str, str] | None = None,
-        requirements: Sequence[Requirement] = (),
-    ) -> None:
+    def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         self.name = name
-        self.match_labels = dict(match_labels or {})
-        self.requirements = tuple(requirements)
+        self.match_labels: Mapping[str, str] = params.get("matchLabels", dict, {})
+        for key, value in self.match_labels.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise params.error(f"matchLabels.{key}", "expected a string value")
+        expressions: list[Any] = params.get("matchExpressions", list, [])
+        self.requirements = [_expression(params, i, raw) for i, raw in enumerate(expressions)]
 
     def matches(self, labels: Mapping[str, str]) -> bool:
         for key, value in self.match_labels.items():
@@ -88,15 +84,3 @@ def _expression(params: Params, index: int, raw: Any) -> Requirement:
     if operator in ("Exists", "DoesNotExist") and values:
         raise params.error(f"{where}.values", f"must be empty with operator {operator}")
     return requirement(key, operator, frozenset(values))
-
-
-def build(name: str, params: Params) -> LabelSelectorFilter:
-    """The registry's factory for ``label-selector-filter``."""
-    labels: Mapping[str, Any] = params.get("matchLabels", dict, {})
-    for key, value in labels.items():
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise params.error(f"matchLabels.{key}", "expected a string value")
-    expressions: list[Any] = params.get("matchExpressions", list, [])
-    requirements = [_expression(params, i, raw) for i, raw in enumerate(expressions)]
-    params.done()
-    return LabelSelectorFilter(name, labels, requirements)

@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar, Final
 
-from lwepp.hooks import Candidate, LLMRequest
-from lwepp.plugins.params import Params
-from lwepp.plugins.staleness import MAX_AGE_SECONDS, max_age
+from lwepp.contracts import Candidate, LLMRequest
+from lwepp.plugins.staleness import max_age
+from plugin import NO_PARAMS, Params
 
 RUNNING: Final = 1.0
 ROOM: Final = 0.8
@@ -36,11 +36,10 @@ WAITING: Final = 0.6
 
 class LoraAffinityScorer:
     reads: ClassVar[frozenset[str]] = frozenset({"lora_running", "lora_waiting", "lora_max"})
-    needs_body: ClassVar[bool] = False
 
-    def __init__(self, name: str, max_age: float = MAX_AGE_SECONDS) -> None:
+    def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         self.name = name
-        self.max_age = max_age
+        self.max_age = max_age(params)
 
     def score(
         self, request: LLMRequest, candidates: Sequence[Candidate], now: float
@@ -61,10 +60,3 @@ class LoraAffinityScorer:
         if len(running) + len(waiting) < slots:
             return ROOM
         return WAITING if model in waiting else 0.0
-
-
-def build(name: str, params: Params) -> LoraAffinityScorer:
-    """The registry's factory for ``lora-affinity-scorer``."""
-    scorer = LoraAffinityScorer(name, max_age(params))
-    params.done()
-    return scorer

@@ -60,15 +60,15 @@ timestamp: the newest series wins (as the router does).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Final, Unpack
+from typing import Any, ClassVar, Final
 
 import aiohttp
 
 from lwepp.plugins import polling
-from lwepp.plugins.params import Params
 from lwepp.plugins.prometheus import Families, Selector, parse, parse_selector
+from plugin import NO_PARAMS, Params
 from pods.model import Endpoint
 
 ENGINE_LABEL: Final = "llm-d.ai/engine-type"
@@ -233,21 +233,18 @@ class MetricsDataSource(polling.HttpSource):
     default_path: ClassVar[str] = "/metrics"
     default_interval: ClassVar[float] = 0.1
 
-    def __init__(
-        self,
-        name: str,
-        *,
-        engines: Mapping[str, EngineMapping] = BUILTIN_ENGINES,
-        default_engine: str = "vllm",
-        engine_label: str = ENGINE_LABEL,
-        **http: Unpack[polling.HttpOptions],
-    ) -> None:
-        if default_engine not in engines:
-            raise ValueError(f"default engine {default_engine!r} is not configured")
-        super().__init__(name, **http)
-        self.engines = dict(engines)
-        self.default_engine = default_engine
-        self.engine_label = engine_label
+    def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
+        super().__init__(name, params)
+        self.engines = dict(BUILTIN_ENGINES)
+        for index, raw in enumerate(params.get("engineConfigs", list, [])):
+            mapping = _engine_config(params, index, raw)
+            self.engines[mapping.name] = (
+                mapping  # replaces a built-in engine of the same name whole
+            )
+        self.default_engine = params.get("defaultEngine", str, "vllm")
+        if self.default_engine not in self.engines:
+            raise params.error("defaultEngine", f"no engine named {self.default_engine!r}")
+        self.engine_label = params.get("engineLabelKey", str, ENGINE_LABEL)
         self._names = {key: m.metric_names for key, m in self.engines.items()}
 
     def engine_of(self, endpoint: Endpoint) -> EngineMapping:
@@ -307,25 +304,3 @@ def _engine_config(params: Params, index: int, raw: Any) -> EngineMapping:
             except ValueError as error:
                 raise params.error(f"{where}.{key}", str(error)) from None
     return EngineMapping(name, **fields)
-
-
-def build(name: str, params: Params) -> MetricsDataSource:
-    """The registry's factory for ``metrics-data-source``."""
-    options = polling.http_params(params, MetricsDataSource)
-    engines = dict(BUILTIN_ENGINES)
-    configs: Sequence[Any] = params.get("engineConfigs", list, [])
-    for index, raw in enumerate(configs):
-        mapping = _engine_config(params, index, raw)
-        engines[mapping.name] = mapping  # replaces a built-in engine of the same name whole
-    default = params.get("defaultEngine", str, "vllm")
-    if default not in engines:
-        raise params.error("defaultEngine", f"no engine named {default!r}")
-    label = params.get("engineLabelKey", str, ENGINE_LABEL)
-    params.done()
-    return MetricsDataSource(
-        name,
-        engines=engines,
-        default_engine=default,
-        engine_label=label,
-        **options,
-    )

@@ -25,7 +25,6 @@ import aiohttp
 import orjson
 
 from lwepp.plugins import polling
-from lwepp.plugins.params import Params
 from pods.model import Endpoint
 
 DEFAULT_INTERVAL: Final = 2.0
@@ -54,10 +53,3 @@ class ModelsDataSource(polling.HttpSource):
     ) -> dict[str, float | frozenset[str]]:
         """The ids listed; ValueError if the answer is not a model list (or not JSON)."""
         return {"served_models": served_models(orjson.loads(await response.read()))}
-
-
-def build(name: str, params: Params) -> ModelsDataSource:
-    """The registry's factory for ``models-data-source``."""
-    options = polling.http_params(params, ModelsDataSource)
-    params.done()
-    return ModelsDataSource(name, **options)

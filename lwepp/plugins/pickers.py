@@ -34,14 +34,14 @@ import itertools
 import random
 from collections.abc import Sequence
 from operator import attrgetter
-from typing import ClassVar
 
-from lwepp.hooks import LLMRequest, Scored
-from lwepp.plugins.params import Params
+from lwepp.contracts import LLMRequest, Scored
+from plugin import NO_PARAMS, Params
 from pods.model import Endpoint
 
 
-def _max_endpoints(params: Params) -> int:
+def max_endpoints(params: Params) -> int:
+    """The ``maxNumOfEndpoints`` parameter every picker takes (default 1, at least 1)."""
     count = params.get("maxNumOfEndpoints", int, 1)
     if count < 1:
         raise params.error("maxNumOfEndpoints", f"must be at least 1, got {count}")
@@ -51,12 +51,9 @@ def _max_endpoints(params: Params) -> int:
 class MaxScorePicker:
     """The highest totals first; equal totals in turn (see the module docstring)."""
 
-    reads: ClassVar[frozenset[str]] = frozenset()
-    needs_body: ClassVar[bool] = False
-
-    def __init__(self, name: str, max_endpoints: int = 1) -> None:
+    def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         self.name = name
-        self.max_endpoints = max_endpoints
+        self.max_endpoints = max_endpoints(params)
         # As the core's RoundRobin: advanced before use, so the first pick takes the second.
         self._turns = itertools.count(1)
 
@@ -81,12 +78,11 @@ class MaxScorePicker:
 class RandomPicker:
     """``maxNumOfEndpoints`` candidates uniformly at random; the scores are not looked at."""
 
-    reads: ClassVar[frozenset[str]] = frozenset()
-    needs_body: ClassVar[bool] = False
-
-    def __init__(self, name: str, max_endpoints: int = 1, rng: random.Random | None = None) -> None:
+    def __init__(
+        self, name: str, params: Params = NO_PARAMS, rng: random.Random | None = None
+    ) -> None:
         self.name = name
-        self.max_endpoints = max_endpoints
+        self.max_endpoints = max_endpoints(params)
         self.rng = rng or random.Random()
 
     def pick(self, request: LLMRequest, scored: Sequence[Scored]) -> Sequence[Endpoint]:
@@ -94,16 +90,8 @@ class RandomPicker:
         return [s.candidate.endpoint for s in drawn]
 
 
-class WeightedRandomPicker:
+class WeightedRandomPicker(RandomPicker):
     """At random, each candidate's chance proportional to its total (see the module docstring)."""
-
-    reads: ClassVar[frozenset[str]] = frozenset()
-    needs_body: ClassVar[bool] = False
-
-    def __init__(self, name: str, max_endpoints: int = 1, rng: random.Random | None = None) -> None:
-        self.name = name
-        self.max_endpoints = max_endpoints
-        self.rng = rng or random.Random()
 
     def pick(self, request: LLMRequest, scored: Sequence[Scored]) -> Sequence[Endpoint]:
         draw = self.rng.random
@@ -111,24 +99,3 @@ class WeightedRandomPicker:
         keys = [draw() ** (1.0 / s.total) if s.total > 0 else draw() - 1.0 for s in scored]
         order = sorted(range(len(scored)), key=keys.__getitem__, reverse=True)
         return [scored[i].candidate.endpoint for i in order[: self.max_endpoints]]
-
-
-def max_score(name: str, params: Params) -> MaxScorePicker:
-    """The registry's factory for ``max-score-picker``."""
-    picker = MaxScorePicker(name, _max_endpoints(params))
-    params.done()
-    return picker
-
-
-def random_picker(name: str, params: Params) -> RandomPicker:
-    """The registry's factory for ``random-picker``."""
-    picker = RandomPicker(name, _max_endpoints(params))
-    params.done()
-    return picker
-
-
-def weighted_random(name: str, params: Params) -> WeightedRandomPicker:
-    """The registry's factory for ``weighted-random-picker``."""
-    picker = WeightedRandomPicker(name, _max_endpoints(params))
-    params.done()
-    return picker

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import ClassVar, Final, TypedDict
+from typing import ClassVar, Final
 
 import aiohttp
 import structlog
 
-from lwepp.hooks import AttributeWriter, Measurement
-from lwepp.plugins.params import Params
+from lwepp.contracts import AttributeWriter, Measurement
+from plugin import NO_PARAMS, Params
 from pods.model import Endpoint
 
 log = structlog.get_logger()
@@ -110,48 +110,41 @@ async def _poll_one(
         await asyncio.sleep(interval)
 
 
-def url(endpoint: Endpoint, scheme: str, path: str) -> str:
-    return f"{scheme}://{endpoint.hostport}{path}"
-
-
-class HttpOptions(TypedDict, total=False):
-    """``HttpSource``'s keyword arguments, as ``http_params`` reads them from config."""
-
-    interval: float
-    timeout: float
-    scheme: str
-    path: str
-    verify_tls: bool
-
-
 class HttpSource:
     """A data source that asks every endpoint ``<scheme>://<ip:port><path>``.
 
     A subclass names what it polls (``what``, for logs and task names), its
     default path and interval, and reads one 200 answer in ``answer``; asking
     (``fetch``) and the loop (``run``, the ``DataSource`` contract) are here.
+
+    Parameters both sources share: ``scheme``, ``path`` and
+    ``insecureSkipVerify`` are the llm-d router's (default ``http``, the
+    subclass's path, true); ``refreshIntervalSeconds`` (the subclass's
+    interval) and ``timeoutSeconds`` (1.0) are Switchyard's (the router sets
+    them by flag).
     """
 
     what: ClassVar[str]
     default_path: ClassVar[str]
     default_interval: ClassVar[float]
 
-    def __init__(
-        self,
-        name: str,
-        *,
-        interval: float | None = None,
-        timeout: float = 1.0,
-        scheme: str = "http",
-        path: str | None = None,
-        verify_tls: bool = False,
-    ) -> None:
+    def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         self.name = name
-        self.interval = self.default_interval if interval is None else interval
-        self.timeout = timeout
-        self.scheme = scheme
-        self.path = self.default_path if path is None else path
-        self.verify_tls = verify_tls
+        self.scheme = params.get("scheme", str, "http")
+        if self.scheme not in SCHEMES:
+            raise params.error(
+                "scheme", f"expected one of {', '.join(SCHEMES)}, got {self.scheme!r}"
+            )
+        self.path = params.get("path", str, self.default_path)
+        if not self.path.startswith("/"):
+            raise params.error("path", f"must start with '/', got {self.path!r}")
+        self.interval = params.get("refreshIntervalSeconds", float, self.default_interval)
+        if self.interval <= 0:
+            raise params.error("refreshIntervalSeconds", f"must be > 0, got {self.interval}")
+        self.timeout = params.get("timeoutSeconds", float, 1.0)
+        if self.timeout <= 0:
+            raise params.error("timeoutSeconds", f"must be > 0, got {self.timeout}")
+        self.verify_tls = not params.get("insecureSkipVerify", bool, True)
 
     async def answer(self, endpoint: Endpoint, response: aiohttp.ClientResponse) -> Values:
         """The attributes one 200 answer of ``endpoint`` holds; raise if it holds none."""
@@ -160,7 +153,7 @@ class HttpSource:
     async def fetch(self, session: aiohttp.ClientSession, endpoint: Endpoint) -> Values:
         """Ask one endpoint once; raises on a refused connection, a timeout, a non-200 or
         an answer ``answer`` rejects."""
-        async with session.get(url(endpoint, self.scheme, self.path)) as response:
+        async with session.get(f"{self.scheme}://{endpoint.hostport}{self.path}") as response:
             response.raise_for_status()
             return await self.answer(endpoint, response)
 
@@ -180,29 +173,3 @@ class HttpSource:
             verify_tls=self.verify_tls,
             what=self.what,
         )
-
-
-def http_params(params: Params, source: type[HttpSource]) -> HttpOptions:
-    """The parameters both HTTP sources share: scheme, path, interval, timeout, TLS check.
-
-    ``scheme``, ``path`` and ``insecureSkipVerify`` are the llm-d router's
-    (default ``http``, ``source.default_path``, true); ``refreshIntervalSeconds``
-    (``source.default_interval``) and ``timeoutSeconds`` (1.0) are Switchyard's
-    (the router sets them by flag).
-    """
-    scheme = params.get("scheme", str, "http")
-    if scheme not in SCHEMES:
-        raise params.error("scheme", f"expected one of {', '.join(SCHEMES)}, got {scheme!r}")
-    path = params.get("path", str, source.default_path)
-    if not path.startswith("/"):
-        raise params.error("path", f"must start with '/', got {path!r}")
-    interval = params.get("refreshIntervalSeconds", float, source.default_interval)
-    if interval <= 0:
-        raise params.error("refreshIntervalSeconds", f"must be > 0, got {interval}")
-    timeout = params.get("timeoutSeconds", float, 1.0)
-    if timeout <= 0:
-        raise params.error("timeoutSeconds", f"must be > 0, got {timeout}")
-    insecure = params.get("insecureSkipVerify", bool, True)
-    return HttpOptions(
-        scheme=scheme, path=path, interval=interval, timeout=timeout, verify_tls=not insecure
-    )

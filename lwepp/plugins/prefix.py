@@ -50,36 +50,22 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Final
+from typing import Any, Final
 
-import orjson
-
-from lwepp.hooks import Candidate, LLMRequest, Usage
-from lwepp.plugins.params import Params
+from lwepp.contracts import Candidate, LLMRequest, Usage
 from lwepp.plugins.prefix_index import PrefixIndex, block_hashes, seed
+from plugin import NO_PARAMS, Params
+from plugin.frozen import dumps
 from pods.model import Endpoint
 
 CHARS_PER_TOKEN: Final = 4
 CLEANUP_SECONDS: Final = 120.0
 
 
-def _plain(value: Any) -> Any:
-    """orjson's fallback for read-only views of the body: turn them back into dicts and lists."""
-    if isinstance(value, Mapping):
-        return dict(value)
-    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
-        return list(value)
-    raise TypeError(f"not JSON: {type(value).__name__}")
-
-
-def _json(value: Any) -> bytes:
-    return orjson.dumps(value, default=_plain)
-
-
 def prompt_text(body: Mapping[str, Any]) -> bytes | None:
     """The bytes the prefix hashes cover (see the module docstring), or None."""
     if "messages" in body:
-        return _json(body["messages"])
+        return dumps(body["messages"])
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return prompt.encode()
@@ -88,10 +74,10 @@ def prompt_text(body: Mapping[str, Any]) -> bytes | None:
     if "input" in body:
         if "instructions" in body or "tools" in body:
             parts = [{key: body[key]} for key in ("instructions", "tools") if key in body]
-            return _json([*parts, {"input": body["input"]}])
-        return _json(body["input"])
+            return dumps([*parts, {"input": body["input"]}])
+        return dumps(body["input"])
     if "items" in body:
-        return _json(body["items"])
+        return dumps(body["items"])
     return None
 
 
@@ -106,32 +92,32 @@ class Prepared:
 
 
 class PrefixCacheScorer:
-    reads: ClassVar[frozenset[str]] = frozenset()
-    needs_body: ClassVar[bool] = True
+    needs_body = True
 
-    def __init__(
-        self,
-        name: str,
-        *,
-        auto_tune: bool = True,
-        block_tokens: int = 16,
-        max_blocks: int = 256,
-        max_tokens: int = 0,
-        lru_capacity: int = 31250,
-    ) -> None:
+    def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         self.name = name
-        self.auto_tune = auto_tune
-        self.block_tokens = block_tokens
-        self.max_blocks = max_blocks
-        self.max_tokens = max_tokens
-        self.lru_capacity = lru_capacity
+        self.auto_tune = params.get("autoTune", bool, True)
+        self.block_tokens = params.get("blockSizeTokens", int, 16)
+        if self.block_tokens < 0 or (self.block_tokens == 0 and not self.auto_tune):
+            raise params.error(
+                "blockSizeTokens", f"must be > 0 without autoTune, got {self.block_tokens}"
+            )
+        self.max_blocks = params.get("maxPrefixBlocksToMatch", int, 256)
+        if self.max_blocks < 0:
+            raise params.error("maxPrefixBlocksToMatch", f"must be >= 0, got {self.max_blocks}")
+        self.max_tokens = params.get("maxPrefixTokensToMatch", int, 0)
+        if self.max_tokens < 0:
+            raise params.error("maxPrefixTokensToMatch", f"must be >= 0, got {self.max_tokens}")
+        self.lru_capacity = params.get("lruCapacityPerServer", int, 31250)
+        if self.lru_capacity <= 0:
+            raise params.error("lruCapacityPerServer", f"must be > 0, got {self.lru_capacity}")
         self.index = PrefixIndex()
         self._key = f"{name}.prompt"
         self._candidates = f"{name}.candidates"
         self._learned = f"{name}.learned"
         # The block size prompts are hashed with before candidates are known:
         # the last one the candidates reported (they rarely change).
-        self._tuned_tokens = block_tokens
+        self._tuned_tokens = self.block_tokens
         self._seen: set[str] = set()
         self._swept: float | None = None
 
@@ -202,14 +188,6 @@ class PrefixCacheScorer:
         if endpoints and self._learn(request, endpoints[0].hostport):
             request.state[self._learned] = endpoints[0].hostport
 
-    def response_headers(
-        self, request: LLMRequest, served: str | None, headers: Mapping[str, str]
-    ) -> Mapping[str, str]:
-        return {}
-
-    def response_chunk(self, request: LLMRequest, chunk: bytes) -> None:
-        return None
-
     def response_complete(
         self, request: LLMRequest, served: str | None, usage: Usage | None
     ) -> None:
@@ -228,29 +206,3 @@ class PrefixCacheScorer:
         self.index.add(endpoint, prepared.hashes, capacity)
         self._seen.add(endpoint)
         return True
-
-
-def build(name: str, params: Params) -> PrefixCacheScorer:
-    """The registry's factory for ``prefix-cache-scorer``."""
-    auto_tune = params.get("autoTune", bool, True)
-    block_tokens = params.get("blockSizeTokens", int, 16)
-    if block_tokens < 0 or (block_tokens == 0 and not auto_tune):
-        raise params.error("blockSizeTokens", f"must be > 0 without autoTune, got {block_tokens}")
-    max_blocks = params.get("maxPrefixBlocksToMatch", int, 256)
-    if max_blocks < 0:
-        raise params.error("maxPrefixBlocksToMatch", f"must be >= 0, got {max_blocks}")
-    max_tokens = params.get("maxPrefixTokensToMatch", int, 0)
-    if max_tokens < 0:
-        raise params.error("maxPrefixTokensToMatch", f"must be >= 0, got {max_tokens}")
-    capacity = params.get("lruCapacityPerServer", int, 31250)
-    if capacity <= 0:
-        raise params.error("lruCapacityPerServer", f"must be > 0, got {capacity}")
-    params.done()
-    return PrefixCacheScorer(
-        name,
-        auto_tune=auto_tune,
-        block_tokens=block_tokens,
-        max_blocks=max_blocks,
-        max_tokens=max_tokens,
-        lru_capacity=capacity,
-    )

@@ -21,18 +21,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from lwepp.hooks import Candidate, LLMRequest
-from lwepp.plugins.params import Params
-from lwepp.plugins.staleness import MAX_AGE_SECONDS, max_age
+from lwepp.contracts import Candidate, LLMRequest
+from lwepp.plugins.staleness import max_age
+from plugin import NO_PARAMS, Params
 
 
 class QueueScorer:
     reads: ClassVar[frozenset[str]] = frozenset({"queue_depth"})
-    needs_body: ClassVar[bool] = False
 
-    def __init__(self, name: str, max_age: float = MAX_AGE_SECONDS) -> None:
+    def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         self.name = name
-        self.max_age = max_age
+        self.max_age = max_age(params)
 
     def score(
         self, request: LLMRequest, candidates: Sequence[Candidate], now: float
@@ -46,10 +45,3 @@ class QueueScorer:
             return [0.0 if q is None else 1.0 for q in depths]
         span = longest - shortest
         return [0.0 if q is None else (longest - q) / span for q in depths]
-
-
-def build(name: str, params: Params) -> QueueScorer:
-    """The registry's factory for ``queue-scorer``."""
-    scorer = QueueScorer(name, max_age(params))
-    params.done()
-    return scorer

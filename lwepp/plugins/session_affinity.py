@@ -21,10 +21,10 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Mapping, Sequence
-from typing import ClassVar, Final
+from typing import Final
 
-from lwepp.hooks import Candidate, LLMRequest, Usage
-from lwepp.plugins.params import Params
+from lwepp.contracts import Candidate, LLMRequest
+from plugin import NO_PARAMS, Params
 from pods.model import Endpoint
 
 HEADER: Final = "x-session-token"
@@ -44,10 +44,7 @@ def pod_of(value: str) -> str | None:
 
 
 class SessionAffinityScorer:
-    reads: ClassVar[frozenset[str]] = frozenset()
-    needs_body: ClassVar[bool] = False
-
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         self.name = name
         self._picked = f"{name}.picked"
 
@@ -69,17 +66,3 @@ class SessionAffinityScorer:
             return {}
         pod = next((e.pod for e in picked if e.hostport == served), picked[0].pod)
         return {HEADER: token(pod)}
-
-    def response_chunk(self, request: LLMRequest, chunk: bytes) -> None:
-        return None
-
-    def response_complete(
-        self, request: LLMRequest, served: str | None, usage: Usage | None
-    ) -> None:
-        return None
-
-
-def build(name: str, params: Params) -> SessionAffinityScorer:
-    """The registry's factory for ``session-affinity-scorer``."""
-    params.done()
-    return SessionAffinityScorer(name)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from lwepp.plugins.params import Params
+from plugin import Params
 
 MAX_AGE_SECONDS: Final = 1.0
 

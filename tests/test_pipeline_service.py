@@ -1,4 +1,4 @@
-"""LWEPP hosting the pipeline, over real gRPC: equivalence with the core, explain, hooks, fallbacks."""
+"""The pipeline as LWEPP's strategy, over real gRPC: equivalence with the core, explain, hooks."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import pytest
 from google.protobuf import json_format
 from prometheus_client import CollectorRegistry
 
-from lwepp.hooked import DECISION_HEADER, EXPLAIN_HEADER, DecisionLog, HookedService
-from lwepp.hooks import Usage
+from lwepp.contracts import Usage
 from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, Pool, RoundRobin, Strategy
-from lwepp.pipeline import Pipeline, PipelineMetrics, Weighted
+from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER, DecisionLog, Pipeline, PipelineMetrics
 from lwepp.plugins.pickers import MaxScorePicker
-from lwepp.server import EndpointPickerService, Metrics
+from lwepp.server import EndpointPickerService, PickerMetrics
+from plugin import Params
 from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse
 from protos.server import Handler
 from protos.testing import (
@@ -51,8 +51,11 @@ def pool() -> Pool:
     return Pool(StaticPods(*PODS), {"pool": "a"})
 
 
-def hooked(pipeline: Pipeline, **options: Any) -> HookedService:
-    return HookedService(pool(), pipeline, Metrics(CollectorRegistry()), **options)
+def service(strategy: Strategy, max_body_bytes: int = 1024) -> EndpointPickerService:
+    """The core service with ``strategy`` plugged in: the one seam."""
+    return EndpointPickerService(
+        pool(), strategy, PickerMetrics(CollectorRegistry()), max_body_bytes
+    )
 
 
 @asynccontextmanager
@@ -112,6 +115,18 @@ SCENARIOS: list[list[ProcessingRequest]] = [
 ]
 
 
+def without_decision(serialised: bytes) -> bytes:
+    """A reply with the ``x-switchyard-decision`` header taken out, serialised again."""
+    reply = ProcessingResponse.FromString(serialised)
+    if reply.WhichOneof("response") != "response_headers":
+        return serialised
+    mutation = reply.response_headers.response.header_mutation
+    kept = [h for h in mutation.set_headers if h.header.key != DECISION_HEADER]
+    del mutation.set_headers[:]
+    mutation.set_headers.extend(kept)
+    return bytes(reply.SerializeToString())
+
+
 async def exchanges(handler: Handler, rounds: int = 3) -> list[bytes]:
     """Every reply to every scenario, ``rounds`` times over (the counter moves on), serialised."""
     replies: list[bytes] = []
@@ -125,22 +140,29 @@ async def exchanges(handler: Handler, rounds: int = 3) -> list[bytes]:
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: EndpointPickerService(pool(), Pipeline(), Metrics(CollectorRegistry()), 48),
-        lambda: hooked(Pipeline(), max_body_bytes=48),
-        lambda: hooked(Pipeline(picker=MaxScorePicker("best")), max_body_bytes=48, explain="off"),
+        lambda: Pipeline(),
+        lambda: Pipeline([MaxScorePicker("best")], explain="off"),
+        lambda: Pipeline(explain="all", decisions=DecisionLog(0)),
     ],
-    ids=["pipeline-as-strategy", "hooked-service", "hooked-explain-off"],
+    ids=["pipeline", "named-picker-explain-off", "explain-all"],
 )
 def test_with_no_scorers_the_replies_are_the_cores_byte_for_byte(
-    make: Callable[[], EndpointPickerService],
+    make: Callable[[], Pipeline],
 ) -> None:
-    """No scorers configured: every ext_proc reply, serialised, equals plain round-robin's."""
+    """No scorers configured: every ext_proc reply, serialised, equals plain round-robin's.
+
+    With ``explain="all"`` only the response headers differ (they carry the
+    decision), so that variant is compared with the decision header taken out.
+    """
 
     async def scenario() -> None:
-        core = EndpointPickerService(pool(), RoundRobin(), Metrics(CollectorRegistry()), 48)
-        expected = await exchanges(core)
+        expected = await exchanges(service(RoundRobin(), 48))
         assert len(expected) > 3 * len(SCENARIOS)
-        assert await exchanges(make()) == expected
+        pipeline = make()
+        got = await exchanges(service(pipeline, 48))
+        if pipeline.explain == "all":
+            got = [without_decision(reply) for reply in got]
+        assert got == expected
 
     run(scenario)
 
@@ -150,15 +172,15 @@ def test_with_no_scorers_the_replies_are_the_cores_byte_for_byte(
 
 def test_an_explained_request_gets_the_decision_in_a_response_header() -> None:
     """``x-switchyard-explain: 1`` → ``x-switchyard-decision``: scores, weights, totals, pick."""
-    pipeline = Pipeline(
-        filters=[FakeFilter("no-a", [A])],
-        scorers=[Weighted(FakeScorer("queue", {C: 1.0, B: 0.5}), 2.0)],
-    )
     decisions = DecisionLog(size=2)
-    service = hooked(pipeline, decisions=decisions)
+    pipeline = Pipeline(
+        [FakeFilter("no-a", [A]), FakeScorer("queue", {C: 1.0, B: 0.5})],
+        weights={"queue": 2.0},
+        decisions=decisions,
+    )
 
     async def scenario() -> None:
-        async with serving(service, json_routes={"/debug/decisions": decisions.render}) as (
+        async with serving(service(pipeline), json_routes=pipeline.debug_pages()) as (
             client,
             metrics_port,
         ):
@@ -198,10 +220,10 @@ def test_an_explained_request_gets_the_decision_in_a_response_header() -> None:
 
 def test_when_filters_leave_nobody_the_503_carries_the_explanation() -> None:
     """No candidate left: 503, and an explained request learns which filter removed whom."""
-    service = hooked(Pipeline(filters=[FakeFilter("nobody", [A, B, B2, C])]))
+    picker = service(Pipeline([FakeFilter("nobody", [A, B, B2, C])]))
 
     async def scenario() -> None:
-        async with serving(service) as (client, _):
+        async with serving(picker) as (client, _):
             (reply,) = await client.exchange(
                 [request_headers({**POST, EXPLAIN_HEADER: "true"}, end_of_stream=True)]
             )
@@ -242,10 +264,10 @@ def test_response_hooks_hear_headers_chunks_and_completion_with_usage(
     """Headers (their additions reach the reply), each chunk, then served endpoint and usage."""
     log: list[tuple[str, str, Any]] = []
     hook = RecordingHook("hook", log, add_headers={"x-session-token": "abc"})
-    service = hooked(Pipeline(responses=[hook]))
+    picker = service(Pipeline([hook]))
 
     async def scenario() -> None:
-        async with serving(service) as (client, _):
+        async with serving(picker) as (client, _):
             replies = await client.exchange(
                 [
                     request_headers(POST, end_of_stream=True, body_modes=STREAM_RESPONSE),
@@ -266,22 +288,24 @@ def test_response_hooks_hear_headers_chunks_and_completion_with_usage(
 
     run(scenario)
     assert [stage for _, stage, _ in log] == [
+        "prepare",
+        "picked",
         "response_headers",
         "response_chunk",
         "response_chunk",
         "response_complete",
     ]
-    assert log[0][2] == (C, "200")
+    assert log[2][2] == (C, "200")
     assert log[-1][2] == (C, usage)
 
 
 def test_without_a_response_body_the_exchange_completes_at_the_headers() -> None:
     """Response body mode NONE (the demo's): completion comes with the headers, no usage."""
     log: list[tuple[str, str, Any]] = []
-    service = hooked(Pipeline(responses=[RecordingHook("hook", log)]))
+    picker = service(Pipeline([RecordingHook("hook", log)]))
 
     async def scenario() -> None:
-        async with serving(service) as (client, _):
+        async with serving(picker) as (client, _):
             await client.exchange(
                 [
                     request_headers(POST, end_of_stream=True),
@@ -290,7 +314,7 @@ def test_without_a_response_body_the_exchange_completes_at_the_headers() -> None
             )
 
     run(scenario)
-    assert [(stage, detail) for _, stage, detail in log] == [
+    assert [(stage, detail) for _, stage, detail in log][2:] == [
         ("response_headers", (None, "200")),
         ("response_complete", (None, None)),
     ]
@@ -300,13 +324,12 @@ def test_a_failing_response_hook_is_skipped_and_counted() -> None:
     """The response goes on: other hooks still run and the served-endpoint report is sent."""
     registry, log = CollectorRegistry(), list[tuple[str, str, Any]]()
     pipeline = Pipeline(
-        responses=[RecordingHook("bad", log, fail_at="response_headers"), RecordingHook("ok", log)],
+        [RecordingHook("bad", log, fail_at="response_headers"), RecordingHook("ok", log)],
         metrics=PipelineMetrics(registry),
     )
-    service = hooked(pipeline)
 
     async def scenario() -> None:
-        async with serving(service) as (client, _):
+        async with serving(service(pipeline)) as (client, _):
             replies = await client.exchange(
                 [
                     request_headers(POST, end_of_stream=True),
@@ -328,13 +351,12 @@ def test_a_failing_scorer_still_routes_the_request_round_robin() -> None:
     """The stream never breaks: round-robin answers, the failure is counted and kept for debug."""
     registry = CollectorRegistry()
     decisions = DecisionLog()
-    service = hooked(
-        Pipeline(scorers=[Weighted(FakeScorer("s", fail=True))], metrics=PipelineMetrics(registry)),
-        decisions=decisions,
+    pipeline = Pipeline(
+        [FakeScorer("s", fail=True)], metrics=PipelineMetrics(registry), decisions=decisions
     )
 
     async def scenario() -> None:
-        async with serving(service) as (client, _):
+        async with serving(service(pipeline)) as (client, _):
             for expected in (B, B2, C):
                 (reply,) = await client.exchange([request_headers(POST, end_of_stream=True)])
                 assert destination(reply) == expected
@@ -350,10 +372,10 @@ def test_a_failing_scorer_still_routes_the_request_round_robin() -> None:
 def test_the_held_body_reaches_only_plugins_that_need_it(needs_body: bool) -> None:
     """Full duplex: the pick waits for the body; a needs_body plugin sees it parsed, others not."""
     log: list[tuple[str, str, Any]] = []
-    service = hooked(Pipeline(prepare=[RecordingHook("h", log, needs_body=needs_body)]))
+    picker = service(Pipeline([RecordingHook("h", log, needs_body=needs_body)]))
 
     async def scenario() -> None:
-        async with serving(service) as (client, _):
+        async with serving(picker) as (client, _):
             stream = client.open()
             await stream.send(request_headers(POST))
             await stream.send(request_body(BODY[:9], end_of_stream=False))
@@ -365,7 +387,7 @@ def test_the_held_body_reaches_only_plugins_that_need_it(needs_body: bool) -> No
             assert kinds == ["request_headers", "request_body"]
 
     run(scenario)
-    ((_, stage, parsed),) = log
+    ((_, stage, parsed),) = [entry for entry in log if entry[1] == "prepare"]
     assert stage == "prepare"
     assert (parsed == {"model": "m", "prompt": "hello"}) is needs_body
     assert (parsed is None) is not needs_body
@@ -379,13 +401,10 @@ def test_the_held_body_reaches_only_plugins_that_need_it(needs_body: bool) -> No
 def test_several_endpoints_go_out_as_a_fallback_list(count: int, expected: str) -> None:
     """``maxNumOfEndpoints > 1``: ``ip:port,ip:port`` in the header and in envoy.lb metadata."""
     scorer = FakeScorer("s", {C: 1.0, B: 0.6, B2: 0.5})
-    strategy: Strategy = Pipeline(
-        scorers=[Weighted(scorer)], picker=MaxScorePicker("m", max_endpoints=count)
-    )
+    picker = MaxScorePicker("m", Params({"maxNumOfEndpoints": count}))
 
     async def scenario() -> None:
-        service = EndpointPickerService(pool(), strategy, Metrics(CollectorRegistry()))
-        async with serving(service) as (client, _):
+        async with serving(service(Pipeline([scorer, picker]))) as (client, _):
             (reply,) = await client.exchange([request_headers(POST, end_of_stream=True)])
             assert destination(reply) == expected
             metadata = json_format.MessageToDict(reply.dynamic_metadata)

@@ -1,18 +1,22 @@
 """The plugin contracts of the endpoint picker: what a filter, scorer, picker or hook is.
 
-Plugin authors import this module and nothing else of LWEPP. Each contract
-is a ``typing.Protocol``: a small class (or any object) with the right
-methods satisfies it, no base class or registration decorator needed.
+Plugin authors import this module (and ``plugin.Params`` for parameters) and
+nothing else of LWEPP. Each contract is a ``typing.Protocol`` with one
+method: a plugin plays every role whose method it has (``plugin.Role``), so
+one small class can be a scorer and a picked hook at once, and a hook
+implements only the steps it needs. No base class, no registration.
 
-One request passes the plugins in this order::
+One request meets the plugins in this order (``plugin.Role``)::
 
-    prepare hooks      compute per-request data once (e.g. prefix hashes) into request.state
-    filters            candidates → the subset allowed, in order
-    scorers            each rates every remaining candidate in [0, 1]; weighted and summed
-    picker             scored candidates → endpoints, best first (primary, then fallbacks)
-    picked hooks       learn what was chosen
+    prepare            compute per-request data once (e.g. prefix hashes) into request.state
+    filter             candidates → the subset allowed, in order
+    score              each scorer rates every remaining candidate in [0, 1]; weighted and summed
+    pick               scored candidates → endpoints, best first (primary, then fallbacks)
+    picked             learn what was chosen
     ... the request is served ...
-    response hooks     response headers, body chunks, completion (served endpoint, token usage)
+    response_headers   headers to add to the response
+    response_chunk     each piece of the response body
+    response_complete  the response is over: the served endpoint and token usage
 
 Rules every plugin follows:
 
@@ -24,8 +28,10 @@ Rules every plugin follows:
 - Raising means "this plugin failed". The pipeline logs the error naming the
   plugin, counts it, and answers the request with plain round-robin over the
   candidates it started with: a broken plugin never loses a request.
-- A plugin declares the endpoint attributes it ``reads`` (e.g.
-  ``"queue_depth"``); configuration fails when no data source produces one.
+- Two optional attributes (``plugin``'s rules, shared with BBR): ``reads``,
+  the endpoint attributes a plugin uses (e.g. ``frozenset({"queue_depth"})``;
+  configuration fails when no data source produces one), and ``needs_body``
+  (True: LWEPP holds the body and the plugin sees it parsed).
 """
 
 from __future__ import annotations
@@ -139,25 +145,9 @@ class Usage:
 
 
 class Plugin(Protocol):
-    """What every plugin has.
-
-    ``name``: the instance name from the configuration (unique per picker).
-    ``reads``: endpoint attributes this plugin uses (empty if none).
-    ``needs_body``: True if the plugin reads ``request.body``/``request.parsed``;
-    LWEPP then holds the body before picking, otherwise it picks on headers.
-
-    ``reads`` and ``needs_body`` are usually class attributes; a plugin whose
-    answer depends on its parameters sets them per instance instead (both
-    satisfy these read-only properties).
-    """
+    """What every plugin has: ``name``, the instance name from the configuration."""
 
     name: str
-
-    @property
-    def reads(self) -> frozenset[str]: ...
-
-    @property
-    def needs_body(self) -> bool: ...
 
 
 class PrepareHook(Plugin, Protocol):
@@ -206,24 +196,34 @@ class PickedHook(Plugin, Protocol):
         ...
 
 
-class ResponseHook(Plugin, Protocol):
-    """Steps on the response. Each gets ``served``: the ``ip:port`` the gateway reports
-    (``envoy.lb`` metadata), or None if it reported nothing."""
-
+class ResponseHeadersHook(Plugin, Protocol):
     def response_headers(
         self, request: LLMRequest, served: str | None, headers: Mapping[str, str]
     ) -> Mapping[str, str]:
-        """Headers to add to the response (e.g. a session token); an empty mapping for none."""
+        """Headers to add to the response (e.g. a session token); an empty mapping for none.
+
+        ``served`` is the ``ip:port`` the gateway reports in ``envoy.lb``
+        metadata, or None if it reported nothing; ``headers`` are the
+        response's (lower-case names, first value).
+        """
         ...
 
+
+class ResponseChunkHook(Plugin, Protocol):
     def response_chunk(self, request: LLMRequest, chunk: bytes) -> None:
-        """One piece of the response body as it streams (only with response body streaming)."""
+        """One piece of the response body as it streams (only when Envoy sends the body)."""
         ...
 
+
+class ResponseCompleteHook(Plugin, Protocol):
     def response_complete(
         self, request: LLMRequest, served: str | None, usage: Usage | None
     ) -> None:
-        """The response is over; ``usage`` is the model server's token count when it sent one."""
+        """The response is over; ``usage`` is the model server's token count when it sent one.
+
+        Called once per response that ends: at the end of the body, at the
+        trailers, or with the headers when no body follows.
+        """
         ...
 
 

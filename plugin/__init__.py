@@ -1,0 +1,271 @@
+"""What a plugin is, for both services: its roles, its parameters, and how configuration builds it.
+
+BBR and LWEPP both run plugins that configuration names by type (BBR:
+``--plugin type:name:{json}``; LWEPP: an ``EndpointPickerConfig`` file), and
+they share these words for them:
+
+- **A plugin** is any object with a ``name`` (the configured instance name)
+  and the methods of its roles. No base class, no registration.
+- **Its class is its own factory**: ``Class(name, params)``. A built-in type
+  is a key of the service's registry (one dict, written out by hand); any
+  other type is a dotted path, ``package.module.Class``, imported when the
+  configuration is loaded.
+- **Its roles** are the methods it has (``Role``): a plugin with
+  ``process_request`` joins BBR's request chain; one with ``filter`` and
+  ``picked`` is both an LWEPP filter and a picked hook. Nothing else is
+  consulted.
+- **``needs_body``** (default False): the plugin reads the request body.
+  Only then does a service parse it (BBR) or hold it for the pick (LWEPP).
+- **``reads``** (LWEPP, default empty): the endpoint attributes it uses.
+- **``params``** (``Params``) are decoded strictly: every field read with its
+  type, and ``build`` refuses any field the plugin did not read, so a typo
+  fails at start instead of being ignored.
+
+Every problem is a ``ConfigError`` naming the plugin and the field.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message says which plugin and what is wrong.
+
+    ``field`` names the field of the plugin's entry at fault when there is
+    one (``type``, or ``parameters.<name>``), so a file's decoder can point
+    at its line.
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class Role(enum.Enum):
+    """What a plugin can do; each role is one method, named by the member's value.
+
+    The LWEPP members are the picker's stages, in the order one request meets
+    them (data sources run beside requests, in the background).
+    """
+
+    REQUEST = "process_request"
+    """BBR: a step of the request chain."""
+    RESPONSE = "process_response"
+    """BBR: a step of the response chain."""
+    SOURCE = "run"
+    """LWEPP: collects endpoint attributes in the background (``produces`` says which)."""
+    PREPARE = "prepare"
+    FILTER = "filter"
+    SCORE = "score"
+    PICK = "pick"
+    PICKED = "picked"
+    RESPONSE_HEADERS = "response_headers"
+    RESPONSE_CHUNK = "response_chunk"
+    RESPONSE_COMPLETE = "response_complete"
+
+    @property
+    def label(self) -> str:
+        """What a plugin in this role is called: ``scorer``, ``picked hook``, ``data source``..."""
+        return _LABELS[self]
+
+
+_LABELS: Final = {
+    Role.REQUEST: "request step",
+    Role.RESPONSE: "response step",
+    Role.SOURCE: "data source",
+    Role.PREPARE: "prepare hook",
+    Role.FILTER: "filter",
+    Role.SCORE: "scorer",
+    Role.PICK: "picker",
+    Role.PICKED: "picked hook",
+    Role.RESPONSE_HEADERS: "response headers hook",
+    Role.RESPONSE_CHUNK: "response chunk hook",
+    Role.RESPONSE_COMPLETE: "response complete hook",
+}
+
+
+def roles_of(plugin: object, among: Collection[Role]) -> tuple[Role, ...]:
+    """The roles in ``among`` whose method ``plugin`` has, in ``Role`` order."""
+    return tuple(
+        role for role in Role if role in among and callable(getattr(plugin, role.value, None))
+    )
+
+
+def needs_body(plugin: object) -> bool:
+    """Whether ``plugin`` reads the request body (its ``needs_body``; absent means no)."""
+    return getattr(plugin, "needs_body", False) is True
+
+
+class Params:
+    """One plugin's parameters, read field by field with type checks.
+
+    ::
+
+        def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
+            self.block = params.get("blockSizeTokens", int, 16)
+
+    ``host`` is what the hosting service hands its plugins (BBR: its metrics);
+    a plugin asks for it by type with ``service``.
+    """
+
+    __slots__ = ("_raw", "_used", "host", "plugin")
+
+    def __init__(
+        self, raw: Mapping[str, Any] | None = None, plugin: str = "plugin", host: object = None
+    ) -> None:
+        if raw is not None and not isinstance(raw, Mapping):
+            raise ConfigError(f"plugin {plugin}: parameters: expected a mapping")
+        self.plugin = plugin
+        self.host = host
+        self._raw: Mapping[str, Any] = raw or {}
+        self._used: set[str] = set()
+
+    def get(self, name: str, kind: type[T], default: T) -> T:
+        """The field's value, or ``default`` when absent."""
+        if not self._raw:  # the common case; and NO_PARAMS, shared, is never written to
+            return default
+        self._used.add(name)
+        return self._check(name, kind) if name in self._raw else default
+
+    def require(self, name: str, kind: type[T]) -> T:
+        """The field's value; absent is an error."""
+        self._used.add(name)
+        if name not in self._raw:
+            raise self.error(name, "required")
+        return self._check(name, kind)
+
+    def _check(self, name: str, kind: type[T]) -> T:
+        value = self._raw[name]
+        # YAML and JSON give ints where floats are meant ("weight: 2"); bools are not numbers.
+        if kind is float and type(value) is int:
+            return float(value)  # type: ignore[return-value]
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise self.error(
+                name, f"expected {kind.__name__}, got {type(value).__name__} {value!r}"
+            )
+        return value
+
+    def error(self, name: str, message: str) -> ConfigError:
+        """An error about field ``name`` (for checks beyond the type: ranges, formats)."""
+        return ConfigError(
+            f"plugin {self.plugin}: parameters.{name}: {message}", f"parameters.{name}"
+        )
+
+    def service(self, kind: type[T]) -> T:
+        """What the hosting service provides, which must be a ``kind``."""
+        if not isinstance(self.host, kind):
+            raise ConfigError(f"plugin {self.plugin}: runs only where a {kind.__name__} is given")
+        return self.host
+
+    def done(self) -> None:
+        """Refuse fields no one read: a typo must not be silently ignored."""
+        if unknown := sorted(set(self._raw) - self._used):
+            known = ", ".join(sorted(self._used)) or "none"
+            raise ConfigError(
+                f"plugin {self.plugin}: parameters: unknown field {unknown[0]!r} (known: {known})",
+                f"parameters.{unknown[0]}",
+            )
+
+
+NO_PARAMS: Final = Params()
+"""No parameters: every field at its default (reading it records nothing)."""
+
+Factory = Callable[[str, Params], Any]
+"""Makes one plugin from its name and parameters: a plugin class, usually."""
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    """A plugin made from configuration, and the roles it plays."""
+
+    plugin: Any
+    roles: tuple[Role, ...]
+
+
+def load(path: str) -> Factory:
+    """The object at a dotted path: the longest importable module, then its attributes.
+
+    Raises ``ConfigError``; a module that exists but fails to import names
+    what it was missing.
+    """
+    parts = path.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        module = ".".join(parts[:split])
+        try:
+            target: Any = importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            if error.name != module and not module.startswith(f"{error.name}."):
+                raise ConfigError(f"cannot load {path!r}: {error}") from None
+            continue
+        try:
+            for attribute in parts[split:]:
+                target = getattr(target, attribute)
+        except AttributeError as error:
+            raise ConfigError(f"cannot load {path!r}: {error}") from None
+        if not callable(target):
+            raise ConfigError(f"cannot load {path!r}: not a class or function")
+        factory: Factory = target
+        return factory
+    raise ConfigError(f"cannot load {path!r}: no module named {parts[0]!r}")
+
+
+def build(
+    kind: str,
+    name: str,
+    parameters: Any,
+    registry: Mapping[str, Factory],
+    roles: Collection[Role],
+    host: object = None,
+) -> Built:
+    """Make plugin ``name`` of type ``kind`` and check it can play one of ``roles``.
+
+    ``kind`` is a key of ``registry`` or a dotted path. Raises ``ConfigError``
+    (with ``field`` set when a parameter is at fault) for an unknown type, a
+    path that does not load, bad or unread parameters, a factory that fails,
+    or an object that is no plugin here.
+    """
+    where = f"plugin {name!r} ({kind})"
+    if "." in kind:
+        try:
+            factory = load(kind)
+        except ConfigError as error:
+            raise ConfigError(f"{where}: type: {error}", "type") from None
+    elif kind in registry:
+        factory = registry[kind]
+    else:
+        raise ConfigError(
+            f"{where}: type: unknown (built-in: {', '.join(sorted(registry))}; "
+            "or a dotted path package.module.Class to a plugin of your own)",
+            "type",
+        )
+    params = Params(parameters, f"{name!r} ({kind})", host)
+    try:
+        plugin = factory(name, params)
+        params.done()  # whatever the factory did, an unread parameter is an error
+    except ConfigError:
+        raise
+    except Exception as error:
+        raise ConfigError(f"{where}: cannot be built: {type(error).__name__}: {error}") from error
+    played = roles_of(plugin, roles)
+    problems = []
+    if getattr(plugin, "name", None) != name:
+        problems.append(f"its name is {getattr(plugin, 'name', None)!r}, not {name!r}")
+    if not played:
+        methods = ", ".join(role.value for role in Role if role in roles)
+        problems.append(f"{type(plugin).__name__} is no plugin here: it has none of {methods}")
+    if not isinstance(getattr(plugin, "needs_body", False), bool):
+        problems.append("needs_body: expected a bool")
+    if not isinstance(getattr(plugin, "reads", frozenset()), frozenset):
+        problems.append("reads: expected a frozenset of attribute names")
+    if Role.SOURCE in played and not isinstance(getattr(plugin, "produces", None), frozenset):
+        problems.append("produces: expected a frozenset of the attributes a data source writes")
+    if problems:
+        raise ConfigError(f"{where}: {'; '.join(problems)}")
+    return Built(plugin, played)

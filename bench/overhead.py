@@ -78,7 +78,7 @@ from bench import loadgen, streams
 from bench.report import Options, Plot, Section, Series, Table, Target, progress
 from demo.envoy import (
     ROUTE_TIMEOUT,
-    Pool,
+    GatewayPool,
     bbr_filter,
     fallback_cluster,
     grpc_cluster,
@@ -114,7 +114,7 @@ RATE_STEP: Final = 1.25
 
 LATENCY_BODY_BYTES: Final = 1024
 STREAMS_BODY_BYTES: Final = 4096
-POOL: Final = Pool("p", ("llama-3-8b",), picker_port=0)
+POOL: Final = GatewayPool("p", ("llama-3-8b",), picker_port=0)
 """The one pool: its picker filter is ``lwepp-p``, its ORIGINAL_DST cluster ``pool-p``."""
 
 
@@ -309,7 +309,7 @@ def bootstrap(case: Case, ports: dict[str, int], upstreams: Sequence[str]) -> di
 
     ``ports``: the ext_proc port of each server kind; ``upstreams``: ``ip:port``.
     """
-    pool = Pool(POOL.name, POOL.models, 0, endpoints=tuple(upstreams))
+    pool = GatewayPool(POOL.name, POOL.models, 0, endpoints=tuple(upstreams))
     filters = [strip_client_routing_filter()]
     clusters: list[cluster.Cluster] = [fallback_cluster(pool), picked_endpoint_cluster(pool)]
     if case.bbr is not None:

@@ -149,7 +149,7 @@ class PipelineRouter:
             ("x-gateway-model-name", str(arrival.body.get("model", ""))),
         )
         body = arrival.body_bytes() if pipeline.needs_body else None
-        failures = pipeline.metrics.plugin_errors
+        failures = pipeline.plugin_errors
         before = _request_side_failures(failures)
         try:
             pick = pipeline.pick(PickRequest(headers, body), self.endpoints)

@@ -68,9 +68,9 @@ class InferencePool:
     picker_port: int = 9002
     health_port: int = 9003
 
-    def demo_pool(self) -> demo.Pool:
+    def demo_pool(self) -> demo.GatewayPool:
         """The same pool in the demo gateway's terms, whose building blocks are reused."""
-        return demo.Pool(
+        return demo.GatewayPool(
             self.name, (), self.picker_port, self.health_port, self.endpoints, self.fail_open
         )
 

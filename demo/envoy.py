@@ -78,7 +78,7 @@ the picker's reply to the response headers.
 
 
 @dataclass(frozen=True, slots=True)
-class Pool:
+class GatewayPool:
     """One InferencePool as the gateway sees it.
 
     ``models``: the values of ``x-gateway-model-name`` routed here.
@@ -102,7 +102,7 @@ class Gateway:
     port: int
     admin_port: int
     bbr_port: int
-    pools: tuple[Pool, ...]
+    pools: tuple[GatewayPool, ...]
     host: str = "127.0.0.1"
     access_log: str | None = None
 
@@ -188,7 +188,7 @@ def http2_upstream() -> dict[str, AnyMessage]:
     return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _any(http2)}
 
 
-def picked_endpoint_cluster(pool: Pool) -> cluster.Cluster:
+def picked_endpoint_cluster(pool: GatewayPool) -> cluster.Cluster:
     """Connect to whatever ``ip:port`` the picker wrote in ``x-gateway-destination-endpoint``.
 
     ORIGINAL_DST with ``use_http_header`` is how GIE's reference Envoy follows
@@ -212,7 +212,7 @@ def _host_port(hostport: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def fallback_cluster(pool: Pool) -> cluster.Cluster:
+def fallback_cluster(pool: GatewayPool) -> cluster.Cluster:
     """A FailOpen pool's replicas, which Envoy round-robins itself while the picker is down."""
     replicas = [_endpoint(*_host_port(e)) for e in pool.endpoints]
     return _static_cluster(f"pool-{pool.name}-fallback", replicas)
@@ -271,7 +271,7 @@ def bbr_filter() -> hcm.HttpFilter:
     return _ext_proc("bbr", mode, fail_open=False)
 
 
-def picker_filter(pool: Pool) -> hcm.HttpFilter:
+def picker_filter(pool: GatewayPool) -> hcm.HttpFilter:
     """The pool's endpoint picker, in the processing mode of GIE's reference Envoy.
 
     The request side is BBR's (the picker defers its headers reply until the
@@ -341,7 +341,7 @@ def served_endpoint_filter() -> hcm.HttpFilter:
     return hcm.HttpFilter(name="served-endpoint", typed_config=_any(config))
 
 
-def http_filters(pools: Sequence[Pool]) -> list[hcm.HttpFilter]:
+def http_filters(pools: Sequence[GatewayPool]) -> list[hcm.HttpFilter]:
     """The chain in request order; the router, which sends upstream, is last."""
     return [
         strip_client_routing_filter(),
@@ -362,13 +362,13 @@ def _header(name: str, exact: str | None = None) -> route.HeaderMatcher:
     return route.HeaderMatcher(name=name, string_match=matcher.StringMatcher(exact=exact))
 
 
-def pickers_off(pools: Sequence[Pool]) -> dict[str, AnyMessage]:
+def pickers_off(pools: Sequence[GatewayPool]) -> dict[str, AnyMessage]:
     """Virtual-host default: every pool's picker is switched off."""
     off = _any(ext_proc.ExtProcPerRoute(disabled=True))
     return {f"lwepp-{pool.name}": off for pool in pools}
 
 
-def picker_on(pool: Pool) -> dict[str, AnyMessage]:
+def picker_on(pool: GatewayPool) -> dict[str, AnyMessage]:
     """On this pool's routes, switch its picker back on.
 
     A set of ``overrides`` on a route, even an empty one, beats a ``disabled``
@@ -385,7 +385,7 @@ def picker_on(pool: Pool) -> dict[str, AnyMessage]:
 
 
 def _to_cluster(
-    pool: Pool, name: str, match: list[route.HeaderMatcher], target: str
+    pool: GatewayPool, name: str, match: list[route.HeaderMatcher], target: str
 ) -> route.Route:
     return route.Route(
         name=name,
@@ -395,7 +395,7 @@ def _to_cluster(
     )
 
 
-def _pool_routes(pool: Pool) -> list[route.Route]:
+def _pool_routes(pool: GatewayPool) -> list[route.Route]:
     """Per model, a route to the picked endpoint; FailOpen pools get a fallback too.
 
     GIE FailOpen: when the picker is unavailable, the gateway picks an
@@ -446,7 +446,7 @@ def served_endpoint_header() -> core.HeaderValueOption:
     )
 
 
-def route_config(pools: Sequence[Pool]) -> route.RouteConfiguration:
+def route_config(pools: Sequence[GatewayPool]) -> route.RouteConfiguration:
     """The pool routes by model, then the two 404s; Envoy takes the first route that matches."""
     models = ", ".join(model for pool in pools for model in pool.models)
     routes = [r for pool in pools for r in _pool_routes(pool)]

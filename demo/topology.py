@@ -35,7 +35,7 @@ from typing import IO, Any, Final, Self, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from demo.envoy import Gateway, Pool, write_bootstrap
+from demo.envoy import Gateway, GatewayPool, write_bootstrap
 from pods.file import load_pods
 from pods.model import endpoints_of
 
@@ -93,7 +93,7 @@ class Service:
         return TopologyError(f"{self.name} {what}; the end of {self.log}:\n{tail}")
 
 
-def pools_of(pod_file: Path, fail_open: Collection[str] = ()) -> list[Pool]:
+def pools_of(pod_file: Path, fail_open: Collection[str] = ()) -> list[GatewayPool]:
     """The pools the pods' ``pool`` labels name, with their models and replicas.
 
     The picker ports stay 0 here: they are known once the pickers run.
@@ -104,7 +104,7 @@ def pools_of(pod_file: Path, fail_open: Collection[str] = ()) -> list[Pool]:
     names = list(dict.fromkeys(pod.labels["pool"] for pod in pods))
     if unknown := sorted(set(fail_open) - set(names)):
         raise TopologyError(f"FailOpen pool {unknown[0]!r} is not in {pod_file}")
-    pools: list[Pool] = []
+    pools: list[GatewayPool] = []
     owner: dict[str, str] = {}
     for name in names:
         members = tuple(pod for pod in pods if pod.labels["pool"] == name)
@@ -121,7 +121,7 @@ def pools_of(pod_file: Path, fail_open: Collection[str] = ()) -> list[Pool]:
                     f"{pod_file}: pools {owner[model]} and {name} both serve {model!r}"
                 )
         endpoints = tuple(e.hostport for e in endpoints_of(members, {}))
-        pools.append(Pool(name, models, 0, None, endpoints, fail_open=name in fail_open))
+        pools.append(GatewayPool(name, models, 0, None, endpoints, fail_open=name in fail_open))
     return pools
 
 

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from lwepp import config as picker_config
 from lwepp.leader import LeaderElector, LeaseTimings
 from lwepp.picking import Pool, RoundRobin, Strategy
-from lwepp.pipeline import DecisionLog, PipelineMetrics
+from lwepp.pipeline import DecisionLog
 from lwepp.server import EndpointPickerService, PickerMetrics
 from pods.file import FileSource, PodFileError, load_pods
 from pods.kubeapi import KubeconfigError, load_kubeconfig
@@ -229,7 +229,7 @@ async def run(
         for warning in args.config.warnings:
             log.warning("configuration", detail=warning)
         pipeline = args.config.pipeline(
-            metrics=PipelineMetrics(registry),
+            registry=registry,
             explain=args.explain,
             decisions=DecisionLog(args.debug_decisions),
         )

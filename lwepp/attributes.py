@@ -17,8 +17,7 @@ middle of a pick, and a pick's snapshot never changes under it either.
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import Awaitable, Callable, Collection, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Final
 
@@ -123,20 +122,3 @@ async def forget_departed(
     while True:
         await sleep(interval)
         store.retain({e.hostport for e in endpoints()})
-
-
-def background_jobs(
-    sources: Sequence[DataSource],
-    endpoints: Callable[[], Sequence[Endpoint]],
-    store: AttributeStore,
-    clock: Callable[[], float],
-    on_error: OnError,
-) -> list[Callable[[], Coroutine[Any, Any, None]]]:
-    """The tasks ``protos.server.serve`` starts for the sources (its ``background``)."""
-    jobs: list[Callable[[], Coroutine[Any, Any, None]]] = [
-        functools.partial(keep_running, source, endpoints, store, clock, on_error)
-        for source in sources
-    ]
-    if sources:
-        jobs.append(functools.partial(forget_departed, store, endpoints))
-    return jobs

@@ -56,7 +56,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from lwepp.plugins.metrics_source import BUILTIN_ENGINES, EngineMapping
+from lwepp.plugins.metrics_source import BUILTIN_ENGINES, CACHE_ATTRIBUTES, EngineMapping
 from lwepp.plugins.prometheus import Families, Sample, Selector, parse
 
 Status = Literal["ok", "missing", "unknown", "invalid"]
@@ -105,25 +105,24 @@ def _spec(selector: Selector | None, label: str | None = None) -> Spec | None:
     return Spec(selector, label) if selector is not None else None
 
 
-def _cache(info: Selector | None, label: str, gauge: Selector | None) -> Spec | None:
-    # As EngineMapping.extract: a label of the info gauge when there is one, else a gauge.
-    return _spec(info, label) if info is not None else _spec(gauge)
-
-
 def _specs(engine: EngineMapping) -> Mapping[str, Spec | None]:
     """Signal → where ``engine`` exports it (None: it does not), per the data source."""
-    return {
-        "queue": _spec(engine.queue),
-        "running": _spec(engine.running),
-        "kv_usage": _spec(engine.kv_usage),
-        "lora": _spec(engine.lora),
-        "block_size": _cache(
-            engine.cache_info, engine.cache_block_size_label, engine.cache_block_size
-        ),
-        "block_count": _cache(
-            engine.cache_info, engine.cache_num_blocks_label, engine.cache_num_blocks
-        ),
+    specs = {
+        signal: _spec(engine.gauges.get(attribute))
+        for signal, attribute in (
+            ("queue", "queue_depth"),
+            ("running", "running_requests"),
+            ("kv_usage", "kv_cache_usage"),
+        )
     }
+    specs["lora"] = _spec(engine.lora)
+    # As EngineMapping.extract: a label of the info gauge when there is one, else a gauge.
+    for signal, attribute, label in zip(
+        ("block_size", "block_count"), CACHE_ATTRIBUTES, engine.cache_labels, strict=True
+    ):
+        info = engine.cache_info
+        specs[signal] = _spec(info, label) if info else _spec(engine.gauges.get(attribute))
+    return specs
 
 
 DIALECTS: Final[Mapping[str, Mapping[str, Spec | None]]] = {

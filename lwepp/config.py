@@ -46,6 +46,7 @@ that they have no effect here.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -56,7 +57,7 @@ import yaml
 
 from lwepp.pipeline import ROLES, Pipeline
 from lwepp.plugins import REGISTRY
-from plugin import ConfigError, Factory, Role, build, needs_body
+from plugin import ConfigError, Factory, Params, Role, build, needs_body
 
 API_VERSION: Final = "llm-d.ai/v1alpha1"
 DEPRECATED_API_VERSION: Final = "inference.networking.x-k8s.io/v1alpha1"
@@ -100,12 +101,13 @@ class ConfigErrors(ConfigError):
 
 @dataclass(frozen=True, slots=True)
 class Configured:
-    """One plugin as the file configures it, and the roles it plays."""
+    """One plugin as the file configures it, the roles it plays, and where (``plugins[i]``)."""
 
     name: str
     type: str
     plugin: Any
     roles: tuple[Role, ...]
+    path: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,9 +169,16 @@ Keys = Sequence[str | int]
 """A path into the document: mapping keys and list indexes."""
 
 
+def _keys(field: str) -> list[str | int]:
+    """A field's path as ``Params`` reports it (``plugins[0].parameters.x``) → document keys."""
+    return [
+        int(index) if index else key for key, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", field)
+    ]
+
+
 @dataclass(slots=True)
 class _Decoder:
-    """Walks the parsed file, collecting errors (with line numbers from the YAML nodes)."""
+    """Walks the parsed file with ``plugin.Params``, collecting every error with its line."""
 
     path: str
     node: yaml.Node | None
@@ -207,47 +216,49 @@ class _Decoder:
     def warn(self, keys: Keys, message: str) -> None:
         self.warnings.append(self.at(keys, message))
 
-    def fields(
-        self, value: Any, keys: Keys, subject: str, known: Sequence[str]
-    ) -> Mapping[str, Any] | None:
-        """``value`` if it is a mapping with only ``known`` fields; else record an error."""
-        if not isinstance(value, Mapping):
-            self.error(keys, f"{subject}: expected a mapping, got {_kind(value)}")
-            return None
-        for name in value:
-            if name not in known:
-                self.error(
-                    [*keys, name], f"{subject}: unknown field {name!r} (known: {', '.join(known)})"
-                )
-        return value
+    @contextlib.contextmanager
+    def checking(self) -> Iterator[None]:
+        """Record a ``ConfigError`` raised inside, at its field's line, and go on."""
+        try:
+            yield
+        except ConfigError as error:
+            self.error(_keys(error.field or ""), str(error))
 
     # --- the document ---
 
     def decode(self, data: Any) -> PickerConfig | None:
-        known = ["apiVersion", "kind", "plugins", "schedulingProfiles", *IGNORED_SECTIONS]
-        top = self.fields({} if data is None else data, [], "config", known)
-        if top is None:
+        try:
+            doc = Params(data, "", path="")
+            api_version = doc.get("apiVersion", str, "")
+            kind = doc.get("kind", str, "")
+            entries, profiles = doc.entries("plugins"), doc.entries("schedulingProfiles")
+            sections = {name: doc.get(name, object, None) for name in IGNORED_SECTIONS}
+            doc.done()
+        except ConfigError as error:
+            self.error(_keys(error.field or ""), str(error))
             return None
-        api_version = top.get("apiVersion")
         if api_version == DEPRECATED_API_VERSION:
             self.warn(["apiVersion"], f"apiVersion: deprecated: use {API_VERSION}")
         elif api_version != API_VERSION:
             self.error(["apiVersion"], f"apiVersion: expected {API_VERSION}, got {api_version!r}")
-        if top.get("kind") != KIND:
-            self.error(["kind"], f"kind: expected {KIND}, got {top.get('kind')!r}")
-        plugins = self.plugins(top.get("plugins"))
+        if kind != KIND:
+            self.error(["kind"], f"kind: expected {KIND}, got {kind!r}")
+        plugins: list[Configured] = []
+        for entry in entries:
+            with self.checking():
+                if (plugin := self.plugin(entry, plugins)) is not None:
+                    plugins.append(plugin)
         by_name = {p.name: p for p in plugins}
-        self.ignored_sections(top, by_name)
-        profile = self.profile(top.get("schedulingProfiles"), plugins, by_name)
+        self.ignored_sections(sections, by_name)
+        profile = self.profile(profiles, by_name)
         if profile is None:
             return None
-        name, listed = profile
-        running = self.running(plugins, name, [c for c, _ in listed])
-        weights = {c.name: w for c, w in listed if w is not None}
+        name, listed, weights = profile
+        running = self.running(plugins, name, listed)
         self.check_attributes(plugins, running)
         return PickerConfig(
             self.path,
-            str(api_version),
+            api_version,
             name,
             tuple(plugins),
             tuple(p.plugin for p in running),
@@ -255,160 +266,114 @@ class _Decoder:
             tuple(self.warnings),
         )
 
-    def plugins(self, entries: Any) -> list[Configured]:
-        if entries is None:
-            return []
-        if not isinstance(entries, list):
-            self.error(["plugins"], f"plugins: expected a list, got {_kind(entries)}")
-            return []
-        built: list[Configured] = []
-        seen: dict[str, int] = {}
-        for index, entry in enumerate(entries):
-            keys: list[str | int] = ["plugins", index]
-            spec = self.fields(entry, keys, f"plugins[{index}]", ["type", "name", "parameters"])
-            if spec is None:
-                continue
-            kind, name = spec.get("type"), spec.get("name", spec.get("type"))
-            if not isinstance(kind, str) or not kind:
-                self.error([*keys, "type"], f"plugins[{index}]: type: required, a string")
-                continue
-            subject = f"plugin {name!r} ({kind})"
-            if not isinstance(name, str) or not name:
-                self.error([*keys, "name"], f"{subject}: name: must be a string")
-                continue
-            if name in seen:
-                self.error(
-                    [*keys, "name"], f"{subject}: name: duplicate (also plugins[{seen[name]}])"
-                )
-                continue
-            seen[name] = index
-            if kind in IGNORED_TYPES:
-                self.warn([*keys, "type"], f"{subject}: ignored: {IGNORED_TYPES[kind]}")
-                continue
-            if kind in HINTS:
-                self.error([*keys, "type"], f"{subject}: type: unknown ({HINTS[kind]})")
-                continue
-            try:
-                made = build(kind, name, spec.get("parameters"), self.registry, ROLES)
-            except ConfigError as error:
-                # Point at the field at fault: "type", or "parameters.<name>[...]".
-                at = re.split(r"[.\[]", error.field)[:2] if error.field else []
-                self.error([*keys, *at], str(error))
-                continue
-            built.append(Configured(name, kind, made.plugin, made.roles))
-        return built
+    def plugin(self, entry: Params, built: Sequence[Configured]) -> Configured | None:
+        """One ``plugins`` entry, built (None: ignored, with a warning)."""
+        kind = entry.require("type", str)
+        name = entry.get("name", str, kind)
+        parameters = entry.get("parameters", object, None)
+        entry.done()
+        subject = f"plugin {name!r} ({kind})"
+        if not kind or not name:
+            raise entry.error("type" if not kind else "name", "must not be empty")
+        if same := [p for p in built if p.name == name]:
+            raise ConfigError(
+                f"{subject}: name: duplicate (also {same[0].path})", entry.path_of("name")
+            )
+        if kind in IGNORED_TYPES:
+            self.warn(_keys(entry.path_of("type")), f"{subject}: ignored: {IGNORED_TYPES[kind]}")
+            return None
+        if kind in HINTS:
+            raise ConfigError(f"{subject}: type: unknown ({HINTS[kind]})", entry.path_of("type"))
+        try:
+            made = build(kind, name, parameters, self.registry, ROLES)
+        except ConfigError as error:  # point at the field in the document: plugins[i].<field>
+            raise ConfigError(str(error), entry.path_of(error.field or "type")) from None
+        return Configured(name, kind, made.plugin, made.roles, entry.path)
 
-    def ignored_sections(self, top: Mapping[str, Any], by_name: Mapping[str, Configured]) -> None:
-        for section, why in IGNORED_SECTIONS.items():
-            if section not in top:
+    def ignored_sections(self, sections: Mapping[str, Any], by_name: Mapping[str, Any]) -> None:
+        for section, value in sections.items():
+            if value is None:
                 continue
-            value = top[section]
             if section == "featureGates":
                 if not isinstance(value, list) or not all(isinstance(g, str) for g in value):
-                    self.error(
-                        [section], f"{section}: expected a list of names, got {_kind(value)}"
-                    )
+                    self.error([section], f"{section}: expected a list of names")
                     continue
-                for gate in value:
-                    if gate not in FEATURE_GATES:
-                        known = ", ".join(sorted(FEATURE_GATES))
-                        self.error([section], f"{section}: unknown gate {gate!r} (known: {known})")
+                for gate in sorted(set(value) - FEATURE_GATES):
+                    known = ", ".join(sorted(FEATURE_GATES))
+                    self.error([section], f"{section}: unknown gate {gate!r} (known: {known})")
             elif not isinstance(value, Mapping):
-                self.error([section], f"{section}: expected a mapping, got {_kind(value)}")
+                self.error([section], f"{section}: expected a mapping")
                 continue
-            else:
-                for keys, ref in _plugin_refs(value, [section]):
-                    if ref not in by_name:
-                        self.error(keys, f"{section}: pluginRef {ref!r} names no plugin")
-            self.warn([section], f"{section}: decoded and ignored: {why}")
+            for keys, ref in _plugin_refs(value, [section]):
+                if ref not in by_name:
+                    self.error(keys, f"{section}: pluginRef {ref!r} names no plugin")
+            self.warn([section], f"{section}: decoded and ignored: {IGNORED_SECTIONS[section]}")
 
     def profile(
-        self, profiles: Any, plugins: Sequence[Configured], by_name: Mapping[str, Configured]
-    ) -> tuple[str, list[tuple[Configured, float | None]]] | None:
-        """The one profile: its name and its plugins with their weights (None: not given)."""
-        if profiles is None or profiles == []:
-            # As the router: a "default" profile of every plugin, in file order.
-            return "default", [(p, None) for p in plugins]
-        if not isinstance(profiles, list):
-            self.error(["schedulingProfiles"], "schedulingProfiles: expected a list")
-            return None
+        self, profiles: Sequence[Params], by_name: Mapping[str, Configured]
+    ) -> tuple[str, list[Configured], dict[str, float]] | None:
+        """The one profile: its name, its plugins in order, and the weights it gives."""
+        if not profiles:  # as the router: a "default" profile of every plugin, in file order
+            return "default", list(by_name.values()), {}
         if len(profiles) > 1:
-            names = ", ".join(
-                repr(p.get("name")) if isinstance(p, Mapping) else "?" for p in profiles
-            )
+            names = ", ".join(repr(p.get("name", object, None)) for p in profiles)
             self.error(
                 ["schedulingProfiles", 1],
-                "schedulingProfiles: Switchyard runs exactly one scheduling profile; found "
+                f"schedulingProfiles: Switchyard runs exactly one scheduling profile; found "
                 f"{len(profiles)} ({names}). The router chooses among several with a profile "
                 "handler (e.g. prefill/decode disaggregation), which Switchyard does not implement",
             )
             return None
-        keys: list[str | int] = ["schedulingProfiles", 0]
-        spec = self.fields(profiles[0], keys, "schedulingProfiles[0]", ["name", "plugins"])
-        if spec is None:
+        listed: list[Configured] = []
+        weights: dict[str, float] = {}
+        try:
+            spec = profiles[0]
+            name = spec.require("name", str)
+            entries = spec.entries("plugins")
+            spec.done()
+        except ConfigError as error:
+            self.error(_keys(error.field or ""), str(error))
             return None
-        name = spec.get("name")
-        if not isinstance(name, str) or not name:
-            self.error([*keys, "name"], "schedulingProfiles[0]: name: required, a string")
-            name = "?"
-        entries = spec.get("plugins") or []
-        if not isinstance(entries, list):
-            self.error([*keys, "plugins"], f"profile {name!r}: plugins: expected a list")
-            return None
-        chosen: list[tuple[Configured, float | None]] = []
-        for index, entry in enumerate(entries):
-            at = [*keys, "plugins", index]
-            subject = f"profile {name!r} plugins[{index}]"
-            ref = self.fields(entry, at, subject, ["pluginRef", "weight"])
-            if ref is None:
-                continue
-            target, weight = ref.get("pluginRef"), ref.get("weight")
-            if not isinstance(target, str):
-                self.error(at, f"{subject}: pluginRef: required, a string")
-                continue
-            where = f"profile {name!r}, plugin {target!r}"
-            configured = by_name.get(target)
-            if configured is None:
-                known = ", ".join(by_name) or "none"
-                self.error(
-                    [*at, "pluginRef"], f"{where}: pluginRef: names no plugin (plugins: {known})"
+        for entry in entries:
+            with self.checking():
+                ref = entry.require("pluginRef", str)
+                weight = entry.get("weight", float, 1.0, at_least=0)
+                entry.done()
+                where = f"profile {name!r}, plugin {ref!r}: pluginRef"
+                configured = by_name.get(ref)
+                problem = (
+                    f"names no plugin (plugins: {', '.join(by_name) or 'none'})"
+                    if configured is None
+                    else "listed twice"
+                    if configured in listed
+                    else "a data source runs on its own: list it under plugins only"
+                    if configured.roles == (Role.SOURCE,)
+                    else None
                 )
-            elif any(c is configured for c, _ in chosen):
-                self.error([*at, "pluginRef"], f"{where}: pluginRef: listed twice")
-            elif configured.roles == (Role.SOURCE,):
-                self.error(
-                    [*at, "pluginRef"],
-                    f"{where}: pluginRef: a data source runs on its own; list it under plugins",
-                )
-            elif weight is None:
-                chosen.append((configured, None))
-            elif isinstance(weight, bool) or not isinstance(weight, int | float):
-                self.error([*at, "weight"], f"{where}: weight: expected a number, got {weight!r}")
-            elif weight < 0:
-                self.error([*at, "weight"], f"{where}: weight: must not be negative, got {weight}")
-            else:
-                if Role.SCORE not in configured.roles:
-                    self.warn([*at, "weight"], f"{where}: weight: ignored, the plugin is no scorer")
-                chosen.append((configured, float(weight)))
-        return name, chosen
+                if configured is None or problem is not None:
+                    raise ConfigError(f"{where}: {problem}", entry.path_of("pluginRef"))
+                if "weight" in entry:
+                    weights[ref] = weight
+                    if Role.SCORE not in configured.roles:
+                        at = _keys(entry.path_of("weight"))
+                        self.warn(at, f"profile {name!r}, plugin {ref!r}: weight: not a scorer")
+                listed.append(configured)
+        return name, listed, weights
 
     def running(
         self, plugins: Sequence[Configured], profile: str, listed: Sequence[Configured]
     ) -> list[Configured]:
         """The profile's plugins, then every unlisted plugin that needs no listing to run."""
         running = list(listed)
-        for index, p in enumerate(plugins):
+        for p in plugins:
             if p in running:
                 continue
             if PROFILED & {*p.roles}:
                 subject = f"plugin {p.name!r} ({p.type})"
-                self.warn(
-                    ["plugins", index], f"{subject}: not in profile {profile!r}: it does not run"
-                )
+                self.warn(_keys(p.path), f"{subject}: not in profile {profile!r}: it does not run")
             else:
                 running.append(p)
-        pickers = [p.name for p in running if Role.PICK in p.roles]
-        if len(pickers) > 1:
+        if len(pickers := [p.name for p in running if Role.PICK in p.roles]) > 1:
             self.error(
                 ["schedulingProfiles"],
                 f"profile {profile!r}: more than one picker: {', '.join(pickers)}",
@@ -431,16 +396,10 @@ class _Decoder:
                 ]
                 hint = f" (add one: {', '.join(makers)} produces it)" if makers else ""
                 self.error(
-                    ["plugins", plugins.index(p)],
+                    _keys(p.path),
                     f"plugin {p.name!r} ({p.type}): reads {attribute!r}, which no configured "
                     f"data source produces{hint}",
                 )
-
-
-def _kind(value: Any) -> str:
-    return {dict: "a mapping", list: "a list", str: "a string", type(None): "nothing"}.get(
-        type(value), f"{type(value).__name__} {value!r}"
-    )
 
 
 def _plugin_refs(value: Any, keys: list[str | int]) -> Iterator[tuple[list[str | int], Any]]:

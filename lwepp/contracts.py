@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
 
 from pods.model import Endpoint
 
@@ -52,25 +52,24 @@ class Measurement:
     A value is a number (queue depth, KV-cache usage 0–1, ...) or a set of
     names (LoRA adapters running, models served). ``at`` is on the clock the
     data source was given (``time.monotonic`` in the service, an injected
-    clock in tests), so age is ``now - at``.
+    clock in tests), so age is ``now - at``. The built-in data sources write,
+    and the built-in plugins read:
+
+    ================  ====================================================
+    queue_depth       requests waiting in the model server's queue
+    running_requests  requests the model server is running
+    kv_cache_usage    fraction of the KV cache in use, 0–1
+    cache_block_size  tokens per KV-cache block
+    cache_num_blocks  KV-cache blocks on the accelerator
+    lora_max          how many LoRA adapters can be loaded at once
+    lora_running      names of the LoRA adapters running
+    lora_waiting      names of the LoRA adapters requests are waiting for
+    served_models     names of the models (and adapters) the server lists
+    ================  ====================================================
     """
 
     value: float | frozenset[str]
     at: float
-
-
-ATTRIBUTES: Final = {
-    "queue_depth": "requests waiting in the model server's queue",
-    "running_requests": "requests the model server is running",
-    "kv_cache_usage": "fraction of the KV cache in use, 0–1",
-    "cache_block_size": "tokens per KV-cache block",
-    "cache_num_blocks": "KV-cache blocks on the accelerator",
-    "lora_max": "how many LoRA adapters can be loaded at once",
-    "lora_running": "names of the LoRA adapters running",
-    "lora_waiting": "names of the LoRA adapters requests are waiting for",
-    "served_models": "names of the models (and adapters) the server lists",
-}
-"""The attribute names built-in data sources produce and built-in plugins read."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,21 +85,17 @@ class Candidate:
         None means "no usable measurement", never zero: each scorer documents
         what it does with unknown data.
         """
-        measured = self.attributes.get(name)
-        if measured is None or now - measured.at > max_age or isinstance(measured.value, frozenset):
-            return None
-        return measured.value
+        value = self._fresh(name, now, max_age)
+        return None if isinstance(value, frozenset) else value
 
     def names(self, name: str, now: float, max_age: float) -> frozenset[str] | None:
         """A set-valued attribute (adapters, models), or None when unknown or stale."""
+        value = self._fresh(name, now, max_age)
+        return value if isinstance(value, frozenset) else None
+
+    def _fresh(self, name: str, now: float, max_age: float) -> float | frozenset[str] | None:
         measured = self.attributes.get(name)
-        if (
-            measured is None
-            or now - measured.at > max_age
-            or not isinstance(measured.value, frozenset)
-        ):
-            return None
-        return measured.value
+        return None if measured is None or now - measured.at > max_age else measured.value
 
 
 @dataclass(slots=True)

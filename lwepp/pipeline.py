@@ -41,6 +41,7 @@ asked for. The last ones, and every fallback, are kept for
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -52,7 +53,14 @@ import orjson
 import structlog
 from prometheus_client import CollectorRegistry, Counter
 
-from lwepp.attributes import NO_ATTRIBUTES, AttributeStore, Snapshot, background_jobs, plain
+from lwepp.attributes import (
+    NO_ATTRIBUTES,
+    AttributeStore,
+    Snapshot,
+    forget_departed,
+    keep_running,
+    plain,
+)
 from lwepp.body import SSE_TAIL, parse_request, response_usage
 from lwepp.contracts import (
     Candidate,
@@ -123,18 +131,6 @@ class Decision:
     failure: PluginFailure | None = None
 
 
-class PipelineMetrics:
-    """The pipeline's Prometheus metrics, registered beside the core's."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.plugin_errors = Counter(
-            "lwepp_plugin_errors",
-            "plugin failures by plugin and stage (request side: answered round-robin instead)",
-            ["plugin", "stage"],
-            registry=registry,
-        )
-
-
 class DecisionLog:
     """The last decisions explained, and every fallback, for ``GET /debug/decisions``.
 
@@ -168,8 +164,9 @@ class Pipeline:
     order given (at most one picker; with none, ``max-score-picker``).
     ``weights`` multiply scorers' scores by scorer name (default 1.0).
     ``store`` holds the endpoint attributes data sources write; ``clock`` is
-    the one they stamp measurements with (the ``now`` plugins get).
-    ``Pipeline()`` has no plugins and picks round-robin.
+    the one they stamp measurements with (the ``now`` plugins get). Plugin
+    failures are counted in ``registry``. ``Pipeline()`` has no plugins and
+    picks round-robin.
     """
 
     def __init__(
@@ -179,22 +176,20 @@ class Pipeline:
         weights: Mapping[str, float] | None = None,
         store: AttributeStore | None = None,
         clock: Callable[[], float] = time.monotonic,
-        metrics: PipelineMetrics | None = None,
+        registry: CollectorRegistry | None = None,
         explain: ExplainMode = "header",
         decisions: DecisionLog | None = None,
     ) -> None:
         self.plugins: tuple[Any, ...] = tuple(plugins)
-        stages: dict[Role, list[Any]] = {role: [] for role in ROLES}
-        for plugin in self.plugins:
-            for role in roles_of(plugin, ROLES):
-                stages[role].append(plugin)
-        if len(stages[Role.PICK]) > 1:
-            names = ", ".join(p.name for p in stages[Role.PICK])
-            raise ConfigError(f"more than one picker: {names}")
-        if not stages[Role.PICK]:
-            stages[Role.PICK].append(MaxScorePicker("max-score-picker"))
-        self.stages: Mapping[Role, tuple[Any, ...]] = {r: tuple(p) for r, p in stages.items()}
+        self.stages: dict[Role, tuple[Any, ...]] = {
+            role: tuple(p for p in self.plugins if role in roles_of(p, ROLES)) for role in ROLES
+        }
         """The plugins of each role, in stage order (``--check-config`` prints them)."""
+        if len(self.stages[Role.PICK]) > 1:
+            raise ConfigError(
+                f"more than one picker: {', '.join(p.name for p in self.stages[Role.PICK])}"
+            )
+        self.stages[Role.PICK] = self.stages[Role.PICK] or (MaxScorePicker("max-score-picker"),)
         self.sources: tuple[DataSource, ...] = self.stages[Role.SOURCE]
         self.prepare: tuple[PrepareHook, ...] = self.stages[Role.PREPARE]
         self.filters: tuple[Filter, ...] = self.stages[Role.FILTER]
@@ -215,7 +210,12 @@ class Pipeline:
         )
         self.store = store or AttributeStore()
         self.clock = clock
-        self.metrics = metrics or PipelineMetrics(CollectorRegistry())
+        self.plugin_errors = Counter(
+            "lwepp_plugin_errors",
+            "plugin failures by plugin and stage (request side: answered round-robin instead)",
+            ["plugin", "stage"],
+            registry=registry or CollectorRegistry(),
+        )
         self.explain = explain
         self.decisions = decisions or DecisionLog()
         self._fallback = RoundRobin()
@@ -366,7 +366,7 @@ class Pipeline:
 
     def failed(self, failure: PluginFailure, request: LLMRequest) -> None:
         """Count and log a plugin's failure, naming the plugin, the stage and the request."""
-        self.metrics.plugin_errors.labels(failure.plugin, failure.stage).inc()
+        self.plugin_errors.labels(failure.plugin, failure.stage).inc()
         log.warning(
             "plugin failed",
             plugin=failure.plugin,
@@ -386,11 +386,17 @@ class Pipeline:
         A source that fails is counted as ``lwepp_plugin_errors_total{stage="source"}``.
         """
 
-        def source_failed(source: str, error: BaseException) -> None:
-            self.metrics.plugin_errors.labels(source, "source").inc()
+        def failed(source: str, error: BaseException) -> None:
+            self.plugin_errors.labels(source, "source").inc()
             log.warning("data source failed; restarting it", source=source, exc_info=error)
 
-        return background_jobs(self.sources, endpoints, self.store, self.clock, source_failed)
+        jobs: list[Callable[[], Coroutine[Any, Any, None]]] = [
+            functools.partial(keep_running, source, endpoints, self.store, self.clock, failed)
+            for source in self.sources
+        ]
+        if jobs:  # and, beside them, forget the attributes of endpoints that left
+            jobs.append(functools.partial(forget_departed, self.store, endpoints))
+        return jobs
 
     def debug_pages(self) -> dict[str, Callable[[], bytes]]:
         """``/debug/decisions`` and ``/debug/attributes`` (the store, with ages), as JSON."""

@@ -30,7 +30,7 @@ import enum
 import importlib
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Any, Final, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -104,74 +104,117 @@ def needs_body(plugin: object) -> bool:
 
 
 class Params:
-    """One plugin's parameters, read field by field with type checks.
+    """A mapping from configuration, read field by field with type checks.
 
     ::
 
         def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
-            self.block = params.get("blockSizeTokens", int, 16)
+            self.block = params.get("blockSizeTokens", int, 16, at_least=1)
 
-    ``host`` is what the hosting service hands its plugins (BBR: its metrics);
-    a plugin asks for it by type with ``service``.
+    Errors say what was read and where: ``subject`` (``plugin 'prefix'
+    (prefix-cache-scorer)``), then the field's ``path`` in the document
+    (``parameters.blockSizeTokens``), which ``ConfigError.field`` carries too.
+    An object inside (a list entry, say) is read the same way through
+    ``entry``. ``host`` is what the hosting service hands its plugins (BBR:
+    its metrics); a plugin asks for it by type with ``service``.
     """
 
-    __slots__ = ("_raw", "_used", "host", "plugin")
+    __slots__ = ("_raw", "_used", "host", "path", "subject")
 
     def __init__(
-        self, raw: Mapping[str, Any] | None = None, plugin: str = "plugin", host: object = None
+        self,
+        raw: Any = None,
+        subject: str = "plugin",
+        host: object = None,
+        path: str = "parameters",
     ) -> None:
+        self.subject, self.host, self.path = subject, host, path
         if raw is not None and not isinstance(raw, Mapping):
-            raise ConfigError(f"plugin {plugin}: parameters: expected a mapping")
-        self.plugin = plugin
-        self.host = host
+            raise self._error(path, f"expected a mapping, got {_kind(raw)}")
         self._raw: Mapping[str, Any] = raw or {}
         self._used: set[str] = set()
 
-    def get(self, name: str, kind: type[T], default: T) -> T:
-        """The field's value, or ``default`` when absent."""
+    def __contains__(self, name: str) -> bool:
+        return name in self._raw
+
+    def get(
+        self,
+        name: str,
+        kind: type[T],
+        default: T,
+        *,
+        above: float | None = None,
+        at_least: float | None = None,
+    ) -> T:
+        """The field's value, or ``default`` when absent; a number may be bounded below."""
         if not self._raw:  # the common case; and NO_PARAMS, shared, is never written to
             return default
         self._used.add(name)
-        return self._check(name, kind) if name in self._raw else default
+        if name not in self._raw:
+            return default
+        return self._check(name, kind, above, at_least)
 
     def require(self, name: str, kind: type[T]) -> T:
         """The field's value; absent is an error."""
         self._used.add(name)
         if name not in self._raw:
             raise self.error(name, "required")
-        return self._check(name, kind)
+        return self._check(name, kind, None, None)
 
-    def _check(self, name: str, kind: type[T]) -> T:
-        value = self._raw[name]
+    def entry(self, name: str, raw: Any) -> Params:
+        """The fields of an object inside this one (``raw``), at ``<path>.<name>``."""
+        return Params(raw, self.subject, self.host, self.path_of(name))
+
+    def entries(self, name: str) -> list[Params]:
+        """Each object of the list in field ``name`` (absent: none), as ``name[i]``."""
+        return [self.entry(f"{name}[{i}]", raw) for i, raw in enumerate(self.get(name, list, []))]
+
+    def _check(self, name: str, kind: type[T], above: float | None, at_least: float | None) -> T:
+        given = value = self._raw[name]
         # YAML and JSON give ints where floats are meant ("weight: 2"); bools are not numbers.
         if kind is float and type(value) is int:
-            return float(value)  # type: ignore[return-value]
+            value = float(value)
         if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-            raise self.error(
-                name, f"expected {kind.__name__}, got {type(value).__name__} {value!r}"
-            )
+            raise self.error(name, f"expected {kind.__name__}, got {_kind(value)}")
+        number = cast(float, value)  # bounds are given for numbers only
+        if above is not None and not number > above:
+            raise self.error(name, f"must be > {above:g}, got {given}")
+        if at_least is not None and not number >= at_least:
+            raise self.error(name, f"must be >= {at_least:g}, got {given}")
         return value
 
     def error(self, name: str, message: str) -> ConfigError:
         """An error about field ``name`` (for checks beyond the type: ranges, formats)."""
-        return ConfigError(
-            f"plugin {self.plugin}: parameters.{name}: {message}", f"parameters.{name}"
-        )
+        return self._error(self.path_of(name), message)
+
+    def path_of(self, name: str) -> str:
+        """Where field ``name`` is in the document: ``<path>.<name>``."""
+        return f"{self.path}.{name}" if self.path else name
+
+    def _error(self, field: str, message: str) -> ConfigError:
+        text = f"{field}: {message}" if field else message
+        return ConfigError(f"{self.subject}: {text}" if self.subject else text, field)
 
     def service(self, kind: type[T]) -> T:
         """What the hosting service provides, which must be a ``kind``."""
         if not isinstance(self.host, kind):
-            raise ConfigError(f"plugin {self.plugin}: runs only where a {kind.__name__} is given")
+            raise ConfigError(f"{self.subject}: runs only where a {kind.__name__} is given")
         return self.host
 
     def done(self) -> None:
         """Refuse fields no one read: a typo must not be silently ignored."""
         if unknown := sorted(set(self._raw) - self._used):
             known = ", ".join(sorted(self._used)) or "none"
-            raise ConfigError(
-                f"plugin {self.plugin}: parameters: unknown field {unknown[0]!r} (known: {known})",
-                f"parameters.{unknown[0]}",
-            )
+            message = f"unknown field {unknown[0]!r} (known: {known})"
+            error = self._error(self.path, message)
+            raise ConfigError(str(error), self.path_of(unknown[0]))
+
+
+def _kind(value: Any) -> str:
+    """What a decoded value is, for messages: ``str 'x'``, ``a list``..."""
+    if isinstance(value, Mapping | list):
+        return "a mapping" if isinstance(value, Mapping) else "a list"
+    return f"{type(value).__name__} {value!r}"
 
 
 NO_PARAMS: Final = Params()
@@ -227,9 +270,9 @@ def build(
     """Make plugin ``name`` of type ``kind`` and check it can play one of ``roles``.
 
     ``kind`` is a key of ``registry`` or a dotted path. Raises ``ConfigError``
-    (with ``field`` set when a parameter is at fault) for an unknown type, a
-    path that does not load, bad or unread parameters, a factory that fails,
-    or an object that is no plugin here.
+    for an unknown type, a path that does not load, bad or unread parameters,
+    a factory that fails, or an object that is no plugin here; its ``field``
+    is ``type`` or ``parameters.<name>`` when one of them is at fault.
     """
     where = f"plugin {name!r} ({kind})"
     if "." in kind:
@@ -245,7 +288,7 @@ def build(
             "or a dotted path package.module.Class to a plugin of your own)",
             "type",
         )
-    params = Params(parameters, f"{name!r} ({kind})", host)
+    params = Params(parameters, where, host)
     try:
         plugin = factory(name, params)
         params.done()  # whatever the factory did, an unread parameter is an error

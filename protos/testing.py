@@ -95,8 +95,8 @@ def set_headers(response: ProcessingResponse) -> list[tuple[str, str]]:
     ]
 
 
-class Stream:
-    """One open ``Process`` call: send a message, read the answers."""
+class ClientStream:
+    """One open ``Process`` call, from Envoy's side: send a message, read the answers."""
 
     def __init__(self, call: Any) -> None:
         self._call = call
@@ -130,8 +130,8 @@ class ExtProcClient:
             response_deserializer=ProcessingResponse.FromString,
         )
 
-    def open(self) -> Stream:
-        return Stream(self._process())
+    def open(self) -> ClientStream:
+        return ClientStream(self._process())
 
     async def exchange(self, messages: Iterable[ProcessingRequest]) -> list[ProcessingResponse]:
         """Send every message, half-close, and collect every answer until the end."""

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from demo.envoy import Pool
+from demo.envoy import GatewayPool
 from demo.topology import Topology
 from simulator.engine import count_tokens
 
@@ -108,7 +108,7 @@ def post(url: str, path: str, body: Any) -> Answer:
     return answer
 
 
-def pool_of(gateway: Topology, model: str) -> Pool:
+def pool_of(gateway: Topology, model: str) -> GatewayPool:
     return next(pool for pool in gateway.pools if model in pool.models)
 
 
@@ -178,7 +178,7 @@ def test_fail_open_pool_serves_without_its_picker_fail_close_pool_does_not(
     a, b = gateway.pools
     assert (a.fail_open, b.fail_open) == (False, True)
 
-    def ask(pool: Pool) -> Answer:
+    def ask(pool: GatewayPool) -> Answer:
         body = {"model": pool.models[0], "prompt": "hello there", "max_tokens": MAX_TOKENS}
         return post(gateway.url, "/v1/completions", body)
 

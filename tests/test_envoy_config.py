@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from demo.envoy import Gateway, Pool, bootstrap, write_bootstrap
+from demo.envoy import Gateway, GatewayPool, bootstrap, write_bootstrap
 
 ENVOY = Path(sys.executable).parent / "envoy"
 
@@ -18,8 +18,8 @@ GATEWAY = Gateway(
     admin_port=9901,
     bbr_port=9004,
     pools=(
-        Pool("a", ("model-a",), picker_port=9002, health_port=9003),
-        Pool(
+        GatewayPool("a", ("model-a",), picker_port=9002, health_port=9003),
+        GatewayPool(
             "b",
             ("model-b", "model-b-lora"),
             picker_port=9012,

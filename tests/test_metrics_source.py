@@ -264,7 +264,7 @@ def test_custom_engine_with_cache_info_labels() -> None:
         ({"defaultEngine": "nope"}, r"parameters\.defaultEngine: no engine named 'nope'"),
         (
             {"engineConfigs": [{"name": "x", "queueSpec": "q"}]},
-            r"engineConfigs\[0\]\.queueSpec: unknown",
+            r"engineConfigs\[0\]: unknown field 'queueSpec'",
         ),
         ({"engineConfigs": [{"queuedRequestsSpec": "q"}]}, r"engineConfigs\[0\]\.name: required"),
         ({"engineConfigs": ["x"]}, r"engineConfigs\[0\]: expected a mapping"),

@@ -170,7 +170,7 @@ def test_deprecated_api_version_and_unimplemented_sections_are_warned_about(tmp_
 
 
 ERRORS = [
-    ("bogus: 1\n", "picker.yaml:3: config: unknown field 'bogus'"),
+    ("bogus: 1\n", "picker.yaml:3: unknown field 'bogus' (known: apiVersion, dataLayer,"),
     (
         "plugins:\n- type: fake-scorer\n  nmae: q\n",
         "picker.yaml:5: plugins[0]: unknown field 'nmae'",
@@ -202,12 +202,12 @@ ERRORS = [
     (
         "plugins:\n- type: fake-scorer\nschedulingProfiles:\n- name: p\n  plugins:\n"
         "  - {pluginRef: fake-scorer, weight: -1}\n",
-        "picker.yaml:8: profile 'p', plugin 'fake-scorer': weight: must not be negative, got -1",
+        "picker.yaml:8: schedulingProfiles[0].plugins[0].weight: must be >= 0, got -1",
     ),
     (
         "plugins:\n- type: fake-scorer\nschedulingProfiles:\n- name: p\n  plugins:\n"
         "  - {pluginRef: fake-scorer, weight: high}\n",
-        "profile 'p', plugin 'fake-scorer': weight: expected a number, got 'high'",
+        "picker.yaml:8: schedulingProfiles[0].plugins[0].weight: expected float, got str 'high'",
     ),
     (
         "schedulingProfiles:\n- name: a\n- name: b\n",

@@ -122,7 +122,7 @@ def test_pickers_are_registered_and_decode_max_num_of_endpoints(kind: str) -> No
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ({"maxNumOfEndpoints": 0}, "parameters.maxNumOfEndpoints: must be at least 1"),
+        ({"maxNumOfEndpoints": 0}, "parameters.maxNumOfEndpoints: must be >= 1, got 0"),
         ({"maxNumOfEndpoints": "2"}, "parameters.maxNumOfEndpoints: expected int"),
         ({"maxEndpoints": 2}, "unknown field 'maxEndpoints'"),
     ],

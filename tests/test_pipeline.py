@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from lwepp.attributes import AttributeStore
 from lwepp.contracts import Candidate, LLMRequest, Measurement, Scored
 from lwepp.picking import PickRequest, RoundRobin
-from lwepp.pipeline import Pipeline, PipelineMetrics
+from lwepp.pipeline import Pipeline
 from pods.model import Endpoint
 from tests.plugin_fakes import FakeFilter, FakeScorer, FixedPicker, RecordingHook
 
@@ -191,7 +191,7 @@ def test_a_failing_plugin_falls_back_to_round_robin(
     """The failure names plugin and stage, is counted, and the request goes round-robin."""
     registry, log = CollectorRegistry(), list[tuple[str, str, Any]]()
     built: Pipeline = pipeline(log)
-    built.metrics = PipelineMetrics(registry)
+    built.plugin_errors = Pipeline(registry=registry).plugin_errors
     round_robin = RoundRobin()
     for count in (1, 2):
         decision = decide(built)
@@ -211,7 +211,7 @@ def test_a_failing_picked_hook_leaves_the_pick_standing() -> None:
             RecordingHook("bad", log, fail_at="picked"),
             RecordingHook("good", log),
         ],
-        metrics=PipelineMetrics(registry),
+        registry=registry,
     )
     decision = decide(pipeline)
     assert [e.hostport for e in decision.endpoints] == [D]

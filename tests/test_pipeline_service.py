@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from lwepp.contracts import Usage
 from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, Pool, RoundRobin, Strategy
-from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER, DecisionLog, Pipeline, PipelineMetrics
+from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER, DecisionLog, Pipeline
 from lwepp.plugins.pickers import MaxScorePicker
 from lwepp.server import EndpointPickerService, PickerMetrics
 from plugin import Params
@@ -325,7 +325,7 @@ def test_a_failing_response_hook_is_skipped_and_counted() -> None:
     registry, log = CollectorRegistry(), list[tuple[str, str, Any]]()
     pipeline = Pipeline(
         [RecordingHook("bad", log, fail_at="response_headers"), RecordingHook("ok", log)],
-        metrics=PipelineMetrics(registry),
+        registry=registry,
     )
 
     async def scenario() -> None:
@@ -351,9 +351,7 @@ def test_a_failing_scorer_still_routes_the_request_round_robin() -> None:
     """The stream never breaks: round-robin answers, the failure is counted and kept for debug."""
     registry = CollectorRegistry()
     decisions = DecisionLog()
-    pipeline = Pipeline(
-        [FakeScorer("s", fail=True)], metrics=PipelineMetrics(registry), decisions=decisions
-    )
+    pipeline = Pipeline([FakeScorer("s", fail=True)], registry=registry, decisions=decisions)
 
     async def scenario() -> None:
         async with serving(service(pipeline)) as (client, _):

@@ -391,12 +391,12 @@ def test_endpoints_that_left_are_forgotten() -> None:
     [
         (
             {"autoTune": False, "blockSizeTokens": 0},
-            "blockSizeTokens: must be > 0 without autoTune",
+            "blockSizeTokens: must be >= 1, got 0",
         ),
-        ({"blockSizeTokens": -1}, "blockSizeTokens: must be > 0"),
+        ({"blockSizeTokens": -1}, "blockSizeTokens: must be >= 0, got -1"),
         ({"maxPrefixBlocksToMatch": -1}, "maxPrefixBlocksToMatch: must be >= 0"),
         ({"maxPrefixTokensToMatch": -5}, "maxPrefixTokensToMatch: must be >= 0"),
-        ({"lruCapacityPerServer": 0}, "lruCapacityPerServer: must be > 0"),
+        ({"lruCapacityPerServer": 0}, "lruCapacityPerServer: must be >= 1, got 0"),
         ({"autoTune": "yes"}, "autoTune: expected bool"),
         ({"blockSize": 64}, "unknown field 'blockSize'"),
     ],

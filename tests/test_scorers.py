@@ -287,7 +287,7 @@ def test_label_selector_filter(parameters: dict[str, Any], kept: str) -> None:
         ({"matchExpressions": [{"operator": "Exists"}]}, r"\[0\]\.key: required"),
         (
             {"matchExpressions": [{"key": "a", "operator": "Exists", "vals": []}]},
-            r"\[0\]\.vals: unknown",
+            r"matchExpressions\[0\]: unknown field 'vals' \(known: key, operator, values\)",
         ),
         ({"selector": {}}, r"unknown field 'selector'"),
     ],

@@ -65,22 +65,19 @@ class LabelSelectorFilter:
 
 
 def _expression(params: Params, index: int, raw: Any) -> Requirement:
-    where = f"matchExpressions[{index}]"
-    if not isinstance(raw, Mapping):
-        raise params.error(where, f"expected a mapping, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - {"key", "operator", "values"})
-    if unknown:
-        raise params.error(f"{where}.{unknown[0]}", "unknown field")
-    key, operator, values = raw.get("key"), raw.get("operator"), raw.get("values", [])
-    if not isinstance(key, str) or not key:
-        raise params.error(f"{where}.key", "required, a non-empty string")
+    entry = params.entry(f"matchExpressions[{index}]", raw)
+    key, operator = entry.require("key", str), entry.require("operator", str)
+    values: list[Any] = entry.get("values", list, [])
+    entry.done()
+    if not key:
+        raise entry.error("key", "must not be empty")
     if operator not in OPERATORS:
-        raise params.error(f"{where}.operator", f"expected one of {', '.join(OPERATORS)}")
-    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-        raise params.error(f"{where}.values", "expected a list of strings")
+        raise entry.error("operator", f"expected one of {', '.join(OPERATORS)}")
+    if not all(isinstance(v, str) for v in values):
+        raise entry.error("values", "expected a list of strings")
     # Kubernetes' rules: In/NotIn need values, Exists/DoesNotExist take none.
     if operator in ("In", "NotIn") and not values:
-        raise params.error(f"{where}.values", f"required with operator {operator}")
+        raise entry.error("values", f"required with operator {operator}")
     if operator in ("Exists", "DoesNotExist") and values:
-        raise params.error(f"{where}.values", f"must be empty with operator {operator}")
+        raise entry.error("values", f"must be empty with operator {operator}")
     return requirement(key, operator, frozenset(values))

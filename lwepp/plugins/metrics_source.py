@@ -3,7 +3,7 @@
 Every ``refreshIntervalSeconds`` (default 0.1 s) each endpoint is asked for
 ``<scheme>://<ip:port><path>``, on its own task (``polling``), and what its
 engine's mapping finds is written to the store, stamped with the source's
-clock when the answer arrived. Attributes written (``hooks.ATTRIBUTES``):
+clock when the answer arrived. Attributes written (``contracts.Measurement``):
 
 ==================  ==========================================================
 queue_depth         the engine's queued-requests gauge
@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
 
 import aiohttp
@@ -77,76 +77,49 @@ LEGACY_ENGINE_LABEL: Final = "inference.networking.k8s.io/engine-type"
 
 @dataclass(frozen=True, slots=True)
 class EngineMapping:
-    """Which series of one engine's ``/metrics`` carry which attribute."""
+    """Which series of one engine's ``/metrics`` carry which attribute.
+
+    ``gauges``: attribute → the series whose value it is (``queue_depth``,
+    ``running_requests``, ``kv_cache_usage``; ``cache_block_size`` and
+    ``cache_num_blocks`` for engines that publish them as gauges).
+    ``cache_info``: an info series whose labels ``cache_labels`` carry the block
+    size and count instead. ``lora``: the LoRA info series (vLLM's shape).
+    """
 
     name: str
-    queue: Selector | None = None
-    running: Selector | None = None
-    kv_usage: Selector | None = None
-    lora: Selector | None = None
+    gauges: Mapping[str, Selector] = field(default_factory=dict)
     cache_info: Selector | None = None
-    cache_block_size_label: str = "block_size"
-    cache_num_blocks_label: str = "num_gpu_blocks"
-    cache_block_size: Selector | None = None
-    cache_num_blocks: Selector | None = None
+    cache_labels: tuple[str, str] = ("block_size", "num_gpu_blocks")
+    lora: Selector | None = None
 
     @property
     def metric_names(self) -> frozenset[str]:
-        selectors = (
-            self.queue,
-            self.running,
-            self.kv_usage,
-            self.lora,
-            self.cache_info,
-            self.cache_block_size,
-            self.cache_num_blocks,
-        )
+        selectors = (*self.gauges.values(), self.cache_info, self.lora)
         return frozenset(s.name for s in selectors if s is not None)
 
     def extract(self, families: Families) -> dict[str, float | frozenset[str]]:
         """The attributes found in a parsed page; those not found are left out."""
         values: dict[str, float | frozenset[str]] = {}
-        for attribute, selector in (
-            ("queue_depth", self.queue),
-            ("running_requests", self.running),
-            ("kv_cache_usage", self.kv_usage),
-            ("cache_block_size", self.cache_block_size),
-            ("cache_num_blocks", self.cache_num_blocks),
-        ):
-            value = _first(selector, families)
-            if value is not None:
-                values[attribute] = value
-        if self.cache_info is not None:
-            series = self.cache_info.select(families)
-            if series:
-                labels = series[0][0]
-                for attribute, label in (
-                    ("cache_block_size", self.cache_block_size_label),
-                    ("cache_num_blocks", self.cache_num_blocks_label),
-                ):
-                    number = _number(labels.get(label))
-                    if number is not None:
-                        values[attribute] = number
-        if self.lora is not None:
-            series = self.lora.select(families)
-            if series:
-                # The value is the series' creation time: the newest is the current state.
-                labels = max(series, key=lambda s: s[1])[0]
-                lora_max = _number(labels.get("max_lora"))
-                if lora_max is not None:
-                    values["lora_max"] = lora_max
-                values["lora_running"] = _names(labels.get("running_lora_adapters", ""))
-                values["lora_waiting"] = _names(labels.get("waiting_lora_adapters", ""))
+        for attribute, selector in self.gauges.items():
+            series = selector.select(families)
+            if series and not math.isnan(series[0][1]):
+                values[attribute] = series[0][1]
+        if self.cache_info is not None and (series := self.cache_info.select(families)):
+            labels = series[0][0]
+            for attribute, label in zip(CACHE_ATTRIBUTES, self.cache_labels, strict=True):
+                if (number := _number(labels.get(label))) is not None:
+                    values[attribute] = number
+        if self.lora is not None and (series := self.lora.select(families)):
+            # The value is the series' creation time: the newest is the current state.
+            labels = max(series, key=lambda s: s[1])[0]
+            if (lora_max := _number(labels.get("max_lora"))) is not None:
+                values["lora_max"] = lora_max
+            values["lora_running"] = _names(labels.get("running_lora_adapters", ""))
+            values["lora_waiting"] = _names(labels.get("waiting_lora_adapters", ""))
         return values
 
 
-def _first(selector: Selector | None, families: Families) -> float | None:
-    if selector is None:
-        return None
-    series = selector.select(families)
-    if not series or math.isnan(series[0][1]):
-        return None
-    return series[0][1]
+CACHE_ATTRIBUTES: Final = ("cache_block_size", "cache_num_blocks")
 
 
 def _number(text: str | None) -> float | None:
@@ -161,8 +134,8 @@ def _names(text: str) -> frozenset[str]:
     return frozenset(name.strip() for name in text.split(",") if name.strip())
 
 
-def _s(text: str) -> Selector:
-    return parse_selector(text)
+def _gauges(**selectors: str) -> dict[str, Selector]:
+    return {attribute: parse_selector(text) for attribute, text in selectors.items()}
 
 
 BUILTIN_ENGINES: Final[Mapping[str, EngineMapping]] = {
@@ -170,45 +143,52 @@ BUILTIN_ENGINES: Final[Mapping[str, EngineMapping]] = {
     for m in (
         EngineMapping(
             "vllm",
-            queue=_s("vllm:num_requests_waiting"),
-            running=_s("vllm:num_requests_running"),
-            kv_usage=_s("vllm:kv_cache_usage_perc"),
-            lora=_s("vllm:lora_requests_info"),
-            cache_info=_s("vllm:cache_config_info"),
+            _gauges(
+                queue_depth="vllm:num_requests_waiting",
+                running_requests="vllm:num_requests_running",
+                kv_cache_usage="vllm:kv_cache_usage_perc",
+            ),
+            cache_info=parse_selector("vllm:cache_config_info"),
+            lora=parse_selector("vllm:lora_requests_info"),
         ),
         EngineMapping(
             "sglang",
-            queue=_s("sglang:num_queue_reqs"),
-            running=_s("sglang:num_running_reqs"),
-            kv_usage=_s("sglang:token_usage"),
-            cache_info=_s("sglang:cache_config_info"),
-            cache_block_size_label="page_size",
-            cache_num_blocks_label="num_pages",
+            _gauges(
+                queue_depth="sglang:num_queue_reqs",
+                running_requests="sglang:num_running_reqs",
+                kv_cache_usage="sglang:token_usage",
+            ),
+            cache_info=parse_selector("sglang:cache_config_info"),
+            cache_labels=("page_size", "num_pages"),
         ),
         EngineMapping(
             "trtllm-serve",
-            queue=_s("trtllm_num_requests_waiting"),
-            running=_s("trtllm_num_requests_running"),
-            kv_usage=_s("trtllm_kv_cache_utilization"),
-            cache_block_size=_s("trtllm_kv_cache_tokens_per_block"),
-            cache_num_blocks=_s("trtllm_kv_cache_max_blocks"),
+            _gauges(
+                queue_depth="trtllm_num_requests_waiting",
+                running_requests="trtllm_num_requests_running",
+                kv_cache_usage="trtllm_kv_cache_utilization",
+                cache_block_size="trtllm_kv_cache_tokens_per_block",
+                cache_num_blocks="trtllm_kv_cache_max_blocks",
+            ),
         ),
         EngineMapping(
             "triton-tensorrt-llm",
-            queue=_s("nv_trt_llm_request_metrics{request_type=waiting}"),
-            running=_s("nv_trt_llm_request_metrics{request_type=scheduled}"),
-            kv_usage=_s("nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=fraction}"),
-            cache_block_size=_s(
-                "nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=tokens_per}"
+            _gauges(
+                queue_depth="nv_trt_llm_request_metrics{request_type=waiting}",
+                running_requests="nv_trt_llm_request_metrics{request_type=scheduled}",
+                kv_cache_usage="nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=fraction}",
+                cache_block_size="nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=tokens_per}",
+                cache_num_blocks="nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=max}",
             ),
-            cache_num_blocks=_s("nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=max}"),
         ),
         # llama.cpp's server (--metrics): "deferred" requests wait for a slot,
         # "processing" ones hold one. It publishes no KV-cache usage gauge.
         EngineMapping(
             "llamacpp",
-            queue=_s("llamacpp:requests_deferred"),
-            running=_s("llamacpp:requests_processing"),
+            _gauges(
+                queue_depth="llamacpp:requests_deferred",
+                running_requests="llamacpp:requests_processing",
+            ),
         ),
     )
 }
@@ -264,43 +244,35 @@ class MetricsDataSource(polling.HttpSource):
         return self.read(endpoint, await response.text())
 
 
-_SPECS: Final = {
-    "queuedRequestsSpec": "queue",
-    "runningRequestsSpec": "running",
-    "kvUsageSpec": "kv_usage",
-    "loraSpec": "lora",
-    "cacheInfoSpec": "cache_info",
+GAUGE_SPECS: Final = {
+    "queuedRequestsSpec": "queue_depth",
+    "runningRequestsSpec": "running_requests",
+    "kvUsageSpec": "kv_cache_usage",
     "cacheBlockSizeSpec": "cache_block_size",
     "cacheNumBlocksSpec": "cache_num_blocks",
 }
-_LABEL_NAMES: Final = {
-    "cacheBlockSizeLabelName": "cache_block_size_label",
-    "cacheNumBlocksLabelName": "cache_num_blocks_label",
-}
+"""The router's engine config fields that name a gauge, and the attribute each one feeds."""
 
 
 def _engine_config(params: Params, index: int, raw: Any) -> EngineMapping:
-    where = f"engineConfigs[{index}]"
-    if not isinstance(raw, Mapping):
-        raise params.error(where, f"expected a mapping, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - {"name", *_SPECS, *_LABEL_NAMES})
-    if unknown:
-        raise params.error(f"{where}.{unknown[0]}", "unknown field")
-    name = raw.get("name")
-    if not isinstance(name, str) or not name:
-        raise params.error(f"{where}.name", "required, a non-empty string")
-    fields: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key == "name":
-            continue
-        if not isinstance(value, str):
-            raise params.error(f"{where}.{key}", f"expected str, got {type(value).__name__}")
-        if key in _LABEL_NAMES:
-            if value:
-                fields[_LABEL_NAMES[key]] = value
-        elif value:  # an empty spec leaves that attribute unmapped, as the router does
-            try:
-                fields[_SPECS[key]] = parse_selector(value)
-            except ValueError as error:
-                raise params.error(f"{where}.{key}", str(error)) from None
-    return EngineMapping(name, **fields)
+    """One ``engineConfigs`` entry; an empty spec leaves that attribute unmapped, as the router."""
+    entry = params.entry(f"engineConfigs[{index}]", raw)
+    name = entry.require("name", str)
+
+    def selector(key: str) -> Selector | None:
+        text = entry.get(key, str, "")
+        try:
+            return parse_selector(text) if text else None
+        except ValueError as error:
+            raise entry.error(key, str(error)) from None
+
+    gauges = {attribute: s for key, attribute in GAUGE_SPECS.items() if (s := selector(key))}
+    block_label = entry.get("cacheBlockSizeLabelName", str, "") or "block_size"
+    count_label = entry.get("cacheNumBlocksLabelName", str, "") or "num_gpu_blocks"
+    mapping = EngineMapping(
+        name, gauges, selector("cacheInfoSpec"), (block_label, count_label), selector("loraSpec")
+    )
+    entry.done()
+    if not name:
+        raise entry.error("name", "must not be empty")
+    return mapping

@@ -40,20 +40,12 @@ from plugin import NO_PARAMS, Params
 from pods.model import Endpoint
 
 
-def max_endpoints(params: Params) -> int:
-    """The ``maxNumOfEndpoints`` parameter every picker takes (default 1, at least 1)."""
-    count = params.get("maxNumOfEndpoints", int, 1)
-    if count < 1:
-        raise params.error("maxNumOfEndpoints", f"must be at least 1, got {count}")
-    return count
-
-
 class MaxScorePicker:
     """The highest totals first; equal totals in turn (see the module docstring)."""
 
     def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         self.name = name
-        self.max_endpoints = max_endpoints(params)
+        self.max_endpoints = params.get("maxNumOfEndpoints", int, 1, at_least=1)
         # As the core's RoundRobin: advanced before use, so the first pick takes the second.
         self._turns = itertools.count(1)
 
@@ -82,7 +74,7 @@ class RandomPicker:
         self, name: str, params: Params = NO_PARAMS, rng: random.Random | None = None
     ) -> None:
         self.name = name
-        self.max_endpoints = max_endpoints(params)
+        self.max_endpoints = params.get("maxNumOfEndpoints", int, 1, at_least=1)
         self.rng = rng or random.Random()
 
     def pick(self, request: LLMRequest, scored: Sequence[Scored]) -> Sequence[Endpoint]:

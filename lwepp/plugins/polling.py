@@ -8,8 +8,8 @@ One task per endpoint, not one round over all of them: a round would wait
 for its slowest member, so one hung model server would hold up everyone's
 next measurement. Here each endpoint is asked again ``interval`` seconds
 after its previous answer (or failure), a request gives up after
-``request_timeout`` seconds, and a pick never waits on any of it: picks read what
-the store holds.
+``timeout`` seconds, and a pick never waits on any of it: picks read what the
+store holds.
 
 What a failure leaves behind is the point of the design: nothing is written,
 so the endpoint's last measurements stay in the store with their old
@@ -20,7 +20,7 @@ timestamps and grow stale, and each plugin's ``max_age`` turns them into
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, Final
 
 import aiohttp
@@ -35,79 +35,7 @@ log = structlog.get_logger()
 Values = Mapping[str, float | frozenset[str]]
 """Attribute → value, only those an endpoint reported."""
 
-Fetch = Callable[[aiohttp.ClientSession, Endpoint], Awaitable[Values]]
-"""Ask one endpoint once: its attribute values (only those it reported), or raise."""
-
 SCHEMES: Final = ("http", "https")
-
-
-async def poll_endpoints(
-    endpoints: Callable[[], Sequence[Endpoint]],
-    store: AttributeWriter,
-    clock: Callable[[], float],
-    fetch: Fetch,
-    *,
-    interval: float,
-    request_timeout: float,
-    verify_tls: bool = False,
-    what: str = "poll",
-) -> None:
-    """Keep one polling task per current endpoint until cancelled.
-
-    Every ``interval`` seconds the endpoint list is read again: a new endpoint
-    gets a task at once (its first answer arrives without waiting a round),
-    one that left has its task cancelled. An endpoint whose labels changed is
-    a new endpoint (its engine may have changed).
-    """
-    tasks: dict[Endpoint, asyncio.Task[None]] = {}
-    # One connection per endpoint at most (each task waits for its answer), so no pool limit.
-    connector = aiohttp.TCPConnector(limit=0, ssl=verify_tls)
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=request_timeout)
-    ) as session:
-        try:
-            while True:
-                current = set(endpoints())
-                for gone in tasks.keys() - current:
-                    tasks.pop(gone).cancel()
-                for endpoint in current - tasks.keys():
-                    tasks[endpoint] = asyncio.create_task(
-                        _poll_one(session, endpoint, store, clock, fetch, interval, what),
-                        name=f"{what} {endpoint.hostport}",
-                    )
-                await asyncio.sleep(interval)
-        finally:
-            for task in tasks.values():
-                task.cancel()
-            await asyncio.gather(*tasks.values(), return_exceptions=True)
-
-
-async def _poll_one(
-    session: aiohttp.ClientSession,
-    endpoint: Endpoint,
-    store: AttributeWriter,
-    clock: Callable[[], float],
-    fetch: Fetch,
-    interval: float,
-    what: str,
-) -> None:
-    failing = False
-    while True:
-        try:
-            values = await fetch(session, endpoint)
-        except Exception as error:  # a bad page or a bug must not end this endpoint's polling
-            if not failing:  # log the change, not every failed round
-                log.warning(f"{what} failed", endpoint=endpoint.hostport, error=repr(error))
-                failing = True
-        else:
-            if failing:
-                log.info(f"{what} recovered", endpoint=endpoint.hostport)
-                failing = False
-            if values:
-                # Stamped when the answer arrived: that is when the values were true.
-                at = clock()
-                store.write(endpoint.hostport, {k: Measurement(v, at) for k, v in values.items()})
-        await asyncio.sleep(interval)
 
 
 class HttpSource:
@@ -132,18 +60,12 @@ class HttpSource:
         self.name = name
         self.scheme = params.get("scheme", str, "http")
         if self.scheme not in SCHEMES:
-            raise params.error(
-                "scheme", f"expected one of {', '.join(SCHEMES)}, got {self.scheme!r}"
-            )
+            raise params.error("scheme", f"expected one of {', '.join(SCHEMES)}")
         self.path = params.get("path", str, self.default_path)
         if not self.path.startswith("/"):
             raise params.error("path", f"must start with '/', got {self.path!r}")
-        self.interval = params.get("refreshIntervalSeconds", float, self.default_interval)
-        if self.interval <= 0:
-            raise params.error("refreshIntervalSeconds", f"must be > 0, got {self.interval}")
-        self.timeout = params.get("timeoutSeconds", float, 1.0)
-        if self.timeout <= 0:
-            raise params.error("timeoutSeconds", f"must be > 0, got {self.timeout}")
+        self.interval = params.get("refreshIntervalSeconds", float, self.default_interval, above=0)
+        self.timeout = params.get("timeoutSeconds", float, 1.0, above=0)
         self.verify_tls = not params.get("insecureSkipVerify", bool, True)
 
     async def answer(self, endpoint: Endpoint, response: aiohttp.ClientResponse) -> Values:
@@ -163,13 +85,59 @@ class HttpSource:
         store: AttributeWriter,
         clock: Callable[[], float],
     ) -> None:
-        await poll_endpoints(
-            endpoints,
-            store,
-            clock,
-            self.fetch,
-            interval=self.interval,
-            request_timeout=self.timeout,
-            verify_tls=self.verify_tls,
-            what=self.what,
-        )
+        """Keep one polling task per current endpoint until cancelled.
+
+        Every ``interval`` seconds the endpoint list is read again: a new
+        endpoint gets a task at once (its first answer arrives without waiting
+        a round), one that left has its task cancelled. An endpoint whose
+        labels changed is a new endpoint (its engine may have changed).
+        """
+        tasks: dict[Endpoint, asyncio.Task[None]] = {}
+        # One connection per endpoint at most (each task waits for its answer): no pool limit.
+        connector = aiohttp.TCPConnector(limit=0, ssl=self.verify_tls)
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            try:
+                while True:
+                    current = set(endpoints())
+                    for gone in tasks.keys() - current:
+                        tasks.pop(gone).cancel()
+                    for endpoint in current - tasks.keys():
+                        tasks[endpoint] = asyncio.create_task(
+                            self.poll(session, endpoint, store, clock),
+                            name=f"{self.what} {endpoint.hostport}",
+                        )
+                    await asyncio.sleep(self.interval)
+            finally:
+                for task in tasks.values():
+                    task.cancel()
+                await asyncio.gather(*tasks.values(), return_exceptions=True)
+
+    async def poll(
+        self,
+        session: aiohttp.ClientSession,
+        endpoint: Endpoint,
+        store: AttributeWriter,
+        clock: Callable[[], float],
+    ) -> None:
+        """Ask ``endpoint`` every ``interval`` seconds after its last answer, until cancelled."""
+        failing = False
+        while True:
+            try:
+                values = await self.fetch(session, endpoint)
+            except Exception as error:  # a bad page or a bug must not end this endpoint's polling
+                if not failing:  # log the change, not every failed round
+                    log.warning(
+                        f"{self.what} failed", endpoint=endpoint.hostport, error=repr(error)
+                    )
+                    failing = True
+            else:
+                if failing:
+                    log.info(f"{self.what} recovered", endpoint=endpoint.hostport)
+                    failing = False
+                if values:
+                    # Stamped when the answer arrived: that is when the values were true.
+                    at = clock()
+                    measured = {k: Measurement(v, at) for k, v in values.items()}
+                    store.write(endpoint.hostport, measured)
+            await asyncio.sleep(self.interval)

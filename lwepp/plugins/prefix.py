@@ -83,12 +83,15 @@ def prompt_text(body: Mapping[str, Any]) -> bytes | None:
 
 @dataclass(slots=True)
 class Prepared:
-    """One request's prompt and its hashes (recomputed if the block size turns out different)."""
+    """What one request keeps in its state: the prompt's hashes (recomputed if the block
+    size turns out different), the candidates that reported sizes, and where it was learned."""
 
     text: bytes
     seed: int
     block_tokens: int
     hashes: list[int]
+    candidates: Sequence[Candidate] = ()
+    learned: str | None = None
 
 
 class PrefixCacheScorer:
@@ -97,24 +100,14 @@ class PrefixCacheScorer:
     def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         self.name = name
         self.auto_tune = params.get("autoTune", bool, True)
-        self.block_tokens = params.get("blockSizeTokens", int, 16)
-        if self.block_tokens < 0 or (self.block_tokens == 0 and not self.auto_tune):
-            raise params.error(
-                "blockSizeTokens", f"must be > 0 without autoTune, got {self.block_tokens}"
-            )
-        self.max_blocks = params.get("maxPrefixBlocksToMatch", int, 256)
-        if self.max_blocks < 0:
-            raise params.error("maxPrefixBlocksToMatch", f"must be >= 0, got {self.max_blocks}")
-        self.max_tokens = params.get("maxPrefixTokensToMatch", int, 0)
-        if self.max_tokens < 0:
-            raise params.error("maxPrefixTokensToMatch", f"must be >= 0, got {self.max_tokens}")
-        self.lru_capacity = params.get("lruCapacityPerServer", int, 31250)
-        if self.lru_capacity <= 0:
-            raise params.error("lruCapacityPerServer", f"must be > 0, got {self.lru_capacity}")
+        # 0 is allowed with autoTune only: then the engines' reported block size is the only one.
+        least = 0 if self.auto_tune else 1
+        self.block_tokens = params.get("blockSizeTokens", int, 16, at_least=least)
+        self.max_blocks = params.get("maxPrefixBlocksToMatch", int, 256, at_least=0)
+        self.max_tokens = params.get("maxPrefixTokensToMatch", int, 0, at_least=0)
+        self.lru_capacity = params.get("lruCapacityPerServer", int, 31250, at_least=1)
         self.index = PrefixIndex()
         self._key = f"{name}.prompt"
-        self._candidates = f"{name}.candidates"
-        self._learned = f"{name}.learned"
         # The block size prompts are hashed with before candidates are known:
         # the last one the candidates reported (they rarely change).
         self._tuned_tokens = self.block_tokens
@@ -153,7 +146,7 @@ class PrefixCacheScorer:
         if prepared is None:
             return [0.0] * len(keys)
         if self.auto_tune:
-            request.state[self._candidates] = candidates  # for the LRU size of the pick
+            prepared.candidates = candidates  # for the LRU size of the pick
             tokens = self._reported(candidates, "cache_block_size") or self.block_tokens
             if tokens != prepared.block_tokens:
                 self._tuned_tokens = prepared.block_tokens = tokens
@@ -185,24 +178,21 @@ class PrefixCacheScorer:
     # --- learn -----------------------------------------------------------------
 
     def picked(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None:
-        if endpoints and self._learn(request, endpoints[0].hostport):
-            request.state[self._learned] = endpoints[0].hostport
+        if endpoints:
+            self._learn(request, endpoints[0].hostport)
 
     def response_complete(
         self, request: LLMRequest, served: str | None, usage: Usage | None
     ) -> None:
-        if served and served != request.state.get(self._learned):
-            self._learn(request, served)
+        self._learn(request, served)
 
-    def _learn(self, request: LLMRequest, endpoint: str) -> bool:
+    def _learn(self, request: LLMRequest, endpoint: str | None) -> None:
+        """Record the prompt's blocks as held by ``endpoint`` (once per request and endpoint)."""
         prepared: Prepared | None = request.state.get(self._key)
-        if prepared is None or not prepared.hashes:
-            return False
-        capacity = self.lru_capacity
-        if self.auto_tune:
-            candidates: Sequence[Candidate] = request.state.get(self._candidates, ())
-            same = [c for c in candidates if c.endpoint.hostport == endpoint]
-            capacity = self._reported(same, "cache_num_blocks") or capacity
+        if prepared is None or not prepared.hashes or endpoint in (None, prepared.learned):
+            return
+        same = [c for c in prepared.candidates if c.endpoint.hostport == endpoint]
+        capacity = self._reported(same, "cache_num_blocks") or self.lru_capacity
         self.index.add(endpoint, prepared.hashes, capacity)
         self._seen.add(endpoint)
-        return True
+        prepared.learned = endpoint

@@ -20,7 +20,4 @@ MAX_AGE_SECONDS: Final = 1.0
 
 def max_age(params: Params) -> float:
     """The plugin's ``maxAgeSeconds`` (default ``MAX_AGE_SECONDS``); it must be > 0."""
-    seconds = params.get("maxAgeSeconds", float, MAX_AGE_SECONDS)
-    if seconds <= 0:
-        raise params.error("maxAgeSeconds", f"must be > 0, got {seconds}")
-    return seconds
+    return params.get("maxAgeSeconds", float, MAX_AGE_SECONDS, above=0)

@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def workers_problem(args: argparse.Namespace) -> str | None:
-    """Why these flags cannot run, ``--workers`` above 1 above all, or None.
+    """Why ``--workers`` above 1 cannot run with these flags, or None.
 
     Workers share nothing but the ports. Stateless picking (round-robin,
     scorers over polled metrics) works the same in each, one turn counter
@@ -171,8 +171,6 @@ def workers_problem(args: argparse.Namespace) -> str | None:
     in that worker, so with N workers each would see about 1/N of the traffic
     (a prefix index that finds a prefix only one time in N).
     """
-    if problem := serving_problem(args):
-        return problem
     if args.workers == 1:
         return None
     if args.leader_elect:
@@ -262,10 +260,11 @@ async def run(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if problem := serving_problem(args) or workers_problem(args):
+        parser.error(problem)
     configure_logging(args.log_level)
-    if problem := workers_problem(args):
-        sys.exit(f"lwepp: {problem}")
     try:
         source, elector = pod_source(args)
     except (PodFileError, KubeconfigError, ValueError) as error:

@@ -85,8 +85,8 @@ from protos.exchange import MAX_BODY_BYTES, Refusal
 
 log = structlog.get_logger()
 
-ROLES: Final = tuple(Role)[tuple(Role).index(Role.SOURCE) :]
-"""The roles a picker's plugins play: ``plugin.Role`` from data sources on, in stage order."""
+ROLES: Final = tuple(role for role in Role if role not in (Role.REQUEST, Role.RESPONSE))
+"""The roles a picker's plugins play: every ``plugin.Role`` but BBR's two, in stage order."""
 
 MODEL_HEADER: Final = "x-gateway-model-name"
 """Set by BBR from the body's ``model``; the request's model when the body is not parsed."""

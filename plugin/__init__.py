@@ -15,7 +15,7 @@ they share these words for them:
   ``picked`` is both an LWEPP filter and a picked hook. Nothing else is
   consulted.
 - **``needs_body``** (default False): the plugin reads the request body.
-  Only then does a service parse it (BBR) or hold it for the pick (LWEPP).
+  Only then does a service parse it, once, for all its plugins.
 - **``reads``** (LWEPP, default empty): the endpoint attributes it uses.
 - **``params``** (``Params``) are decoded strictly: every field read with its
   type, and ``build`` refuses any field the plugin did not read, so a typo
@@ -38,9 +38,9 @@ T = TypeVar("T")
 class ConfigError(ValueError):
     """A configuration that cannot work; the message says which plugin and what is wrong.
 
-    ``field`` names the field of the plugin's entry at fault when there is
-    one (``type``, or ``parameters.<name>``), so a file's decoder can point
-    at its line.
+    ``field`` is the path of the field at fault when there is one
+    (``parameters.blockSizeTokens``, ``plugins[2].type``), so a file's
+    decoder can point at its line.
     """
 
     def __init__(self, message: str, field: str | None = None) -> None:

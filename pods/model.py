@@ -92,7 +92,7 @@ def is_ip(text: str) -> bool:
 
 
 class PodSource(Protocol):
-    """Where the pod list comes from (a file today; a Kubernetes watch later).
+    """Where the pod list comes from: a YAML file (``pods.file``) or an InferencePool.
 
     A source keeps ``pods`` current by replacing the tuple whole; readers take
     the attribute once per request and never see a half-applied change.

@@ -36,8 +36,13 @@ def test_help_explains_the_flags() -> None:
         (["--pods", "{dir}/missing.yaml"], "missing.yaml: cannot read"),
         (["--pods", "{dir}/bad.yaml"], "pods[0].ports: required"),
         (["--pods", "{dir}/pods.yaml", "--selector", "pool"], "expected key=value"),
+        # The serving flags are BBR's, with the same checks (protos.cli).
+        (["--pods", "{dir}/pods.yaml", "--grpc-port", "70000"], "70000 is not a port"),
+        (["--pods", "{dir}/pods.yaml", "--metrics-port", "9002"], "must differ"),
+        (["--pods", "{dir}/pods.yaml", "--max-body-bytes", "0"], "must be at least 1"),
+        (["--pods", "{dir}/pods.yaml", "--grace", "-1"], "must be a number of seconds"),
     ],
-    ids=["missing-file", "bad-file", "bad-selector"],
+    ids=["missing-file", "bad-file", "bad-selector", "bad-port", "same-ports", "zero-cap", "grace"],
 )
 def test_bad_configuration_is_refused_with_a_precise_message(
     tmp_path: Path, args: list[str], message: str

@@ -55,12 +55,22 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long a check may take to pass three times in a row (GIE: %(default)s)",
     )
+    add(
+        "--delay-after-failure",
+        type=float,
+        default=Timing().delay_after_failure,
+        metavar="SECONDS",
+        help="the wait after a failed attempt of such a check (Gateway API's helpers: %(default)s)",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    timing = Timing(max_time_to_consistency=args.max_time_to_consistency)
+    timing = Timing(
+        max_time_to_consistency=args.max_time_to_consistency,
+        delay_after_failure=args.delay_after_failure,
+    )
     with tempfile.TemporaryDirectory(prefix="conformance-") as scratch:
         work_dir = args.work_dir or Path(scratch)
         print(f"Running GIE's conformance tests (logs in {work_dir}) ...", flush=True)

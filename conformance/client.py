@@ -50,8 +50,10 @@ class Failed(Exception):
     """A conformance expectation that did not hold; the message says which and why."""
 
 
-HELPERS: Final = "sigs.k8s.io/gateway-api/conformance v1.6.1"
-"""The Gateway API conformance helpers whose rules and timing this client follows."""
+HELPERS_VERSION: Final = "v1.6.1"
+HELPERS: Final = f"sigs.k8s.io/gateway-api/conformance {HELPERS_VERSION}"
+"""The Gateway API conformance helpers whose rules and timing this client follows (the module
+GIE's ``conformance/go.mod`` requires at 84436a96)."""
 
 
 class Unreachable(Exception):

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import sys
 import tempfile
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,16 +24,27 @@ FOREIGN_REPORTS = Path("conformance-reports")
 
 
 def _parser() -> argparse.ArgumentParser:
-    fields = "\n".join(f"  {{{name}}}  {meaning}" for name, meaning in FIELDS.items())
+    width = max(len(name) for name in FIELDS) + 6
+    fields = "\n".join(
+        textwrap.fill(
+            meaning,
+            78,
+            initial_indent=f"  {{{name}}}".ljust(width),
+            subsequent_indent=" " * width,
+        )
+        for name, meaning in FIELDS.items()
+    )
+    description = (
+        "Run GIE's conformance tests locally: echo pods on 127.X.Y.0/24, one endpoint picker "
+        "per InferencePool, a real Envoy with a listener per Gateway. Every test runs twice, "
+        "against the pickers alone and through the gateway, with the original's requests and "
+        "pass criteria. Prints a table, writes one report per profile in GIE's format and a "
+        "README beside them, and exits 0 only if no test failed."
+    )
     parser = argparse.ArgumentParser(
         prog="python -m conformance",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Run GIE's conformance tests locally: echo pods on 127.X.Y.0/24, one "
-        "endpoint picker per InferencePool, a real Envoy with a listener per Gateway. Every "
-        "test runs twice, against the pickers alone and through the gateway, with the "
-        "original's requests and pass criteria. Prints a table, writes one report per "
-        "profile in GIE's format and a README beside them, and exits 0 only if no test "
-        "failed.",
+        description=textwrap.fill(description, 78),
         epilog=f"Fields of a --picker template:\n{fields}",
     )
     add = parser.add_argument

@@ -73,8 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     add(
         "--out",
         type=Path,
-        help=f"the reports' directory (default: {report.default_dir()} for Switchyard's "
-        f"plain LWEPP, ./{FOREIGN_REPORTS} for any other picker)",
+        help=f"the reports' directory (default: {report.default_dir()} for a whole run of "
+        f"Switchyard's plain LWEPP, ./{FOREIGN_REPORTS} for any other run)",
     )
     add("--work-dir", type=Path, help="logs, pod files and Envoy's config (default: a temp dir)")
     add(
@@ -164,7 +164,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print()
     print(f"Topology up in {suite.startup_seconds:.1f} s; whole run {suite.seconds:.1f} s.")
     implementation = _implementation(args, own_picker)
-    checked_in = own_picker and not args.picker_arg  # the run docs/conformance records
+    # The run docs/conformance records: every test, Switchyard's plain LWEPP.
+    checked_in = own_picker and not args.picker_arg and not args.test
     out = args.out or (report.default_dir() if checked_in else FOREIGN_REPORTS)
     for path in report.write(suite, out, implementation, args.mode):
         print(f"Wrote {path}")

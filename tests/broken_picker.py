@@ -81,12 +81,17 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True, help="ext_proc (plaintext gRPC)")
     parser.add_argument("--health-port", type=int, required=True, help="gRPC health")
     parser.add_argument("--endpoints", required=True, help="ip:port,ip:port,...")
+    parser.add_argument(
+        "--health-service",
+        default="inference-extension",
+        help="the one gRPC health service it reports SERVING (default: %(default)s)",
+    )
     args = parser.parse_args()
     endpoints = [e.strip() for e in args.endpoints.split(",") if e.strip()]
     if not endpoints:
         parser.error("--endpoints: no endpoint")
     ports = Ports(args.host, args.port, args.health_port, 0)
-    health = Health(["inference-extension", ""])
+    health = Health([args.health_service])
     asyncio.run(serve("broken-picker", IgnoresHints(endpoints), ports, health, CollectorRegistry()))
 
 

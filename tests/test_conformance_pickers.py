@@ -27,8 +27,11 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[1]
 BROKEN = (
     f"{{python}} {Path(__file__).with_name('broken_picker.py')} --host {{host}} "
-    "--port {grpc_port} --health-port {health_port} --endpoints {endpoints}"
+    "--port {grpc_port} --health-port {health_port} --endpoints {endpoints} "
+    "--health-service readiness"
 )
+"""The broken picker, reporting ready on a health service of its own name, as the llm-d router
+does: the harness and Envoy's health check must both ask for that one."""
 
 PINS_OR_REPORTS = {
     "EppUnAvailableFailOpen",
@@ -46,9 +49,11 @@ PINS_OR_REPORTS = {
 def test_a_broken_picker_fails_exactly_the_tests_that_check_what_it_breaks(tmp_path: Path) -> None:
     """tests/broken_picker.py ignores the subset hint and never reports the served endpoint: the
     tests that pin requests or read the report fail, at the picker and through the gateway (the
-    picker is at fault); every other test passes, and the report says failure."""
+    picker is at fault); every other test passes (so Envoy found it healthy on the health
+    service named), and the report says failure."""
     timing = Timing(max_time_to_consistency=1.5, delay_after_failure=0.1)
-    suite = asyncio.run(run_suite(tmp_path, timing, picker=PickerCommand.parse(BROKEN)))
+    broken = PickerCommand.parse(BROKEN)
+    suite = asyncio.run(run_suite(tmp_path, timing, picker=broken, health_service="readiness"))
     outcomes = {r.name: (r.gateway.outcome, r.picker.outcome) for r in suite.results}
     for name, (gateway, picker) in outcomes.items():
         if name in PINS_OR_REPORTS:

@@ -125,12 +125,15 @@ def test_the_report_types_check_catches_an_extra_or_missing_key() -> None:
 def test_statistics_count_gies_tests_only_and_list_them_sorted(tmp_path: Path) -> None:
     """Failed and skipped names sorted (Gateway API's Report sorts them); Switchyard's own tests
     are in no profile; the result and summary are buildSummary's."""
-    run = suite(
-        {"InferencePoolAppProtocol": "failed", "EppUnAvailableFailOpen": "failed"},
+    run = suite(  # GIE runs InferencePoolAppProtocol before HTTPRouteMultipleRules...
+        {"InferencePoolAppProtocol": "failed", "HTTPRouteMultipleRulesDifferentPools": "failed"},
         {"EppUnAvailableFailClose": "failed"},
     )
     gateway = report.profile_report(run, "Gateway")
-    assert gateway["core"]["failedTests"] == ["EppUnAvailableFailOpen", "InferencePoolAppProtocol"]
+    assert gateway["core"]["failedTests"] == [
+        "HTTPRouteMultipleRulesDifferentPools",
+        "InferencePoolAppProtocol",
+    ]
     assert gateway["core"]["skippedTests"] == sorted(NOT_APPLICABLE)
     assert gateway["core"]["statistics"] == {"Passed": 9, "Skipped": 3, "Failed": 2}
     assert gateway["core"]["result"] == "failure"
@@ -149,12 +152,14 @@ def test_the_gateway_summary_says_its_passes_were_judged_by_traffic_only() -> No
 def test_versions_are_read_from_the_crds_of_what_the_harness_applies() -> None:
     """GIE's bundle-version annotation, Gateway API's version and channel annotations."""
     assert installed_versions() == Versions("v1.6.0", "v1.6.1", "standard")
-    document = report.build(suite(), "Gateway", SWITCHYARD_IMPL, date=DATE)
+    run = suite()
+    run.versions = Versions("v9.9.9", "v8.8.8", "experimental")  # whatever the CRDs said
+    document = report.build(run, "Gateway", SWITCHYARD_IMPL, date=DATE)
     assert (
         document["GatewayAPIInferenceExtensionVersion"],
         document["gatewayAPIVersion"],
         document["gatewayAPIChannel"],
-    ) == ("v1.6.0", "v1.6.1", "standard")
+    ) == ("v9.9.9", "v8.8.8", "experimental")
 
 
 @pytest.mark.parametrize(

@@ -28,9 +28,12 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 ## conformance: GIE's conformance tests through a real Envoy and at the pickers; prints the
-## table and writes docs/conformance/report-<version>.yaml
+## table and writes the reports (GIE's format) and their README to docs/conformance/.
+## Another ext_proc picker: make conformance PICKER='my-picker --port {grpc_port} ...'
+## (the fields: python -m conformance --help); its reports go to conformance-reports/.
+## More options: CONFORMANCE_ARGS='--test NAME --work-dir DIR ...'
 conformance: $(STAMP)
-	$(PY) -m conformance
+	$(PY) -m conformance --picker "$$PICKER" $(CONFORMANCE_ARGS)
 
 ## bench: every benchmark part (micro, overhead, routing, live), as ratios to baselines
 ## measured in the same run; writes $(BENCH_OUT)/results.md, results.json and plots.

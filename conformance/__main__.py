@@ -6,30 +6,75 @@ import argparse
 import asyncio
 import sys
 import tempfile
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
 from conformance import report
 from conformance.cases import CASES, NOT_APPLICABLE
-from conformance.client import Timing
+from conformance.client import HELPERS, Timing
+from conformance.command import FIELDS, SWITCHYARD, PickerCommand, TemplateError
+from conformance.crds import CrdError
 from conformance.run import details, run_suite, table
+from conformance.topology import HEALTH_SERVICE
+from demo.topology import TopologyError
+
+FOREIGN_REPORTS = Path("conformance-reports")
+"""Where the reports of any picker but Switchyard's plain LWEPP go by default."""
 
 
 def _parser() -> argparse.ArgumentParser:
+    width = max(len(name) for name in FIELDS) + 6
+    fields = "\n".join(
+        textwrap.fill(
+            meaning,
+            78,
+            initial_indent=f"  {{{name}}}".ljust(width),
+            subsequent_indent=" " * width,
+        )
+        for name, meaning in FIELDS.items()
+    )
+    description = (
+        "Run GIE's conformance tests locally: echo pods on 127.X.Y.0/24, one endpoint picker "
+        "per InferencePool, a real Envoy with a listener per Gateway. Every test runs twice, "
+        "against the pickers alone and through the gateway, with the original's requests and "
+        "pass criteria. Prints a table, writes one report per profile in GIE's format and a "
+        "README beside them, and exits 0 only if no test failed."
+    )
     parser = argparse.ArgumentParser(
         prog="python -m conformance",
-        description="Run GIE's conformance tests locally: echo pods on 127.X.Y.0/24, one "
-        "LWEPP per InferencePool, a real Envoy with a listener per Gateway. Every test runs "
-        "twice, against the pickers alone and through the gateway, with the original's "
-        "requests and pass criteria. Prints a table, writes a report in GIE's format, and "
-        "exits 0 only if no test failed.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.fill(description, 78),
+        epilog=f"Fields of a --picker template:\n{fields}",
     )
     add = parser.add_argument
     add(
-        "--report",
+        "--picker",
+        default="",
+        metavar="TEMPLATE",
+        help="the command of each pool's endpoint picker, with {fields} filled in per pool "
+        f"(below); default: Switchyard's LWEPP, {SWITCHYARD!r}",
+    )
+    add(
+        "--picker-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more word for the picker command, e.g. "
+        "--picker-arg=--config=demo/configs/prefix-aware.yaml; repeatable",
+    )
+    add(
+        "--picker-health-service",
+        default=HEALTH_SERVICE,
+        metavar="NAME",
+        help="the gRPC health service that says a picker is ready, on its health port "
+        "(default: %(default)s, what GIE's probes ask; '' for the server as a whole)",
+    )
+    add(
+        "--out",
         type=Path,
-        help=f"where to write the report (default: {report.default_path()}, this version's "
-        "checked-in report; with --picker-arg, conformance-report.yaml here)",
+        help=f"the reports' directory (default: {report.default_dir()} for a whole run of "
+        f"Switchyard's plain LWEPP, ./{FOREIGN_REPORTS} for any other run)",
     )
     add("--work-dir", type=Path, help="logs, pod files and Envoy's config (default: a temp dir)")
     add(
@@ -41,37 +86,95 @@ def _parser() -> argparse.ArgumentParser:
         help="run only this test; repeatable",
     )
     add(
-        "--picker-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="an extra flag for every LWEPP, e.g. --picker-arg=--config=my-picker.yaml to "
-        "hold a configured picker to the same tests; repeatable",
-    )
-    add(
         "--max-time-to-consistency",
         type=float,
         default=Timing().max_time_to_consistency,
         metavar="SECONDS",
         help="how long a check may take to pass three times in a row (GIE: %(default)s)",
     )
+    add(
+        "--delay-after-failure",
+        type=float,
+        default=Timing().delay_after_failure,
+        metavar="SECONDS",
+        help=f"the wait after a failed attempt of such a check ({HELPERS}: %(default)s)",
+    )
+    meta = parser.add_argument_group(
+        "the report's implementation block (Gateway API's flags of the same names; default: "
+        "Switchyard's for its own picker, empty for another)"
+    )
+    meta.add_argument("--organization")
+    meta.add_argument("--project")
+    meta.add_argument("--url")
+    meta.add_argument("--version")
+    meta.add_argument("--contact", help="comma-separated")
+    meta.add_argument(
+        "--mode",
+        default=report.DEFAULT_MODE,
+        help="the report's mode, part of its file name (default: %(default)s)",
+    )
     return parser
 
 
+def _implementation(args: argparse.Namespace, own_picker: bool) -> report.Implementation:
+    base = (
+        report.Implementation.switchyard()
+        if own_picker
+        else report.Implementation("", "", "", "", ())
+    )
+    contact = (
+        tuple(c.strip() for c in args.contact.split(",") if c.strip())
+        if args.contact is not None
+        else base.contact
+    )
+    return report.Implementation(
+        args.organization if args.organization is not None else base.organization,
+        args.project if args.project is not None else base.project,
+        args.url if args.url is not None else base.url,
+        args.version if args.version is not None else base.version,
+        contact,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
-    timing = Timing(max_time_to_consistency=args.max_time_to_consistency)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        picker = PickerCommand.parse(args.picker or SWITCHYARD, args.picker_arg)
+    except TemplateError as error:
+        parser.error(str(error))
+    own_picker = not args.picker  # Switchyard's LWEPP, configured or not
+    timing = Timing(
+        max_time_to_consistency=args.max_time_to_consistency,
+        delay_after_failure=args.delay_after_failure,
+    )
     with tempfile.TemporaryDirectory(prefix="conformance-") as scratch:
         work_dir = args.work_dir or Path(scratch)
         print(f"Running GIE's conformance tests (logs in {work_dir}) ...", flush=True)
-        suite = asyncio.run(run_suite(work_dir, timing, args.test, args.picker_arg))
+        print(f"Picker: {picker.template}", flush=True)
+        try:
+            suite = asyncio.run(
+                run_suite(work_dir, timing, args.test, picker, args.picker_health_service)
+            )
+        except (CrdError, TopologyError) as error:
+            sys.exit(f"conformance: {error}")
     print(table(suite))
     print()
     print(details(suite))
     print()
     print(f"Topology up in {suite.startup_seconds:.1f} s; whole run {suite.seconds:.1f} s.")
-    default = Path("conformance-report.yaml") if args.picker_arg else report.default_path()
-    print(f"Report: {report.write(suite, args.report or default)}")
+    implementation = _implementation(args, own_picker)
+    # The run docs/conformance records: every test, Switchyard's plain LWEPP.
+    checked_in = own_picker and not args.picker_arg and not args.test
+    out = args.out or (report.default_dir() if checked_in else FOREIGN_REPORTS)
+    for path in report.write(suite, out, implementation, args.mode):
+        print(f"Wrote {path}")
+    if empty := implementation.empty_fields():
+        print(
+            f"The reports' implementation {', '.join(empty)} "
+            f"{'is' if len(empty) == 1 else 'are'} empty: GIE's submission rules need "
+            "them (--organization, --project, --url, --version, --contact)."
+        )
     if not suite.passed:
         sys.exit(1)
 

@@ -9,8 +9,15 @@ route) runs only through the gateway; the test's note says so.
 The names, hosts, paths, bodies, headers, request counts, concurrency and
 tolerances are GIE's, from ``conformance/tests/*.go`` and their manifests at
 GIE commit 84436a96; the comments say where Switchyard's run has to differ
-from a cluster's, and why. ``NOT_APPLICABLE`` lists the tests that only a
-Kubernetes controller's status conditions can pass.
+from a cluster's, and why.
+
+Every one of GIE's tests also checks status conditions that a Gateway
+controller writes (a route Accepted and ResolvedRefs, a pool Accepted under
+its Gateway, ...). There is no controller here, so only the traffic half of
+a test runs; each ``Case`` lists its status half (``status``), which the
+report names as not checked. ``NOT_APPLICABLE`` lists the tests that have
+no traffic half at all, and ``SETUP_CHECKS`` what GIE's suite checks before
+any test.
 """
 
 from __future__ import annotations
@@ -141,16 +148,8 @@ FAIL_OPEN_ROUTES: Final = (
 )
 
 
-async def epp_unavailable_fail_open(t: Trial) -> str:
-    """Pinned to pods[0] while the picker runs; served by some pod of the pool once it is down.
-
-    GIE's phase 2 breaks the selector of the *primary* EPP's Service
-    (``PrimaryEppServiceNN``) although the route goes to the secondary,
-    FailOpen, pool, whose picker therefore stays up. The test's name and
-    description are about the FailOpen pool's own picker, so that is the one
-    stopped here; stopping the primary's as well would change nothing on
-    this route.
-    """
+async def _fail_open(t: Trial, stopped: str) -> None:
+    """EppUnAvailableFailOpen's two phases, with ``stopped``'s picker down in phase 2."""
     pods = t.pods[SECONDARY]
     request = _post(
         "/failopen-pool-test",
@@ -160,10 +159,25 @@ async def epp_unavailable_fail_open(t: Trial) -> str:
     )
     await t.eventually(Expected(request, backend=pods[0].name))
     if not t.through_gateway:
-        return "phase 1 only: with the picker down (phase 2) the outcome is the gateway's"
-    async with t.picker_down("secondary-inference-pool"):
+        return
+    async with t.picker_down(stopped):
         await t.eventually(Expected(request, backend=SECONDARY))
-    return "phase 2 stops the secondary (FailOpen) pool's picker"
+
+
+async def epp_unavailable_fail_open(t: Trial) -> str:
+    """Pinned to pods[0] while the pickers run; served by a secondary pod with an EPP down.
+
+    GIE's phase 2 makes the *primary* EPP's Service unavailable
+    (``PrimaryEppServiceNN``) while the route goes to the secondary,
+    FailOpen, pool, whose own picker stays up: the step checks that the
+    secondary route keeps serving while another pool's picker is gone. That
+    literal step runs here; ``epp_unavailable_fail_open_own_picker`` is the
+    stricter variant the test's name describes.
+    """
+    await _fail_open(t, "primary-inference-pool")
+    if not t.through_gateway:
+        return "phase 1 only: with a picker down (phase 2) the outcome is the gateway's"
+    return "phase 2 stops the primary pool's picker, as GIE's code does"
 
 
 # --- GatewayDestinationEndpointServed -------------------------------------------------
@@ -306,6 +320,14 @@ def weighted_tolerance(expected_share: float, total: int) -> float:
     return max(0.10, 4.5 * math.sqrt(expected_share * (1 - expected_share) / total))
 
 
+def _weighted_warmup(pod: EchoPod) -> Expected:
+    """The warm-up request pinned to one pod (``IP:3000``), which must serve it."""
+    selection = {SELECTION_HEADER: f"{pod.ip}:3000"}
+    body = '{"model":"conformance-fake-model","prompt":"Warmup"}'
+    request = Request("/weighted-two-pools-test", "primary.example.com", "POST", selection, body)
+    return Expected(request, backend=pod.name)
+
+
 async def gateway_weighted_across_two_pools(t: Trial) -> str:
     """200 requests (5 at a time) allowed on all six pods split 70/30 across the two pools,
     within GIE's tolerance, each served by a pod of the pool chosen."""
@@ -318,14 +340,7 @@ async def gateway_weighted_across_two_pools(t: Trial) -> str:
     for pod in (*primary, *secondary):
         # Pinned to one pod: the other pool's picker finds no candidate and
         # answers 503 until the split sends the request to the right pool.
-        warmup = Request(
-            path,
-            host,
-            "POST",
-            {SELECTION_HEADER: f"{pod.ip}:3000"},
-            '{"model":"conformance-fake-model","prompt":"Warmup"}',
-        )
-        await t.eventually(Expected(warmup, backend=pod.name))
+        await t.eventually(_weighted_warmup(pod))
     await t.eventually(expected)
     names = {pod.name for pod in (*primary, *secondary)}
     seen = await send_many(
@@ -344,22 +359,29 @@ async def gateway_weighted_across_two_pools(t: Trial) -> str:
 
 
 async def _weighted_at_the_pickers(t: Trial, expected: Expected) -> str:
-    """The split is the gateway's; each picker must keep its share inside its own pool."""
+    """The split is the gateway's; each picker must honour the warm-up's pins to its own pods,
+    and keep its share of the requests inside its own pool."""
     assert isinstance(t.transport, PickerTransport)
     for pool, app, count in (
         ("primary-inference-pool", PRIMARY, 140),
         ("secondary-inference-pool", SECONDARY, 60),
     ):
+        picker = _FixedPool(t.transport, pool)
+        for pod in t.pods[app]:
+            await eventually(picker, _weighted_warmup(pod), t.timing)
         names = [pod.name for pod in t.pods[app]]
         await send_many(
-            _FixedPool(t.transport, pool),
+            picker,
             replace(expected, backend=app),
             t.timing,
             total=count,
             concurrency=WEIGHTED_CONCURRENCY,
             accept=_within(names),
         )
-    return "each picker, given all six pods, stays in its pool (140 + 60 picks); the gateway splits"
+    return (
+        "each picker honours the warm-up's pins to its pods and, given all six pods, stays in "
+        "its pool (140 + 60 picks); the split is the gateway's"
+    )
 
 
 # --- HTTPRouteMultipleGatewaysDifferentPools ------------------------------------------
@@ -390,7 +412,7 @@ async def httproute_multiple_gateways_different_pools(t: Trial) -> str:
         "/test-secondary-gateway", "secondary.example.com", gateway="conformance-secondary"
     )
     await t.eventually(Expected(secondary, backend=SECONDARY))
-    return "traffic only; the Accepted conditions need a controller"
+    return ""
 
 
 # --- InferencePoolAppProtocol ---------------------------------------------------------
@@ -491,7 +513,7 @@ async def inference_pool_invalid_epp_service(t: Trial) -> str:
     if not t.through_gateway:
         raise Skipped("the pool has no endpoint picker: that is what the test is about")
     await t.eventually(Expected(Request("/invalid-epp-test"), statuses=FIVE_XX))
-    return "traffic half only; ResolvedRefs=False needs a controller"
+    return ""
 
 
 # --- HTTPRouteMultipleRulesDifferentPools ---------------------------------------------
@@ -512,7 +534,7 @@ async def httproute_multiple_rules_different_pools(t: Trial) -> str:
     """GET ``/primary`` and ``/secondary`` (no host) reach their own pools."""
     await t.eventually(Expected(Request("/primary"), backend=PRIMARY))
     await t.eventually(Expected(Request("/secondary"), backend=SECONDARY))
-    return "traffic only; the Accepted conditions need a controller"
+    return ""
 
 
 # --- InferencePoolResolvedRefsCondition -----------------------------------------------
@@ -556,7 +578,19 @@ async def inference_pool_resolved_refs_condition(t: Trial) -> str:
     await t.eventually(Expected(on_primary, statuses=(404,)))
     await t.apply(())
     await t.eventually(Expected(on_secondary, statuses=(404,)))
-    return "traffic half only; the parent statuses need a controller"
+    return ""
+
+
+# --- Switchyard's own: EppUnAvailableFailOpen with the FailOpen pool's own picker down --
+
+
+async def epp_unavailable_fail_open_own_picker(t: Trial) -> str:
+    """EppUnAvailableFailOpen with phase 2 stopping the secondary (FailOpen) pool's own picker:
+    the pool's replicas must still serve, picked by the gateway itself."""
+    await _fail_open(t, "secondary-inference-pool")
+    if not t.through_gateway:
+        return "phase 1 only: with the picker down the outcome is the gateway's"
+    return ""
 
 
 # --- Switchyard's own: the FailClose counterpart of EppUnAvailableFailOpen ------------
@@ -588,54 +622,130 @@ async def epp_unavailable_fail_close(t: Trial) -> str:
 # --- the list -------------------------------------------------------------------------
 
 
+def routes_accepted(routes: Sequence[HTTPRoute]) -> tuple[str, ...]:
+    """The status half most of GIE's tests share: each HTTPRoute Accepted and ResolvedRefs by
+    its Gateway (``HTTPRouteMustBeAcceptedAndResolved``), and each pool it sends to Accepted
+    under that Gateway (``InferencePoolMustBeAcceptedByParent``)."""
+    checks: dict[str, None] = {}
+    for http_route in routes:
+        gateway = http_route.gateway
+        checks[f"HTTPRoute {http_route.name}: Accepted, ResolvedRefs (Gateway {gateway})"] = None
+        for rule in http_route.rules:
+            for ref in rule.backends:
+                checks[f"InferencePool {ref.pool}: Accepted (Gateway {gateway})"] = None
+    return tuple(checks)
+
+
 @dataclass(frozen=True, slots=True)
 class Case:
-    """A conformance test: its name, its manifest's routes, and what it runs."""
+    """A conformance test: its name, its manifest's routes, what it runs, and where it is from.
+
+    ``status`` is the test's status half in GIE's suite: the conditions a
+    Gateway controller must have written before (or between) its requests,
+    each ``True`` with the reason of the same name unless it says otherwise.
+    Without a controller they are not checked here.
+    """
 
     name: str
     routes: tuple[HTTPRoute, ...]
     run: Callable[[Trial], Awaitable[str]]
     origin: str = "GIE"
+    status: tuple[str, ...] = ()
 
 
 CASES: Final = (
-    Case("EppUnAvailableFailOpen", FAIL_OPEN_ROUTES, epp_unavailable_fail_open),
-    Case("GatewayDestinationEndpointServed", SERVED_ROUTES, gateway_destination_endpoint_served),
-    Case("GatewayFollowingEPPRouting", FOLLOWING_ROUTES, gateway_following_epp_routing),
+    Case(
+        "EppUnAvailableFailOpen",
+        FAIL_OPEN_ROUTES,
+        epp_unavailable_fail_open,
+        status=routes_accepted(FAIL_OPEN_ROUTES),
+    ),
+    Case(
+        "GatewayDestinationEndpointServed",
+        SERVED_ROUTES,
+        gateway_destination_endpoint_served,
+        status=routes_accepted(SERVED_ROUTES),
+    ),
+    Case(
+        "GatewayFollowingEPPRouting",
+        FOLLOWING_ROUTES,
+        gateway_following_epp_routing,
+        status=routes_accepted(FOLLOWING_ROUTES),
+    ),
     Case(
         "GatewayFollowingEPPRoutingWithDataParallelism",
         DP_ROUTES,
         gateway_following_epp_routing_dp,
+        status=routes_accepted(DP_ROUTES),
     ),
     Case(
         "GatewayWeightedAcrossTwoInferencePools",
         WEIGHTED_ROUTES,
         gateway_weighted_across_two_pools,
+        status=routes_accepted(WEIGHTED_ROUTES),
     ),
     Case(
         "HTTPRouteMultipleGatewaysDifferentPools",
         MULTIPLE_GATEWAYS_ROUTES,
         httproute_multiple_gateways_different_pools,
+        status=routes_accepted(MULTIPLE_GATEWAYS_ROUTES),
     ),
-    Case("InferencePoolAppProtocol", APP_PROTOCOL_ROUTES, inference_pool_app_protocol),
+    Case(
+        "InferencePoolAppProtocol",
+        APP_PROTOCOL_ROUTES,
+        inference_pool_app_protocol,
+        status=routes_accepted(APP_PROTOCOL_ROUTES),
+    ),
     Case(
         "InferencePoolHTTPRoutePortValidation",
         PORT_ROUTES,
         inference_pool_httproute_port_validation,
+        status=routes_accepted(PORT_ROUTES),
     ),
-    Case("InferencePoolInvalidEPPService", INVALID_EPP_ROUTES, inference_pool_invalid_epp_service),
+    Case(
+        "InferencePoolInvalidEPPService",
+        INVALID_EPP_ROUTES,
+        inference_pool_invalid_epp_service,
+        status=(
+            "HTTPRoute httproute-for-invalid-epp-pool: Accepted (Gateway conformance-primary)",
+            "InferencePool pool-with-invalid-epp: ResolvedRefs=False, any reason "
+            "(Gateway conformance-primary)",
+        ),
+    ),
     Case(
         "HTTPRouteMultipleRulesDifferentPools",
         MULTIPLE_RULES_ROUTES,
         httproute_multiple_rules_different_pools,
+        status=routes_accepted(MULTIPLE_RULES_ROUTES),
     ),
     Case(
         "InferencePoolResolvedRefsCondition",
         RESOLVED_REFS_ROUTES,
         inference_pool_resolved_refs_condition,
+        status=(
+            *routes_accepted(RESOLVED_REFS_ROUTES),
+            "InferencePool primary-inference-pool: still Accepted (Gateway "
+            "conformance-secondary) once the primary route is deleted",
+            "InferencePool primary-inference-pool: no parents once both routes are deleted",
+        ),
+    ),
+    Case(
+        "EppUnAvailableFailOpenOwnPicker",
+        FAIL_OPEN_ROUTES,
+        epp_unavailable_fail_open_own_picker,
+        "Switchyard",
     ),
     Case("EppUnAvailableFailClose", FAIL_CLOSE_ROUTES, epp_unavailable_fail_close, "Switchyard"),
 )
+
+SETUP_CHECKS: Final = (
+    "GatewayClass: Accepted (GWCMustHaveAcceptedConditionTrue)",
+    "Gateway conformance-primary: Accepted, Programmed, an address",
+    "Gateway conformance-secondary: Accepted, Programmed, an address",
+)
+"""What GIE's suite checks before any test (``SetupConformanceTestSuite``) and that needs a
+controller. Here the Gateways' addresses are their Envoy listeners', read from Envoy's admin,
+and the namespaces' pods are ready when every echo pod listens and every picker is SERVING."""
 
 NOT_APPLICABLE: Final = {
     "HTTPRouteInvalidInferencePoolRef": (

@@ -1,7 +1,8 @@
 """The conformance client: requests, what came back, and the suite's ways of judging it.
 
 This is Gateway API's conformance ``roundtripper`` and ``http`` helpers (which
-GIE's tests call) rewritten for Python, with the same rules:
+GIE's tests call; GIE 84436a96 pins them at ``HELPERS``) rewritten for
+Python, with the same rules:
 
 - ``compare`` is ``CompareRoundTrip``: the status must be one of the expected
   ones; on a 200 the echo server's JSON must show the same method, path and
@@ -9,24 +10,30 @@ GIE's tests call) rewritten for Python, with the same rules:
   and the expected namespace; the pod name must *start with* the expected
   backend; expected response headers are compared after joining repeated
   values with ``,``.
-- ``eventually`` is ``MakeRequestAndExpectEventuallyConsistentResponse``: the
-  request is repeated until it passes ``compare`` three times in a row,
-  waiting 100 ms after each failure, for at most ``max_time_to_consistency``.
+- ``eventually`` is ``MakeRequestAndExpectEventuallyConsistentResponse``
+  (``AwaitConvergence``): the request is repeated until it passes
+  ``compare`` three times in a row. A failed attempt (a wrong answer, no
+  answer, or one that cannot be read) is followed by a 1 s wait, a passing
+  one by none; the deadline (``max_time_to_consistency``) is checked before
+  every attempt and ends a wait early.
 - ``send_many`` is the loop of GIE's traffic tests (``assertTrafficOnly...``):
-  ``total`` requests, ``concurrency`` at a time; each one that fails to
-  connect or gets 404/503 is retried every 500 ms for up to 2 minutes; any
-  other mismatch, or a pod outside the allowed set, fails the test at once.
+  ``total`` requests, ``concurrency`` at a time; each one that gets no
+  readable answer, a 404 or a 503 is retried every 500 ms for up to 2
+  minutes; any other mismatch, or a pod outside the allowed set, fails the
+  test at once.
 
 A ``Transport`` carries a request either through the gateway (HTTP to an
 Envoy listener, ``GatewayTransport``) or to an endpoint picker alone
-(``conformance.picker``); the judging is the same.
+(``conformance.picker``); the judging is the same. The clock and the sleep
+are parameters, so the timing rules are tested without waiting.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -43,24 +50,41 @@ class Failed(Exception):
     """A conformance expectation that did not hold; the message says which and why."""
 
 
+HELPERS_VERSION: Final = "v1.6.1"
+HELPERS: Final = f"sigs.k8s.io/gateway-api/conformance {HELPERS_VERSION}"
+"""The Gateway API conformance helpers whose rules and timing this client follows (the module
+GIE's ``conformance/go.mod`` requires at 84436a96)."""
+
+
 class Unreachable(Exception):
-    """The request got no HTTP answer at all (refused, reset, timed out)."""
+    """No usable answer: nothing answered (refused, reset, timed out), or the answer could not
+    be read (an echo that is not JSON). The helpers' round trip returns an error for both, and
+    both are retried."""
 
 
 @dataclass(frozen=True, slots=True)
 class Timing:
-    """How long the suite waits, GIE's values by default (``utils/config``).
+    """How long the suite waits; by default the values GIE runs its tests with.
 
+    ``max_time_to_consistency`` is GIE's (``utils/config/timing.go``; Gateway
+    API's own default is 30 s); the consecutive successes, the request
+    timeout and the 1 s wait after a failed attempt are the ``HELPERS``'
+    (``utils/config/timeout.go``, ``AwaitConvergence``); the traffic loop's
+    500 ms and 2 minutes are GIE's (``assertTrafficOnlyReachesToExpectedPods``).
     These bound the waiting only: a conformant gateway passes every check in
-    its first attempts, and never comes near them.
+    its first attempts.
     """
 
     max_time_to_consistency: float = 300.0
     required_consecutive_successes: int = 3
-    poll_interval: float = 0.1
+    delay_after_failure: float = 1.0
     request_timeout: float = 10.0
     retry_interval: float = 0.5
     retry_for: float = 120.0
+
+
+Clock = Callable[[], float]
+Sleep = Callable[[float], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,13 +111,31 @@ class Echo:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Echo:
+        """Read the echo's JSON as Go's ``json.Unmarshal`` into ``CapturedRequest`` does: a
+        field of the wrong type is an error (``TypeError``); null or absent is empty."""
+        headers = data.get("headers") or {}
+        if not isinstance(headers, dict) or not all(
+            isinstance(values, list) and all(isinstance(v, str) for v in values)
+            for values in headers.values()
+        ):
+            raise TypeError("headers: expected an object of string lists")
         return cls(
-            path=str(data.get("path", "")),
-            host=str(data.get("host", "")),
-            method=str(data.get("method", "")),
-            headers={str(k).lower(): list(v) for k, v in (data.get("headers") or {}).items()},
-            namespace=str(data.get("namespace", "")),
+            path=json_string(data, "path"),
+            host=json_string(data, "host"),
+            method=json_string(data, "method"),
+            headers={name.lower(): values for name, values in headers.items()},
+            namespace=json_string(data, "namespace"),
         )
+
+
+def json_string(data: Mapping[str, Any], key: str) -> str:
+    """A string field of the echo's JSON; null or absent is ""."""
+    value = data.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise TypeError(f"{key}: expected a string, got {type(value).__name__}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,26 +224,47 @@ async def _attempt(
     return seen, compare(expected, seen, check_echo=transport.checks_backend)
 
 
-async def eventually(transport: Transport, expected: Expected, timing: Timing) -> Observation:
-    """Repeat the request until it passes ``compare`` several times in a row."""
-    deadline = time.monotonic() + timing.max_time_to_consistency
+async def eventually(
+    transport: Transport,
+    expected: Expected,
+    timing: Timing,
+    *,
+    clock: Clock = time.monotonic,
+    sleep: Sleep = asyncio.sleep,
+) -> Observation:
+    """Repeat the request until it passes ``compare`` several times in a row (``AwaitConvergence``).
+
+    The deadline is checked before every attempt, passing or not, and cuts
+    short the wait after a failure; an attempt under way is not interrupted
+    (the request has its own timeout), as in the Go helper.
+    """
+    deadline = clock() + timing.max_time_to_consistency
     streak = attempts = 0
+    problem: str | None = None
+
+    def timed_out() -> Failed:
+        return Failed(
+            f"{expected.request.method} {expected.request.path}: not "
+            f"{timing.required_consecutive_successes} passes in a row within "
+            f"{timing.max_time_to_consistency:g} s ({attempts} attempts); last: {problem}"
+        )
+
     while True:
+        if clock() >= deadline:
+            raise timed_out()
         seen, problem = await _attempt(transport, expected)
         attempts += 1
         if problem is None and seen is not None:
             streak += 1
             if streak >= timing.required_consecutive_successes:
                 return seen
-            continue
+            continue  # no wait after a pass
         streak = 0
-        if time.monotonic() > deadline:
-            raise Failed(
-                f"{expected.request.method} {expected.request.path}: not "
-                f"{timing.required_consecutive_successes} passes in a row within "
-                f"{timing.max_time_to_consistency:.0f} s ({attempts} attempts); last: {problem}"
-            )
-        await asyncio.sleep(timing.poll_interval)
+        left = deadline - clock()
+        if left <= timing.delay_after_failure:
+            await sleep(max(left, 0.0))
+            raise timed_out()
+        await sleep(timing.delay_after_failure)
 
 
 async def send_many(
@@ -212,17 +275,21 @@ async def send_many(
     total: int,
     concurrency: int,
     accept: Callable[[Observation], str | None],
+    clock: Clock = time.monotonic,
+    sleep: Sleep = asyncio.sleep,
 ) -> list[Observation]:
     """``total`` requests, ``concurrency`` at a time, each judged by ``compare`` and ``accept``.
 
     ``accept`` says why an answer that passed ``compare`` is still wrong (a
     pod outside the allowed set, a port the picker was not allowed), or None.
+    Each request's 2 minutes start when it is first sent; a retry that would
+    start after them is not made.
     """
     limit = asyncio.Semaphore(concurrency)
 
     async def one() -> Observation:
         async with limit:
-            give_up = time.monotonic() + timing.retry_for
+            give_up = clock() + timing.retry_for
             while True:
                 seen, problem = await _attempt(transport, expected)
                 if seen is not None and problem is None:
@@ -231,10 +298,12 @@ async def send_many(
                     return seen
                 if seen is not None and seen.status not in (404, 503):
                     raise Failed(f"expectation failed: {problem}")
-                # Not reached, or 404/503: GIE retries these (an unconverged gateway).
-                if time.monotonic() > give_up:
+                # No usable answer, or 404/503: GIE retries these (an unconverged gateway).
+                left = give_up - clock()
+                if left <= timing.retry_interval:
+                    await sleep(max(left, 0.0))
                     raise Failed(f"failed after retries: {problem}")
-                await asyncio.sleep(timing.retry_interval)
+                await sleep(timing.retry_interval)
 
     try:
         async with asyncio.TaskGroup() as group:
@@ -280,13 +349,23 @@ class GatewayTransport:
                     name.lower(): response.headers.getall(name)
                     for name in dict.fromkeys(response.headers.keys())
                 }
+                body = await response.read()
                 echo, pod, port = None, "", ""
+                # As the Go client: the body is the echo's JSON only when it says so, and a
+                # body that says so but does not decode is an error of the round trip.
                 if response.headers.get("Content-Type") == "application/json":
-                    data = await response.json()
-                    echo = Echo.from_json(data)
-                    pod, port = str(data.get("pod", "")), str(data.get("httpPort", ""))
-                else:
-                    await response.read()
+                    echo, pod, port = _read_echo(body)
                 return Observation(response.status, seen, pod, port, echo)
         except (aiohttp.ClientError, TimeoutError) as error:
             raise Unreachable(f"{type(error).__name__}: {error}") from None
+
+
+def _read_echo(body: bytes) -> tuple[Echo, str, str]:
+    """The echo's JSON: what reached the backend, the pod, its ``httpPort``."""
+    try:
+        data = json.loads(body)
+        if not isinstance(data, dict):
+            raise TypeError(f"a JSON {type(data).__name__}, not an object")
+        return Echo.from_json(data), json_string(data, "pod"), json_string(data, "httpPort")
+    except (ValueError, TypeError) as error:
+        raise Unreachable(f"unexpected error reading response: {error}") from None

@@ -58,6 +58,8 @@ class InferencePool:
     ``endpoints``: ``ip:port`` of each ready pod × target port, used only
     by a FailOpen pool while its picker is down. ``h2c``: ``appProtocol:
     kubernetes.io/h2c`` (HTTP/2 without TLS to the model servers).
+    ``health_service``: the gRPC health service Envoy asks the picker about
+    (GIE's probes ask about ``inference-extension``).
     """
 
     name: str
@@ -67,6 +69,7 @@ class InferencePool:
     h2c: bool = False
     picker_port: int = 9002
     health_port: int = 9003
+    health_service: str = demo.HEALTH_SERVICE
 
     def demo_pool(self) -> demo.GatewayPool:
         """The same pool in the demo gateway's terms, whose building blocks are reused."""
@@ -124,9 +127,13 @@ def clusters(pools: Iterable[InferencePool]) -> list[cluster.Cluster]:
     result = []
     for pool in pools:
         base = pool.demo_pool()
-        result.append(
-            demo.grpc_cluster(f"lwepp-{pool.name}", pool.picker, pool.picker_port, pool.health_port)
+        picker = demo.grpc_cluster(
+            f"lwepp-{pool.name}", pool.picker, pool.picker_port, pool.health_port
         )
+        for check in picker.health_checks:
+            if check.grpc_health_check is not None:
+                check.grpc_health_check.service_name = pool.health_service
+        result.append(picker)
         picked = [demo.picked_endpoint_cluster(base)]
         if pool.fail_open:
             picked.append(demo.fallback_cluster(base))

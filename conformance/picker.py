@@ -131,7 +131,7 @@ class PickerTransport:
             raise Unreachable(f"{type(error).__name__}: {error}") from None
         ip, _, port = endpoint.rpartition(":")
         pod = self._pods_by_ip.get(ip, f"<not a pod: {ip}>")
-        return Observation(200, {SERVED_REPORT: report}, pod, port)
+        return Observation(200, {SERVED_REPORT: report} if report else {}, pod, port)
 
     async def close(self) -> None:
         for client in self._clients.values():

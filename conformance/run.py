@@ -4,7 +4,10 @@ For each test, as GIE's suite does, the test's HTTPRoutes are applied (and
 Envoy is waited for) before it runs and removed after. The test then runs
 against the pickers alone first, then through the gateway; a failure in the
 first says the picker is at fault, a failure only in the second says the
-gateway's wiring is.
+gateway's wiring is. The pickers are whatever ``PickerCommand`` starts
+(Switchyard's LWEPP by default), and the API versions the run reports are
+read from the CRDs of what it applies (``conformance.crds``) before anything
+starts.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ import aiohttp
 
 from conformance.cases import CASES, GIE_ORDER, NOT_APPLICABLE, Case, Skipped, Trial
 from conformance.client import Failed, GatewayTransport, Timing, Transport
+from conformance.command import SWITCHYARD, PickerCommand
+from conformance.crds import Versions, installed_versions
 from conformance.picker import NotForPicker, PickerTransport
-from conformance.topology import GATEWAYS, Topology
+from conformance.topology import GATEWAYS, HEALTH_SERVICE, Topology
 
 Outcome = Literal["passed", "failed", "skipped"]
 MODES: Final = ("gateway", "picker")
@@ -39,12 +44,18 @@ class Result:
 
 @dataclass(frozen=True, slots=True)
 class CaseResult:
-    """A test's results through the gateway and at the picker."""
+    """A test's results through the gateway and at the picker.
+
+    ``status``: the test's status half in GIE's suite, which this run does not
+    check (``Case.status``); ``status_only``: a GIE test that has nothing else.
+    """
 
     name: str
     origin: str
     gateway: Result
     picker: Result
+    status: tuple[str, ...] = ()
+    status_only: bool = False
 
     @property
     def passed(self) -> bool:
@@ -53,8 +64,14 @@ class CaseResult:
 
 @dataclass(slots=True)
 class Suite:
-    """What a run found; ``results`` in the order the tests ran, then the not-applicable ones."""
+    """What a run found; ``results`` in GIE's order, then Switchyard's own tests.
 
+    ``picker``: the command template the pickers ran from; ``versions``: what
+    the CRDs of the applied objects say (the report's API versions).
+    """
+
+    versions: Versions
+    picker: str = SWITCHYARD
     results: list[CaseResult] = field(default_factory=list)
     seconds: float = 0.0
     startup_seconds: float = 0.0
@@ -83,17 +100,20 @@ async def run_suite(
     work_dir: Path,
     timing: Timing | None = None,
     only: Collection[str] = (),
-    picker_args: Sequence[str] = (),
+    picker: PickerCommand | None = None,
+    health_service: str = HEALTH_SERVICE,
 ) -> Suite:
     """Start the topology in ``work_dir``, run the tests (all, or those named), stop it.
 
-    ``picker_args`` are extra flags for every LWEPP (``Topology``).
+    ``picker`` starts each pool's picker (Switchyard's LWEPP by default), which
+    is ready once its health port reports ``health_service`` SERVING.
     """
     timing = timing or Timing()
+    picker = picker or PickerCommand.parse(SWITCHYARD)
     cases: Sequence[Case] = [case for case in CASES if not only or case.name in only]
-    suite = Suite()
+    suite = Suite(installed_versions(), picker.template)
     began = time.monotonic()
-    with Topology(work_dir, picker_args=picker_args) as topology:
+    with Topology(work_dir, picker=picker, health_service=health_service) as topology:
         suite.startup_seconds = time.monotonic() - began
         pods_by_ip = {pod.ip: pod.name for pods in topology.pods.values() for pod in pods}
         pickers = {
@@ -101,52 +121,68 @@ async def run_suite(
             for name, pool in topology.pools.items()
             if name in topology.services
         }
-        picker = PickerTransport({g.name: g for g in GATEWAYS}, pickers, pods_by_ip)
+        alone = PickerTransport({g.name: g for g in GATEWAYS}, pickers, pods_by_ip)
         try:
             async with aiohttp.ClientSession() as session:
                 gateway = GatewayTransport(session, topology.gateways, timing)
                 for case in cases:
                     await asyncio.to_thread(topology.apply, case.routes)
-                    picker.routes = case.routes
+                    alone.routes = case.routes
                     results = {}
                     for mode, transport, owner in (
-                        ("picker", picker, None),
+                        ("picker", alone, None),
                         ("gateway", gateway, topology),
                     ):
                         via: Transport = transport
                         trial = Trial(via, topology.pods, timing, owner)
                         results[mode] = await _run_one(case, trial)
                     suite.results.append(
-                        CaseResult(case.name, case.origin, results["gateway"], results["picker"])
+                        CaseResult(
+                            case.name,
+                            case.origin,
+                            results["gateway"],
+                            results["picker"],
+                            case.status,
+                        )
                     )
                 await asyncio.to_thread(topology.apply, ())
         finally:
-            await picker.close()
+            await alone.close()
     for name, reason in NOT_APPLICABLE.items():
         if not only or name in only:
             skipped = Result("skipped", f"not applicable: {reason}")
-            suite.results.append(CaseResult(name, "GIE", skipped, skipped))
+            suite.results.append(CaseResult(name, "GIE", skipped, skipped, status_only=True))
     order = {name: i for i, name in enumerate(GIE_ORDER)}
     suite.results.sort(key=lambda result: order.get(result.name, len(order)))
     suite.seconds = time.monotonic() - began
     return suite
 
 
-def table(suite: Suite) -> str:
-    """The results as a Markdown table: one row per test, both ways, with times."""
+def status_column(result: CaseResult) -> str:
+    """What became of the test's status conditions (GIE's tests have some; ours have none)."""
+    if result.status_only:
+        return "not checked: the whole test"
+    return "not checked (traffic only)" if result.status else "none in the test"
+
+
+def table(suite: Suite, *, times: bool = True) -> str:
+    """The results as a Markdown table: one row per test, both ways, the status half, and
+    (with ``times``) how long each took."""
     rows = [
-        "| test | through the gateway | picker alone | time |",
-        "|---|---|---|---:|",
+        "| test | through the gateway | picker alone | status conditions |"
+        + (" time |" if times else ""),
+        "|---|---|---|---|" + ("---:|" if times else ""),
     ]
     for result in suite.results:
-        seconds = result.gateway.seconds + result.picker.seconds
         name = result.name + (" *" if result.origin != "GIE" else "")
-        if result.gateway.detail.startswith("not applicable"):
-            rows.append(f"| {name} | n/a | n/a | |")
-            continue
-        rows.append(
-            f"| {name} | {result.gateway.outcome} | {result.picker.outcome} | {seconds:.1f} s |"
+        row = (
+            f"| {name} | {result.gateway.outcome} | {result.picker.outcome} "
+            f"| {status_column(result)} |"
         )
+        if times:
+            seconds = result.gateway.seconds + result.picker.seconds
+            row += f" {seconds:.1f} s |" if not result.status_only else " |"
+        rows.append(row)
     rows.append("")
     rows.append("`*` Switchyard's own test, not in GIE's suite.")
     return "\n".join(rows)

@@ -22,9 +22,12 @@ one machine do not collide. One ``python -m simulator`` process serves every
 pod (``--h2c-port 3001`` makes port 3001 speak h2c, as echo-basic does).
 
 Each InferencePool gets its picker at ``127.X.Y.101+`` on GIE's ports (ext_proc
-9002, health 9003), with a pod file listing the pool's view: the ready pods its
+9002, health 9003), told the pool's view of the world: the ready pods its
 selector matches, each with the pool's target ports (what GIE's lwepp builds
-from the InferencePool and its Pod watch). ``pool-with-invalid-epp`` (from
+from the InferencePool and its Pod watch), as a pod file and as a list of
+endpoints. The picker is Switchyard's LWEPP unless a ``PickerCommand``
+names another (``conformance.command``); it is ready once its health port
+reports the health service SERVING. ``pool-with-invalid-epp`` (from
 ``InferencePoolInvalidEPPService``) gets an address where nothing listens,
 like an EPP Service that does not exist.
 
@@ -49,6 +52,7 @@ from typing import Final
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from conformance.command import SWITCHYARD, PickerCommand
 from conformance.envoy import (
     Gateway,
     HTTPRoute,
@@ -77,6 +81,8 @@ NAMESPACE: Final = "inference-conformance-app-backend"
 REPLICAS: Final = 3
 HEALTH_SERVICE: Final = "inference-extension"
 """The service GIE's liveness and readiness probes ask the picker's health port about."""
+PICKER_PORTS: Final = {"grpc_port": 9002, "health_port": 9003, "metrics_port": 9090}
+"""The ports GIE's base.yaml gives each pool's picker."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,12 +166,12 @@ def pick_subnet(wanted: Sequence[tuple[str, int]], tries: int = 50) -> str:
     raise TopologyError("no free 127.X.Y.0/24 network on this machine")
 
 
-def _health(address: str) -> bool | None:
-    """True once the picker's health port reports ``inference-extension`` SERVING."""
+def _health(address: str, service: str) -> bool | None:
+    """True once the picker's health port reports ``service`` SERVING."""
     with grpc.insecure_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=1
+                health_pb2.HealthCheckRequest(service=service), timeout=1
             )
         except grpc.RpcError:
             return None
@@ -176,13 +182,18 @@ class Topology(Processes):
     """Echo pods, pickers and Envoy, as a context manager; ``apply`` sets the routes."""
 
     def __init__(
-        self, work_dir: Path, startup_timeout: float = 30.0, picker_args: Sequence[str] = ()
+        self,
+        work_dir: Path,
+        startup_timeout: float = 30.0,
+        picker: PickerCommand | None = None,
+        health_service: str = HEALTH_SERVICE,
     ) -> None:
-        """``picker_args``: extra flags for every LWEPP (``--config my-picker.yaml``), to
-        hold a configured picker to the same tests."""
+        """``picker``: the command of each pool's picker (Switchyard's LWEPP by default);
+        ``health_service``: the gRPC health service that says a picker is ready."""
         self.work_dir = work_dir
         self.timeout = startup_timeout
-        self.picker_args = list(picker_args)
+        self.picker = picker or PickerCommand.parse(SWITCHYARD)
+        self.health_service = health_service
         self.services: dict[str, Service] = {}
         self.prefix = ""
         self.pods: dict[str, tuple[EchoPod, ...]] = {}
@@ -213,6 +224,7 @@ class Topology(Processes):
                 ),
                 fail_open=spec.fail_open,
                 h2c=spec.h2c,
+                health_service=self.health_service,
             )
             for j, spec in enumerate(POOLS)
         }
@@ -231,8 +243,7 @@ class Topology(Processes):
 
     # --- life cycle -----------------------------------------------------------------
 
-    def _python(self, name: str, module: str, *args: str) -> Service:
-        argv = [sys.executable, "-m", module, *args, "--log-level", "info"]
+    def _run(self, name: str, argv: Sequence[str]) -> Service:
         log = self.work_dir / f"{name}.log"
         restarts = 1
         while log.exists():  # a restarted picker keeps its earlier logs
@@ -251,21 +262,23 @@ class Topology(Processes):
         self._layout(pick_subnet(self._wanted()))
         all_pods = [(pod, pod.ports) for pods in self.pods.values() for pod in pods]
         h2c = [str(port) for d in DEPLOYMENTS for port in d.h2c_ports]
-        self._python(
+        echo = self._run(
             "echo-pods",
-            "simulator",
-            *("--pods", str(self._pod_file("echo-pods", all_pods))),
-            *("--namespace", NAMESPACE, "--time-scale", "0"),
-            *(arg for port in sorted(set(h2c)) for arg in ("--h2c-port", port)),
+            [
+                *(sys.executable, "-m", "simulator"),
+                *("--pods", str(self._pod_file("echo-pods", all_pods))),
+                *("--namespace", NAMESPACE, "--time-scale", "0", "--log-level", "info"),
+                *(arg for port in sorted(set(h2c)) for arg in ("--h2c-port", port)),
+            ],
         )
         for spec in POOLS:
             if spec.has_picker:
                 self.start_picker(spec.name, wait=False)
         # All started at once, so they come up in parallel; now wait for each.
-        for name, service in self.services.items():
-            service.listening = wait_for(
-                service, "listening", functools.partial(listening_line, service), self.timeout
-            )
+        echo.listening = wait_for(
+            echo, "listening", functools.partial(listening_line, echo), self.timeout
+        )
+        for name in self.services:
             if name in self.pools:
                 self._wait_serving(name)
         self._start_envoy()
@@ -275,25 +288,33 @@ class Topology(Processes):
         spec = next(spec for spec in POOLS if spec.name == pool)
         return self._pod_file(pool, [(pod, spec.target_ports) for pod in self.pods[spec.app]])
 
-    def start_picker(self, pool: str, *, wait: bool = True) -> None:
-        """Start (or restart) a pool's LWEPP with the flags GIE's manifests give lwepp."""
+    def picker_fields(self, pool: str) -> dict[str, str]:
+        """What the picker template's fields stand for, for ``pool`` (``command.FIELDS``)."""
         spec = next(spec for spec in POOLS if spec.name == pool)
-        self._python(
-            pool,
-            "lwepp",
-            *("--pods", str(self.picker_file(pool)), "--selector", f"app={spec.app}"),
-            *("--host", self.pools[pool].picker, "--grpc-port", "9002"),
-            *("--grpc-health-port", "9003", "--metrics-port", "9090"),
-            *self.picker_args,
-        )
+        return {
+            "python": sys.executable,
+            "host": self.pools[pool].picker,
+            **{name: str(port) for name, port in PICKER_PORTS.items()},
+            "pods": str(self.picker_file(pool)),
+            "endpoints": ",".join(self.pools[pool].endpoints),
+            "selector": f"app={spec.app}",
+            "pool": pool,
+            "namespace": NAMESPACE,
+        }
+
+    def start_picker(self, pool: str, *, wait: bool = True) -> None:
+        """Start (or restart) a pool's picker from the picker template."""
+        self._run(pool, self.picker.argv(self.picker_fields(pool)))
         if wait:
             self._wait_serving(pool)
             if "envoy" in self.services:
                 self.wait_envoy_sees(pool, healthy=True)
 
     def _wait_serving(self, pool: str) -> None:
-        address = f"{self.pools[pool].picker}:9003"
-        wait_for(self.services[pool], "SERVING", functools.partial(_health, address), self.timeout)
+        address = f"{self.pools[pool].picker}:{PICKER_PORTS['health_port']}"
+        probe = functools.partial(_health, address, self.health_service)
+        what = f"SERVING on gRPC health service {self.health_service!r} at {address}"
+        wait_for(self.services[pool], what, probe, self.timeout)
 
     def stop_picker(self, pool: str) -> None:
         """Stop a pool's picker, and wait until Envoy's health check has noticed.

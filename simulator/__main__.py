@@ -107,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="PORT",
         help="a pod port that serves only the conformance echo, over cleartext HTTP/2 "
-        "(prior knowledge), as echo-basic's h2c port; repeatable",
+        "(prior knowledge or Upgrade: h2c), as echo-basic's h2c port; repeatable",
     )
     add(
         "--profile",

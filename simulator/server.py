@@ -51,6 +51,8 @@ from simulator.tokenizer import output_token
 log = structlog.get_logger()
 
 DEFAULT_MODEL: Final = "sim-model"
+ECHO_HTTP_PORT: Final = 3000
+"""echo-basic's HTTP port when its ``HTTP_PORT`` is not set."""
 """The model of a pod without a ``model`` label."""
 
 _HEADER_NAME: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token
@@ -364,8 +366,15 @@ class Replica:
         host: str,
         proto: str,
         request_headers: Iterable[tuple[str, str]],
+        *,
+        http_port: int | None = None,
     ) -> dict[str, Any]:
-        """echo-basic's JSON for one request, whatever the HTTP version it came over."""
+        """echo-basic's JSON for one request, whatever the HTTP version it came over.
+
+        ``httpPort`` is echo-basic's HTTP port (its ``HTTP_PORT``): this
+        replica's port, unless ``http_port`` names another (an h2c port
+        reports its pod's HTTP port, as echo-basic's does).
+        """
         headers: dict[str, list[str]] = {}
         for name, value in request_headers:
             if name.lower() != "host":  # Go moves Host out of the header map
@@ -380,7 +389,7 @@ class Replica:
             "ingress": "",
             "service": "",
             "pod": self.pod.name,
-            "httpPort": str(self.port),
+            "httpPort": str(self.port if http_port is None else http_port),
         }
 
 
@@ -394,6 +403,12 @@ def _bind(address: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def _http_port(pod: Pod, h2c_ports: Collection[int]) -> int:
+    """The port an h2c port's echo reports as ``httpPort``: the pod's first HTTP port, or
+    echo-basic's default ``HTTP_PORT`` (3000) when every port of the pod is h2c."""
+    return next((port for port in pod.ports if port not in h2c_ports), ECHO_HTTP_PORT)
 
 
 @asynccontextmanager
@@ -421,8 +436,8 @@ async def serve_pods(
 
     ``dialect`` names the engine whose metric names ``/metrics`` uses;
     ``namespace`` is what the conformance echo reports; a port listed in
-    ``h2c_ports`` serves only the echo, over cleartext HTTP/2
-    (``simulator.h2c``), as echo-basic's h2c port does.
+    ``h2c_ports`` serves only the echo, as echo-basic's h2c port does
+    (``simulator.h2c``: cleartext HTTP/2, or HTTP/1.1 asking to upgrade).
     ``prompt_tokens_details`` adds the cached prompt tokens to every answer's
     usage, as vLLM does with ``--enable-prompt-tokens-details``.
     """
@@ -449,7 +464,8 @@ async def serve_pods(
                 )
                 replicas.append(replica)
                 if port in h2c_ports:
-                    h2c_servers.append(await serve_h2c_echo(replica, sock))
+                    http_port = _http_port(pod, h2c_ports)
+                    h2c_servers.append(await serve_h2c_echo(replica, sock, http_port))
                     continue
                 # A client that disconnects cancels its handler, which aborts its request in
                 # the engine and frees its blocks, as vLLM aborts a request whose client left.

@@ -13,7 +13,7 @@ import sys
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from envoy_data_plane.envoy.config.core import v3 as core
@@ -284,3 +284,61 @@ def test_a_gateway_that_does_not_report_the_served_endpoint_fails_only_through_i
     assert result.picker.outcome == "passed"
     assert result.gateway.outcome == "failed"
     assert "fail: missing destination endpoint served metadata" in result.gateway.detail
+
+
+# --- which picker EppUnAvailableFailOpen takes down ---------------------------------------
+
+
+class RecordingTopology:
+    """Stands in for the topology: records which pool's picker is stopped and restarted."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def stop_picker(self, pool: str) -> None:
+        self.calls.append(("stop", pool))
+
+    def start_picker(self, pool: str) -> None:
+        self.calls.append(("start", pool))
+
+
+class AlwaysServes:
+    """A gateway that always answers with the echo of the request from pods[0]."""
+
+    checks_backend = True
+
+    async def send(self, request: Request) -> Observation:
+        echo = Echo(
+            request.path,
+            request.host or "",
+            request.method,
+            {k.lower(): [v] for k, v in request.headers.items()},
+            "inference-conformance-app-backend",
+        )
+        return Observation(200, {}, "secondary-inference-model-server-deployment-0", "3000", echo)
+
+
+@pytest.mark.parametrize(
+    ("name", "stopped"),
+    [
+        ("EppUnAvailableFailOpen", "primary-inference-pool"),  # GIE's code, to the letter
+        ("EppUnAvailableFailOpenOwnPicker", "secondary-inference-pool"),  # the stricter variant
+    ],
+)
+def test_fail_open_phase_2_stops_the_picker_gie_stops(name: str, stopped: str) -> None:
+    """GIE's phase 2 takes the primary pool's EPP down while the route uses the secondary pool;
+    the stricter variant takes the secondary's own picker down. Each restarts it afterwards."""
+    pods = {
+        cases.SECONDARY: tuple(
+            EchoPod(f"secondary-inference-model-server-deployment-{i}", f"10.9.1.{i}", "s", (3000,))
+            for i in range(3)
+        )
+    }
+    topology = RecordingTopology()
+    trial = Trial(AlwaysServes(), pods, Timing(), cast(Any, topology))
+
+    async def run() -> None:
+        await case(name).run(trial)
+
+    asyncio.run(run())
+    assert topology.calls == [("stop", stopped), ("start", stopped)]

@@ -25,7 +25,6 @@ place, and the stream then ends normally.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Final
 
 from protos import extproc
@@ -73,19 +72,24 @@ class Refusal(Exception):
         return CODES.get(self.status, str(self.status))
 
 
-@dataclass(slots=True)
 class Half:
-    """One direction of the exchange, request or response: its headers, body mode and held body."""
+    """One direction of the exchange, request or response: its headers, body mode and held body.
 
-    phase: Phase
-    mode: int
-    """The body send mode Envoy runs this direction with (``BodyMode``)."""
-    limit: int = MAX_BODY_BYTES
-    headers: list[tuple[str, str]] = field(default_factory=list)
-    chunks: list[bytes] = field(default_factory=list)
-    size: int = 0
-    held: bool = False
-    """Our answer to the headers waits for the end of the body."""
+    ``headers`` are Envoy's ``(name, value)`` pairs; ``mode`` the body send
+    mode Envoy runs this direction with (``BodyMode``); ``chunks`` and
+    ``size`` the body held so far, at most ``limit`` bytes; ``held`` whether
+    our answer to the headers waits for the end of the body.
+    """
+
+    __slots__ = ("chunks", "headers", "held", "limit", "mode", "phase", "size")
+
+    def __init__(self, phase: Phase, mode: int, limit: int = MAX_BODY_BYTES) -> None:
+        # A plain __init__, not a dataclass's: two are made for every stream.
+        self.phase, self.mode, self.limit = phase, mode, limit
+        self.headers: list[tuple[str, str]] = []
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.held = False
 
     @property
     def streamed(self) -> bool:

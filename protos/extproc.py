@@ -16,6 +16,7 @@ sits on every request (``bench/codec.py`` measures both).
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
 
@@ -37,8 +38,23 @@ else:
 Phase = Literal["request", "response"]
 """Which half of the HTTP exchange a headers or body message belongs to."""
 
-BodyMode = processing_mode_pb2.ProcessingMode.BodySendMode
-"""Envoy's body send modes: ``NONE``, ``STREAMED``, ``BUFFERED``, ``FULL_DUPLEX_STREAMED``..."""
+_SEND_MODES = processing_mode_pb2.ProcessingMode.BodySendMode
+
+
+class BodyMode(enum.IntEnum):
+    """Envoy's body send modes (``ProcessingMode.BodySendMode``), as the ints on the wire.
+
+    A Python enum of the protobuf's values rather than the protobuf's own enum
+    wrapper: reading a member of that wrapper runs Python code on every access,
+    which showed up in a stream's cost; these are plain class attributes.
+    """
+
+    NONE = _SEND_MODES.Value("NONE")
+    STREAMED = _SEND_MODES.Value("STREAMED")
+    BUFFERED = _SEND_MODES.Value("BUFFERED")
+    BUFFERED_PARTIAL = _SEND_MODES.Value("BUFFERED_PARTIAL")
+    FULL_DUPLEX_STREAMED = _SEND_MODES.Value("FULL_DUPLEX_STREAMED")
+    GRPC = _SEND_MODES.Value("GRPC")
 
 CHUNK_LIMIT: Final = 62_000
 """Largest body chunk sent back in one ``streamed_response``.

@@ -15,6 +15,7 @@ from simulator.engine import CRASHED, INJECTED_ERROR, Engine, Event, Faults, Req
 from simulator.kvcache import block_hashes
 from simulator.profiles import PROFILES, Profile
 from simulator.tokenizer import (
+    CHARS_PER_TOKEN,
     count_tokens,
     output_token,
     output_token_id,
@@ -101,6 +102,15 @@ def test_tokenizer_is_deterministic_and_concatenates() -> None:
     assert tokenize("".join(output_token(i) for i in range(12))) == [
         output_token_id(i) for i in range(12)
     ]
+
+
+def test_workload_text_has_about_four_characters_per_token() -> None:
+    """text_block words average 4 characters with their space, as English text does per BPE
+    token, so a router that counts characters sees as many engine tokens as with real text."""
+    text = text_block(11, 20_000)
+    assert len(tokenize(text)) == 20_000
+    assert len(text) / 20_000 == pytest.approx(CHARS_PER_TOKEN, abs=0.05)
+    assert {len(word) for word in text.split()} == {2, 3, 4}
 
 
 @pytest.mark.parametrize("name", list(PROFILES))

@@ -245,8 +245,6 @@ class Lookahead:
     def __init__(self, engines: Sequence[Engine]) -> None:
         self.engines = engines
         self.sent = [0] * len(engines)
-        self.forecasts = 0
-        """Engines simulated forward so far (for the run's notes)."""
 
     def choose(self, request: Request) -> int:
         """The engine for ``request`` (arrived at ``request.arrival``, not yet added anywhere)."""
@@ -259,7 +257,6 @@ class Lookahead:
         best, best_key = order[0], (math.inf, 0, 0, 0)
         for index in order:
             engine = engines[index]
-            self.forecasts += 1
             ttft = forecast(engine, request, best_key[0])
             key = (ttft, engine.running + engine.waiting, self.sent[index], index)
             if key < best_key:

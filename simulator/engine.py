@@ -741,7 +741,8 @@ class Engine:
         hash chain), the KV blocks and prefix cache, the step in flight (finish
         the copy's ``in_flight`` first), the resident adapters and the random
         state. Events waiting to be reported are not (they concern requests
-        that are already decided). Cost: O(blocks + requests held).
+        that are already decided), and the copy reports only first tokens and
+        completions (``all_tokens=False``). Cost: O(blocks + requests held).
         """
         twin = Engine.__new__(Engine)
         twin.profile = self.profile

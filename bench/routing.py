@@ -758,7 +758,8 @@ def run(options: Options) -> Section:
     }
     for rate, arrivals in shared.items():
         measure("shared-prefix", arrivals, rate, (*STRATEGIES, OFFLINE))
-    measure("multi-turn", workloads.multi_turn(sizes.chat, seed))
+    chat = workloads.multi_turn(sizes.chat, seed)
+    measure("multi-turn", chat)
     traces = TRACES / MOONCAKE_FILE, TRACES / AZURE_FILE
     if all(path.exists() for path in traces):
         records = workloads.read_mooncake(traces[0], sizes.mooncake_start, sizes.mooncake_count)
@@ -769,24 +770,29 @@ def run(options: Options) -> Section:
         rows = workloads.read_azure(traces[1], sizes.azure_start, sizes.azure_count)
         measure("azure-code", workloads.azure(rows, sizes.azure_replay, seed))
     variants: list[Variant] = []
-    for rate in (sizes.target_rate, max(sizes.rates)):
-        arrivals = shared.get(rate) or workloads.shared_prefix(
-            sizes.shared, rate, sizes.shared_count, seed
-        )
-        for name, scheduling in VARIANTS[1:]:
+    runs: list[tuple[str, float | None, Sequence[Arrival], Sequence[tuple[str, Scheduling]]]]
+    runs = [
+        ("shared-prefix", rate, shared[rate], VARIANTS[1:])
+        for rate in (sizes.target_rate, max(sizes.rates))
+    ]
+    # Multi-turn under the earlier model only: what the engine model did to its ratio.
+    runs.append(("multi-turn", None, chat, VARIANTS[-1:]))
+    for workload, at_rate, inputs, chosen in runs:
+        for name, scheduling in chosen:
             for strategy in VARIANT_STRATEGIES:
                 outcome = simulate(
-                    "shared-prefix",
-                    arrivals,
+                    workload,
+                    inputs,
                     strategy,
                     profile,
                     seed=seed,
-                    rate=rate,
+                    rate=at_rate,
                     scheduling=scheduling,
                 )
                 variants.append(Variant(name, outcome))
                 progress(
-                    f"routing: engine model '{name}', shared-prefix at {rate:g}/s {strategy}: "
+                    f"routing: engine model '{name}', {workload}"
+                    f"{'' if at_rate is None else f' at {at_rate:g}/s'} {strategy}: "
                     f"TTFT p90 {outcome.ttft_p90 * 1e3:.1f} ms ({outcome.state()})"
                 )
     return section(
@@ -831,7 +837,7 @@ def section(
     tables.append(workload_table(by_workload, sizes.target_rate))
     tables.append(bound_table(outcomes))
     if variants:
-        tables.append(variant_table(shared, variants))
+        tables.append(variant_table(outcomes, variants))
     lines = (*PICKERS, "oracle envelope", OFFLINE, "TTFT floor")
     steady = [o for o in shared if not o.saturated]
     plots = [
@@ -1103,21 +1109,24 @@ def bound_target(outcomes: Sequence[Outcome]) -> Target:
     )
 
 
-def variant_table(shared: Sequence[Outcome], variants: Sequence[Variant]) -> Table:
-    """Each engine-model switch turned off (or jitter on), at the target rate and the top rate."""
+def variant_table(outcomes: Sequence[Outcome], variants: Sequence[Variant]) -> Table:
+    """Each engine-model switch turned away from current vLLM (or jitter on): shared prefix at
+    the target rate and the top rate, and multi-turn under the earlier model."""
     rows: list[list[object]] = []
-    rates = sorted({v.outcome.rate for v in variants if v.outcome.rate is not None})
-    for rate in rates:
-        every = [(VARIANTS[0][0], o) for o in shared if o.rate == rate]
-        every += [(v.variant, v.outcome) for v in variants if v.outcome.rate == rate]
+    for key in dict.fromkeys((v.outcome.workload, v.outcome.rate) for v in variants):
+        every = [(VARIANTS[0][0], o) for o in outcomes if (o.workload, o.rate) == key]
+        every += [
+            (v.variant, v.outcome) for v in variants if (v.outcome.workload, v.outcome.rate) == key
+        ]
         for name, _ in VARIANTS:
             rr = next((o for n, o in every if n == name and o.strategy == "round-robin"), None)
             pa = next((o for n, o in every if n == name and o.strategy == "prefix-aware"), None)
             if rr is None or pa is None:
                 continue
+            workload, rate = key
             rows.append(
                 [
-                    rate,
+                    workload if rate is None else f"{workload} at {rate:g}/s",
                     name,
                     rr.state() if rr.saturated else rr.ttft_p90 * 1e3,
                     rr.preemptions,
@@ -1129,9 +1138,9 @@ def variant_table(shared: Sequence[Outcome], variants: Sequence[Variant]) -> Tab
                 ]
             )
     return Table(
-        "Shared prefix: what each engine-model switch changes (round-robin and prefix-aware)",
+        "What each engine-model switch changes (round-robin and prefix-aware)",
         [
-            "rate/s",
+            "run",
             "engine model",
             "RR TTFT p90 ms",
             "RR preemptions",
@@ -1143,8 +1152,8 @@ def variant_table(shared: Sequence[Outcome], variants: Sequence[Variant]) -> Tab
         ],
         rows,
         "Each row turns one of simulator.engine.Scheduling's switches away from current vLLM "
-        "(or adds jitter); the last row is the engine model before these switches existed "
-        "(the workload text is today's in every row).",
+        "(or adds jitter); 'the earlier model' is the engine model before these switches "
+        "existed (the workload text is today's in every row).",
     )
 
 

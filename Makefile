@@ -41,10 +41,18 @@ conformance: $(STAMP)
 BENCH_OUT ?= bench-results
 SEED ?= 0
 PEERS := $(VENV)/.peers
+## bench and bench-routing then check, on the results just written, that the routing part's
+## oracle envelope bounds every picker (tests/test_bench_routing.py)
+BOUND_CHECK = SWITCHYARD_ROUTING_RESULTS=$(BENCH_OUT)/results.json $(PY) -m pytest -q \
+	tests/test_bench_routing.py -k envelope_bounds_every_picker_in_a_full_run
 bench: $(STAMP) $(PEERS)
 	$(PY) -m bench --seed $(SEED) --out $(BENCH_OUT)
-bench-micro bench-overhead bench-routing: $(STAMP)
+	$(BOUND_CHECK)
+bench-micro bench-overhead: $(STAMP)
 	$(PY) -m bench $(@:bench-%=%) --seed $(SEED) --out $(BENCH_OUT)
+bench-routing: $(STAMP)
+	$(PY) -m bench routing --seed $(SEED) --out $(BENCH_OUT)
+	$(BOUND_CHECK)
 bench-live: $(STAMP) $(PEERS)
 	$(PY) -m bench live --seed $(SEED) --out $(BENCH_OUT)
 

@@ -7,13 +7,17 @@ its Python work, not as long as the traffic it models.
 
 Each strategy is a way to choose one of the eight for every request:
 
-================  ==========================================================
-round-robin       ``Pipeline()`` with no plugins: LWEPP's default
-random            ``bench/configs/random.yaml`` (random-picker)
-least-queue       ``bench/configs/least-queue.yaml`` (metrics-data-source + queue-scorer)
-prefix-aware      ``demo/configs/prefix-aware.yaml``, exactly the example users get
-oracle            ``bench/oracle.py``: reads every engine's cache and queue directly
-================  ==========================================================
+=================  =========================================================
+round-robin        ``Pipeline()`` with no plugins: LWEPP's default
+random             ``bench/configs/random.yaml`` (random-picker)
+least-queue        ``bench/configs/least-queue.yaml`` (metrics-data-source + queue-scorer)
+prefix-aware       ``demo/configs/prefix-aware.yaml``, exactly the example users get
+oracle-lookahead   ``bench.oracle.Lookahead``: forks every engine's exact state and
+                   simulates it forward; the earliest first token wins
+oracle-estimate    ``bench.oracle.Oracle``: exact caches and queues, a step-model estimate
+offline-partition  ``bench.oracle.partition``: every group on one engine, from the
+                   whole workload known in advance (shared-prefix only)
+=================  =========================================================
 
 The first four are the picker users run: ``lwepp.config.load_config(path)
 .pipeline(store=..., clock=...)`` with the virtual clock, each request routed
@@ -31,14 +35,26 @@ pick's followup hears what the service would tell it: the response headers
 with the served endpoint when the first token comes back, and, when the
 stream ends, its last event (the token usage) and its end.
 
-Measured per run (workload × strategy, × rate for the swept workload): time
-to first token (arrival to first token) p50/p90/p99; inter-token latency,
-the gaps between consecutive tokens of a request, mean and p90 over every
-gap; throughput, output tokens and requests per second of the run
-(first arrival to last completion); prefix-hit rate, hit tokens over
-queried prompt tokens summed over the engines' own prefix-cache counters;
-load spread, requests per engine as max/mean and coefficient of variation;
-failures, requests answered with an error or refused (no endpoint picked).
+Measured per run (workload × strategy, × rate for the swept workload), over
+the requests after the warm-up (``WARMUP``): time to first token (arrival to
+first token) p50/p90/p99, and its p90 over the run's first half, to tell a
+steady run from a saturated one (``Outcome.saturated``); inter-token
+latency, the gaps between consecutive tokens of a request, mean and p90; the
+prefix-hit rate, prompt tokens found cached when each request was first
+scheduled over prompt tokens. Over the whole run: throughput, output tokens
+and requests per second (first arrival to last completion); preemptions,
+the engines' own counters; load spread, requests per engine as max/mean and
+coefficient of variation; failures, requests answered with an error or
+refused (no endpoint picked).
+
+Ratios are compared only between steady runs: past saturation a backlog
+grows for as long as requests keep coming, so a ratio there measures the
+run's length. The shared-prefix targets are taken at ``Sizes.target_rate``,
+where round-robin is steady. ``bounds`` checks, run by run, that no picker
+beats the oracle envelope (``make bench-routing`` then asserts it on the
+results it wrote); ``VARIANTS`` reruns round-robin and prefix-aware with each
+engine-model switch of ``simulator.engine.Scheduling`` turned away from
+current vLLM, to show what each one changes.
 """
 
 from __future__ import annotations
@@ -50,14 +66,14 @@ import statistics
 import time
 from array import array
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, Protocol
 
 import orjson
 
 from bench import workloads
-from bench.oracle import Oracle
+from bench.oracle import Lookahead, Oracle, floor_ttfts, partition
 from bench.report import Options, Plot, Section, Series, Table, Target, percentile, progress
 from bench.workloads import Arrival, MultiTurn, Replay, SharedPrefix
 from lwepp.attributes import AttributeStore
@@ -71,8 +87,9 @@ from pods.model import Endpoint
 from protos.exchange import Refusal
 from simulator import metrics
 from simulator.clocks import VirtualEngine, VirtualLoop
-from simulator.engine import Engine, Event, Request
+from simulator.engine import Engine, Event, Request, Scheduling
 from simulator.profiles import PROFILES, Profile
+from simulator.tokenizer import output_token_ids
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 CONFIGS: Final = Path(__file__).resolve().parent / "configs"
@@ -85,8 +102,17 @@ MOONCAKE_FIRST: Final = 2993
 AZURE_FILE: Final = "azure2023_llm_code.first1500.csv"
 
 ENGINES: Final = 8
+DEFAULT_SCHEDULING: Final = Scheduling()
+"""The engines' scheduler switches: current vLLM's (``simulator.engine.Scheduling``)."""
 PROFILE: Final = "llama-3.1-8b-l4"
-STRATEGIES: Final = ("round-robin", "random", "least-queue", "prefix-aware", "oracle")
+PICKERS: Final = ("round-robin", "random", "least-queue", "prefix-aware")
+"""The strategies users run: the oracle envelope must not be beaten by any of them."""
+ORACLES: Final = ("oracle-lookahead", "oracle-estimate")
+"""The two online references whose better p90, per run, is the oracle envelope."""
+OFFLINE: Final = "offline-partition"
+"""The offline reference, for workloads whose requests come in groups (shared prefix)."""
+STRATEGIES: Final = (*PICKERS, *ORACLES)
+"""What every workload runs under."""
 CONFIG_FILES: Final = {
     "random": CONFIGS / "random.yaml",
     "least-queue": CONFIGS / "least-queue.yaml",
@@ -198,10 +224,10 @@ _AFTER_PICK: Final = frozenset(
 
 
 class OracleRouter:
-    """``bench.oracle.Oracle`` as a router: no pipeline, no scrapes."""
+    """``bench.oracle.Oracle`` (oracle-estimate) as a router: no pipeline, no scrapes."""
 
     def __init__(self, engines: Sequence[Engine], profile: Profile) -> None:
-        self.name = "oracle"
+        self.name = "oracle-estimate"
         self.oracle = Oracle(engines, profile)
         self.sources: Sequence[DataSource] = ()
         self.store: AttributeStore | None = None
@@ -215,6 +241,47 @@ class OracleRouter:
 
     def complete(self, arrival: Arrival, index: int, handle: Any, request: Request) -> None:
         self.oracle.finished(arrival.request_id)
+
+
+class LookaheadRouter:
+    """``bench.oracle.Lookahead`` (oracle-lookahead) as a router: it reads the engines."""
+
+    def __init__(self, engines: Sequence[Engine]) -> None:
+        self.name = "oracle-lookahead"
+        self.lookahead = Lookahead(engines)
+        self.sources: Sequence[DataSource] = ()
+        self.store: AttributeStore | None = None
+        self.fallbacks = 0
+
+    def choose(self, arrival: Arrival, request: Request) -> tuple[int | None, Any]:
+        return self.lookahead.choose(request), None
+
+    def first_token(self, arrival: Arrival, index: int, handle: Any) -> None:
+        pass
+
+    def complete(self, arrival: Arrival, index: int, handle: Any, request: Request) -> None:
+        pass
+
+
+class PartitionRouter:
+    """``bench.oracle.partition`` (offline-partition): each group to the engine the partition of
+    the whole workload gave it."""
+
+    def __init__(self, arrivals: Sequence[Arrival], engines: int) -> None:
+        self.name = OFFLINE
+        self.placed = partition((a.group for a in arrivals), engines)
+        self.sources: Sequence[DataSource] = ()
+        self.store: AttributeStore | None = None
+        self.fallbacks = 0
+
+    def choose(self, arrival: Arrival, request: Request) -> tuple[int | None, Any]:
+        return self.placed[arrival.group], None
+
+    def first_token(self, arrival: Arrival, index: int, handle: Any) -> None:
+        pass
+
+    def complete(self, arrival: Arrival, index: int, handle: Any, request: Request) -> None:
+        pass
 
 
 def endpoints(count: int = ENGINES) -> tuple[Endpoint, ...]:
@@ -231,13 +298,19 @@ def router(
     clock: Callable[[], float],
     seed: int,
     config_file: Path | None = None,
+    arrivals: Sequence[Arrival] = (),
 ) -> Router:
     """A fresh router for ``strategy`` over ``engines`` (fresh plugin state for every run).
 
-    ``config_file`` replaces the strategy's own (any strategy but the oracle).
+    ``config_file`` replaces the strategy's own (a picker's); ``arrivals`` is the whole
+    workload, which only the offline partition reads.
     """
-    if strategy == "oracle":
+    if strategy == "oracle-estimate":
         return OracleRouter(engines, profile)
+    if strategy == "oracle-lookahead":
+        return LookaheadRouter(engines)
+    if strategy == OFFLINE:
+        return PartitionRouter(arrivals, len(engines))
     pool = endpoints(len(engines))
     if strategy == "round-robin" and config_file is None:
         return PipelineRouter(strategy, Pipeline(clock=clock), (), pool)
@@ -251,9 +324,33 @@ def router(
 # --- one run -------------------------------------------------------------------------
 
 
+WARMUP: Final = 0.15
+"""The first 15% of a run's arrivals warm the caches and are left out of its latencies.
+
+A workload's first requests find every cache cold (each shared-prefix group's first
+request prefills its whole prompt and holds up its engine for a long step), and their
+share of a run falls as the run grows: counted in, they make the percentiles depend on
+the run's length. 15% of the run is 30% of its first half, the live benchmark's warm-up,
+and more than the ~300 requests that touch all 64 shared-prefix groups at least once."""
+SATURATION_GROWTH: Final = 1.4
+"""A run whose TTFT p90 over its whole measured window exceeds this multiple of its p90 over
+the first half of the run is saturated: its backlog grows with the run (a stationary run
+keeps its p90 as the run doubles; a linearly growing backlog doubles it)."""
+SATURATION_THROUGHPUT: Final = 0.95
+"""A swept run that answers fewer than this share of its offered rate while requests arrive
+is saturated too (``Outcome.answered_per_s``)."""
+BOUND_SLACK: Final = 0.02
+"""How much lower than the oracle envelope's TTFT p90 a picker's may be before the envelope
+is said not to bound it."""
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """What one run of one workload under one strategy measured (seconds, tokens, counts)."""
+    """What one run of one workload under one strategy measured (seconds, tokens, counts).
+
+    Latencies and the hit rate are over the requests after the warm-up (``WARMUP``);
+    throughput, preemptions and the load spread over the whole run.
+    """
 
     workload: str
     strategy: str
@@ -265,49 +362,94 @@ class Outcome:
     ttft_p50: float
     ttft_p90: float
     ttft_p99: float
+    ttft_p90_half: float
+    """TTFT p90 over the measured requests of the run's first half: the run half as long."""
     itl_mean: float
     itl_p90: float
     output_tokens_per_s: float
     requests_per_s: float
+    answered_per_s: float
+    """First tokens per second while requests kept arriving (first to last arrival): the rate
+    the run sustained; below the offered rate when a backlog builds."""
     hit_rate: float
+    preemptions: int
     per_engine: tuple[int, ...]
     spread_max_mean: float
     spread_cv: float
     virtual_seconds: float
     wall_seconds: float
     scrapes: int
+    floor_p90: float = math.nan
+    """The workload's TTFT floor, p90 (``bench.oracle.floor_ttfts``): no placement goes lower."""
+
+    @property
+    def growth(self) -> float:
+        """TTFT p90 of the whole run over that of its first half (about 1: stationary)."""
+        return _ratio(self.ttft_p90, self.ttft_p90_half)
+
+    @property
+    def saturated(self) -> bool:
+        """The backlog grows with the run: the p90 grows, or the offered rate is not served."""
+        if self.growth > SATURATION_GROWTH:
+            return True
+        return self.rate is not None and self.answered_per_s < SATURATION_THROUGHPUT * self.rate
+
+    def state(self) -> str:
+        """``steady``; ``saturated`` and the rate it sustained (a swept rate); or, for a replay
+        whose load is the trace's, how much its p90 grew."""
+        if not self.saturated:
+            return "steady"
+        if self.rate is None:
+            return f"p90 grows {self.growth:.2g}×"
+        return f"saturated at {self.answered_per_s:.3g}/s"
 
     def row(self) -> list[object]:
         """The table row: latencies in milliseconds."""
         return [
             *([] if self.rate is None else [self.rate]),
             self.strategy,
+            self.state(),
             self.ttft_p50 * 1e3,
             self.ttft_p90 * 1e3,
             self.ttft_p99 * 1e3,
+            self.growth,
             self.itl_mean * 1e3,
             self.itl_p90 * 1e3,
             self.output_tokens_per_s,
             self.requests_per_s,
             self.hit_rate,
+            self.preemptions,
             self.spread_max_mean,
-            self.spread_cv,
             self.failed,
         ]
+
+    @classmethod
+    def of(cls, data: Mapping[str, Any]) -> Outcome:
+        """An outcome back from its JSON form (``results.json``: NaN was written as null)."""
+        values: dict[str, Any] = {
+            name: math.nan if value is None else value
+            for name, value in data.items()
+            if name in cls.__dataclass_fields__
+        }
+        values["rate"] = data.get("rate")
+        values["per_engine"] = tuple(data["per_engine"])
+        return cls(**values)
 
 
 COLUMNS: Final = [
     "strategy",
+    "state",
     "TTFT p50 ms",
     "TTFT p90 ms",
     "TTFT p99 ms",
+    "p90 growth",
     "ITL mean ms",
     "ITL p90 ms",
     "out tok/s",
     "req/s",
     "hit rate",
+    "preemptions",
     "load max/mean",
-    "load CV",
     "failed",
 ]
 
@@ -317,6 +459,8 @@ class _Flight:
     """One request in flight: where it went and what the router wants back."""
 
     arrival: Arrival
+    order: int
+    """Its place in the workload's arrivals."""
     index: int
     handle: Any
     last_token: float = 0.0
@@ -331,9 +475,14 @@ class _Run:
     loop: VirtualLoop
     engines: list[Engine]
     pool: tuple[Endpoint, ...]
+    warm: int
+    """Arrivals before this one only warm the caches (``WARMUP``)."""
     drivers: list[VirtualEngine] = field(default_factory=list)
     flights: dict[str, _Flight] = field(default_factory=dict)
-    ttfts: list[float] = field(default_factory=list)
+    ttfts: array[float] = field(default_factory=lambda: array("d"))
+    """Per arrival, in order: time to first token (NaN: none)."""
+    cached: array[int] = field(default_factory=lambda: array("q"))
+    """Per arrival: prompt tokens that hit the prefix cache when it was first scheduled."""
     gaps: array[float] = field(default_factory=lambda: array("d"))
     remaining: int = 0
     failed: int = 0
@@ -351,21 +500,25 @@ def simulate(
     seed: int = 0,
     rate: float | None = None,
     config: Path | None = None,
+    scheduling: Scheduling = DEFAULT_SCHEDULING,
 ) -> Outcome:
     """Replay ``arrivals`` on fresh engines routed by ``strategy``; account for every request.
 
-    ``config`` replaces the strategy's configuration file (to try a variant).
+    ``config`` replaces the strategy's configuration file (to try a variant);
+    ``scheduling`` the engines' scheduler switches (current vLLM's by default).
     """
     started = time.perf_counter()
     loop = VirtualLoop()
-    fleet = [Engine(profile, seed=seed * 1000 + i) for i in range(engines)]
+    fleet = [Engine(profile, seed=seed * 1000 + i, scheduling=scheduling) for i in range(engines)]
     pool = endpoints(engines)
-    chosen = router(strategy, fleet, profile, lambda: loop.now, seed, config)
-    run = _Run(arrivals, chosen, loop, fleet, pool)
+    chosen = router(strategy, fleet, profile, lambda: loop.now, seed, config, arrivals)
+    run = _Run(arrivals, chosen, loop, fleet, pool, warm=int(len(arrivals) * WARMUP))
     run.remaining = len(arrivals)
+    run.ttfts = array("d", [math.nan]) * len(arrivals)
+    run.cached = array("q", [0]) * len(arrivals)
     run.drivers = [VirtualEngine(engine, loop, _on_event(run)) for engine in fleet]
-    for arrival in arrivals:
-        loop.at(arrival.at, _arrive(run, arrival))
+    for order, arrival in enumerate(arrivals):
+        loop.at(arrival.at, _arrive(run, arrival, order))
     for source in run.router.sources:
         if isinstance(source, MetricsDataSource):
             interval = source.interval
@@ -375,7 +528,7 @@ def simulate(
     return _outcome(workload, strategy, rate, run, time.perf_counter() - started)
 
 
-def _arrive(run: _Run, arrival: Arrival) -> Callable[[], None]:
+def _arrive(run: _Run, arrival: Arrival, order: int) -> Callable[[], None]:
     def arrive() -> None:
         request = Request(
             arrival.request_id, arrival.prompt_tokens, arrival.max_tokens, run.loop.now
@@ -385,7 +538,7 @@ def _arrive(run: _Run, arrival: Arrival) -> Callable[[], None]:
             run.failed += 1
             run.remaining -= 1
             return
-        run.flights[arrival.request_id] = _Flight(arrival, index, handle)
+        run.flights[arrival.request_id] = _Flight(arrival, order, index, handle)
         run.drivers[index].submit(request)
 
     return arrive
@@ -393,6 +546,7 @@ def _arrive(run: _Run, arrival: Arrival) -> Callable[[], None]:
 
 def _on_event(run: _Run) -> Callable[[Event], None]:
     loop, flights, gaps, ttfts, router_ = run.loop, run.flights, run.gaps, run.ttfts, run.router
+    warm = run.warm
 
     def on_event(event: Event) -> None:
         request = event.request
@@ -400,9 +554,10 @@ def _on_event(run: _Run) -> Callable[[Event], None]:
         now = loop.now
         if event.kind == "token":
             if request.generated == 1:
-                ttfts.append(now - flight.arrival.at)
+                ttfts[flight.order] = now - flight.arrival.at
+                run.cached[flight.order] = request.cached_tokens
                 router_.first_token(flight.arrival, flight.index, flight.handle)
-            else:
+            elif flight.order >= warm:
                 gaps.append(now - flight.last_token)
             flight.last_token = now
             return
@@ -445,15 +600,22 @@ def _scrape(
 
 
 def _outcome(workload: str, strategy: str, rate: float | None, run: _Run, wall: float) -> Outcome:
-    arrivals, engines = run.arrivals, run.engines
+    arrivals, engines, warm = run.arrivals, run.engines, run.warm
     requests = len(arrivals)
     completed = requests - run.failed
     first = arrivals[0].at if arrivals else 0.0
+    last = arrivals[-1].at if arrivals else 0.0
     span = max(run.last_done - first, 1e-9)
-    ttfts = sorted(run.ttfts)
+    # First tokens by the last arrival: ttft + arrival time <= last.
+    answered = sum(
+        1
+        for a, t in zip(arrivals, run.ttfts, strict=True)
+        if not math.isnan(t) and a.at + t <= last
+    )
+    measured = [t for t in run.ttfts[warm:] if not math.isnan(t)]
+    half = [t for t in run.ttfts[warm : requests // 2] if not math.isnan(t)]
     gaps = sorted(run.gaps)
-    queries = sum(e.prefix_queries_total for e in engines)
-    hits = sum(e.prefix_hits_total for e in engines)
+    prompts = sum(len(a.prompt_tokens) for a in arrivals[warm:])
     per_engine = tuple(e.requests_total for e in engines)
     mean = statistics.fmean(per_engine) if per_engine else 0.0
     return Outcome(
@@ -464,14 +626,17 @@ def _outcome(workload: str, strategy: str, rate: float | None, run: _Run, wall: 
         completed=completed,
         failed=run.failed,
         fallbacks=run.router.fallbacks,
-        ttft_p50=percentile(ttfts, 50),
-        ttft_p90=percentile(ttfts, 90),
-        ttft_p99=percentile(ttfts, 99),
+        ttft_p50=percentile(measured, 50),
+        ttft_p90=percentile(measured, 90),
+        ttft_p99=percentile(measured, 99),
+        ttft_p90_half=percentile(half, 90),
         itl_mean=statistics.fmean(gaps) if gaps else math.nan,
         itl_p90=percentile(gaps, 90),
         output_tokens_per_s=sum(e.generation_tokens_total for e in engines) / span,
         requests_per_s=completed / span,
-        hit_rate=hits / queries if queries else 0.0,
+        answered_per_s=answered / max(last - first, 1e-9),
+        hit_rate=sum(run.cached[warm:]) / prompts if prompts else 0.0,
+        preemptions=sum(e.preemptions_total for e in engines),
         per_engine=per_engine,
         spread_max_mean=max(per_engine) / mean if mean else math.nan,
         spread_cv=statistics.pstdev(per_engine) / mean if mean else math.nan,
@@ -492,6 +657,8 @@ class Sizes:
     """KV-cache blocks per engine; None keeps the profile's own count."""
     shared: SharedPrefix
     rates: tuple[float, ...]
+    target_rate: float
+    """The shared-prefix rate the targets are taken at: one where round-robin is steady."""
     shared_count: int
     chat: MultiTurn
     mooncake_start: int
@@ -506,7 +673,8 @@ class Sizes:
 FULL: Final = Sizes(
     kv_blocks=None,
     shared=SharedPrefix(groups=64, prefix_tokens=2048, users=16, question_tokens=64, max_tokens=32),
-    rates=(6.0, 12.0, 18.0, 24.0, 32.0),
+    rates=(4.0, 8.0, 10.0, 12.0, 16.0, 24.0, 32.0),
+    target_rate=10.0,
     shared_count=2000,
     chat=MultiTurn(
         sessions=300,
@@ -531,6 +699,7 @@ QUICK: Final = Sizes(
     kv_blocks=256,
     shared=SharedPrefix(groups=8, prefix_tokens=512, users=4, question_tokens=32, max_tokens=8),
     rates=(4.0, 16.0),
+    target_rate=4.0,
     shared_count=60,
     chat=MultiTurn(sessions=8, turns=3, session_rate=4.0, think_seconds=2.0, max_tokens=8),
     mooncake_start=0,
@@ -542,6 +711,20 @@ QUICK: Final = Sizes(
     azure_replay=Replay(length_scale=0.05, output_scale=0.5, time_scale=0.5, max_output=16),
 )
 
+VARIANTS: Final = (
+    ("current vLLM (the default)", DEFAULT_SCHEDULING),
+    ("admission on the first chunk", Scheduling(full_prompt_admission=False)),
+    ("no async scheduling", Scheduling(async_scheduling=False)),
+    ("blocks cached at step end", Scheduling(cache_at_schedule=False)),
+    ("step jitter ±20%", Scheduling(step_jitter=0.2)),
+    (
+        "the earlier model (first three off)",
+        Scheduling(full_prompt_admission=False, async_scheduling=False, cache_at_schedule=False),
+    ),
+)
+"""Engine-model variants the sensitivity table runs round-robin and prefix-aware under."""
+VARIANT_STRATEGIES: Final = ("round-robin", "prefix-aware")
+
 
 def profile_for(sizes: Sizes) -> Profile:
     """The engines' profile: ``PROFILE`` as published (its KV cache cut for a smoke run)."""
@@ -549,30 +732,58 @@ def profile_for(sizes: Sizes) -> Profile:
     return profile if sizes.kv_blocks is None else profile.replace(num_blocks=sizes.kv_blocks)
 
 
+def floor_p90(arrivals: Sequence[Arrival], profile: Profile, scheduling: Scheduling) -> float:
+    """The TTFT floor's p90 over the measured requests (``bench.oracle.floor_ttfts``)."""
+    floors = floor_ttfts(
+        [a.prompt_tokens for a in arrivals],
+        [output_token_ids(0, a.max_tokens) for a in arrivals],
+        profile,
+        1.0 - scheduling.step_jitter,
+    )
+    return percentile(floors[int(len(arrivals) * WARMUP) :], 90)
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One run of the sensitivity table: an engine-model variant, a strategy, a rate."""
+
+    variant: str
+    outcome: Outcome
+
+
 def run(options: Options) -> Section:
     """Every workload under every strategy; the section ``python -m bench routing`` writes."""
+    started = time.perf_counter()
     sizes = QUICK if options.quick else FULL
     profile = profile_for(sizes)
     seed = options.seed
     outcomes: list[Outcome] = []
 
-    def measure(workload: str, arrivals: Sequence[Arrival], rate: float | None = None) -> None:
-        for strategy in STRATEGIES:
+    def measure(
+        workload: str,
+        arrivals: Sequence[Arrival],
+        rate: float | None = None,
+        strategies: Sequence[str] = STRATEGIES,
+    ) -> None:
+        floor = floor_p90(arrivals, profile, DEFAULT_SCHEDULING)
+        for strategy in strategies:
             outcome = simulate(workload, arrivals, strategy, profile, seed=seed, rate=rate)
-            outcomes.append(outcome)
+            outcomes.append(replace(outcome, floor_p90=floor))
             progress(
                 f"routing: {workload}{'' if rate is None else f' at {rate:g}/s'} {strategy}: "
-                f"TTFT p90 {outcome.ttft_p90 * 1e3:.1f} ms, hit rate {outcome.hit_rate:.2f}, "
-                f"{outcome.requests} requests in {outcome.wall_seconds:.1f} s"
+                f"TTFT p90 {outcome.ttft_p90 * 1e3:.1f} ms ({outcome.state()}), hit rate "
+                f"{outcome.hit_rate:.2f}, {outcome.requests} requests in "
+                f"{outcome.wall_seconds:.1f} s"
             )
 
-    for rate in sizes.rates:
-        measure(
-            "shared-prefix",
-            workloads.shared_prefix(sizes.shared, rate, sizes.shared_count, seed),
-            rate,
-        )
-    measure("multi-turn", workloads.multi_turn(sizes.chat, seed))
+    shared = {
+        rate: workloads.shared_prefix(sizes.shared, rate, sizes.shared_count, seed)
+        for rate in sizes.rates
+    }
+    for rate, arrivals in shared.items():
+        measure("shared-prefix", arrivals, rate, (*STRATEGIES, OFFLINE))
+    chat = workloads.multi_turn(sizes.chat, seed)
+    measure("multi-turn", chat)
     traces = TRACES / MOONCAKE_FILE, TRACES / AZURE_FILE
     if all(path.exists() for path in traces):
         records = workloads.read_mooncake(traces[0], sizes.mooncake_start, sizes.mooncake_count)
@@ -582,7 +793,41 @@ def run(options: Options) -> Section:
         )
         rows = workloads.read_azure(traces[1], sizes.azure_start, sizes.azure_count)
         measure("azure-code", workloads.azure(rows, sizes.azure_replay, seed))
-    return section(outcomes, sizes, profile, options, traces_found=all(p.exists() for p in traces))
+    variants: list[Variant] = []
+    runs: list[tuple[str, float | None, Sequence[Arrival], Sequence[tuple[str, Scheduling]]]]
+    runs = [
+        ("shared-prefix", rate, shared[rate], VARIANTS[1:])
+        for rate in (sizes.target_rate, max(sizes.rates))
+    ]
+    # Multi-turn under the earlier model only: what the engine model did to its ratio.
+    runs.append(("multi-turn", None, chat, VARIANTS[-1:]))
+    for workload, at_rate, inputs, chosen in runs:
+        for name, scheduling in chosen:
+            for strategy in VARIANT_STRATEGIES:
+                outcome = simulate(
+                    workload,
+                    inputs,
+                    strategy,
+                    profile,
+                    seed=seed,
+                    rate=at_rate,
+                    scheduling=scheduling,
+                )
+                variants.append(Variant(name, outcome))
+                progress(
+                    f"routing: engine model '{name}', {workload}"
+                    f"{'' if at_rate is None else f' at {at_rate:g}/s'} {strategy}: "
+                    f"TTFT p90 {outcome.ttft_p90 * 1e3:.1f} ms ({outcome.state()})"
+                )
+    return section(
+        outcomes,
+        sizes,
+        profile,
+        options,
+        traces_found=all(p.exists() for p in traces),
+        variants=variants,
+        wall=time.perf_counter() - started,
+    )
 
 
 def section(
@@ -592,12 +837,15 @@ def section(
     options: Options,
     *,
     traces_found: bool,
+    variants: Sequence[Variant] = (),
+    wall: float = math.nan,
 ) -> Section:
     """Tables, plots, targets, notes and data of a finished run."""
     by_workload: dict[str, list[Outcome]] = {}
     for outcome in outcomes:
         by_workload.setdefault(outcome.workload, []).append(outcome)
-    notes = notes_for(sizes, profile, traces_found, by_workload.get("shared-prefix", []))
+    shared = by_workload.get("shared-prefix", [])
+    notes = notes_for(sizes, profile, traces_found, shared, wall)
     tables = []
     for workload, rows in by_workload.items():
         swept = rows[0].rate is not None
@@ -609,23 +857,20 @@ def section(
                 workload_notes(sizes).get(workload, ""),
             )
         )
-    shared = by_workload.get("shared-prefix", [])
     tables.append(ratio_table(shared))
-    tables.append(workload_table(by_workload))
+    tables.append(workload_table(by_workload, sizes.target_rate))
+    tables.append(bound_table(outcomes))
+    if variants:
+        tables.append(variant_table(outcomes, variants))
+    lines = (*PICKERS, "oracle envelope", OFFLINE, "TTFT floor")
+    steady = [o for o in shared if not o.saturated]
     plots = [
         Plot(
             "routing-shared-prefix-ttft-p90",
-            "Shared prefix: TTFT p90 by arrival rate",
+            "Shared prefix: TTFT p90 by arrival rate (steady runs only)",
             "arrival rate (requests/s)",
             "TTFT p90 (ms)",
-            [
-                Series(
-                    s,
-                    [o.rate or 0.0 for o in shared if o.strategy == s],
-                    [o.ttft_p90 * 1e3 for o in shared if o.strategy == s],
-                )
-                for s in STRATEGIES
-            ],
+            [Series(name, *_series(steady, name, "ttft_p90", 1e3)) for name in lines],
             logy=True,
         ),
         Plot(
@@ -633,14 +878,7 @@ def section(
             "Shared prefix: prefix-cache hit rate by arrival rate",
             "arrival rate (requests/s)",
             "hit tokens / prompt tokens",
-            [
-                Series(
-                    s,
-                    [o.rate or 0.0 for o in shared if o.strategy == s],
-                    [o.hit_rate for o in shared if o.strategy == s],
-                )
-                for s in STRATEGIES
-            ],
+            [Series(name, *_series(shared, name, "hit_rate")) for name in lines[:-1]],
         ),
     ]
     return Section(
@@ -649,17 +887,44 @@ def section(
         command="python -m bench routing",
         tables=tables,
         plots=plots,
-        targets=targets(shared),
+        targets=[*targets(shared, sizes.target_rate), bound_target(outcomes)],
         data={
             "profile": asdict(profile),
+            "scheduling": asdict(DEFAULT_SCHEDULING),
             "sizes": asdict(sizes),
             "engines": ENGINES,
             "seed": options.seed,
             "quick": options.quick,
+            "wall_seconds": wall,
             "runs": [asdict(o) for o in outcomes],
+            "bounds": [asdict(b) | {"ratio": b.ratio, "holds": b.holds} for b in bounds(outcomes)],
+            "variants": [{"variant": v.variant, **asdict(v.outcome)} for v in variants],
         },
         notes=notes,
     )
+
+
+def _series(
+    outcomes: Sequence[Outcome], name: str, field_name: str, scale: float = 1.0
+) -> tuple[list[float], list[float]]:
+    """One plot line: a strategy, the oracle envelope or the floor, by rate."""
+    xs: list[float] = []
+    ys: list[float] = []
+    for rate in sorted({o.rate for o in outcomes if o.rate is not None}):
+        if name == "TTFT floor":
+            found = next((o for o in outcomes if o.rate == rate), None)
+            value = None if found is None else found.floor_p90
+        else:
+            chosen = (
+                envelope(outcomes, "shared-prefix", rate)
+                if name == "oracle envelope"
+                else _find(outcomes, name, rate)
+            )
+            value = None if chosen is None else getattr(chosen, field_name)
+        if value is not None and not math.isnan(value):
+            xs.append(rate)
+            ys.append(value * scale)
+    return xs, ys
 
 
 def _find(outcomes: Sequence[Outcome], strategy: str, rate: float | None) -> Outcome | None:
@@ -670,71 +935,113 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b and not math.isnan(b) else math.nan
 
 
+def envelope(outcomes: Sequence[Outcome], workload: str, rate: float | None) -> Outcome | None:
+    """The oracle envelope of one run: the online oracle with the lower TTFT p90."""
+    runs = [
+        o for o in outcomes if o.workload == workload and o.rate == rate and o.strategy in ORACLES
+    ]
+    return min(runs, key=lambda o: (o.ttft_p90, ORACLES.index(o.strategy)), default=None)
+
+
+def versus(a: Outcome | None, b: Outcome | None, value: Callable[[Outcome], float]) -> object:
+    """``value(a) / value(b)``, or which of the two is saturated (a ratio of backlogs means
+    nothing) with the rate it served."""
+    if a is None or b is None:
+        return None
+    for run in (a, b):
+        if run.saturated:
+            if run.rate is None:
+                return f"{run.strategy} not steady"
+            return f"{run.strategy} saturated ({run.answered_per_s:.3g}/s)"
+    return _ratio(value(a), value(b))
+
+
+def _p90(o: Outcome) -> float:
+    return o.ttft_p90
+
+
+def _hits(o: Outcome) -> float:
+    return o.hit_rate
+
+
 def ratio_table(shared: Sequence[Outcome]) -> Table:
-    """Prefix-aware against round-robin and the oracle, at each rate of the sweep."""
+    """Prefix-aware against round-robin and the oracle envelope, at each rate of the sweep."""
     rows: list[list[object]] = []
     for rate in sorted({o.rate for o in shared if o.rate is not None}):
-        pa, rr, oracle = (_find(shared, s, rate) for s in ("prefix-aware", "round-robin", "oracle"))
-        if pa is None or rr is None or oracle is None:
+        pa, rr = _find(shared, "prefix-aware", rate), _find(shared, "round-robin", rate)
+        best, offline = envelope(shared, "shared-prefix", rate), _find(shared, OFFLINE, rate)
+        if pa is None or rr is None or best is None:
             continue
         rows.append(
             [
                 rate,
-                _ratio(pa.ttft_p90, rr.ttft_p90),
-                _ratio(pa.ttft_p90, oracle.ttft_p90),
-                _ratio(pa.hit_rate, oracle.hit_rate),
-                _ratio(rr.ttft_p90, oracle.ttft_p90),
+                rr.state(),
+                versus(pa, rr, _p90),
+                versus(pa, best, _p90),
+                versus(pa, best, _hits),
+                best.strategy,
+                versus(best, offline, _p90),
+                pa.ttft_p90 * 1e3,
+                pa.floor_p90 * 1e3,
             ]
         )
     return Table(
-        "Shared prefix: prefix-aware against round-robin and the oracle",
+        "Shared prefix: prefix-aware against round-robin and the oracle envelope",
         [
             "rate/s",
+            "round-robin",
             "prefix-aware / round-robin TTFT p90",
-            "prefix-aware / oracle TTFT p90",
-            "prefix-aware / oracle hit rate",
-            "round-robin / oracle TTFT p90",
+            "prefix-aware / oracle envelope TTFT p90",
+            "prefix-aware / oracle envelope hit rate",
+            "envelope from",
+            "oracle envelope / offline partition TTFT p90",
+            "prefix-aware TTFT p90 ms",
+            "TTFT floor p90 ms",
         ],
         rows,
-        "Targets apply at the highest rate: ≤ 0.1, ≤ 1.25 and ≥ 0.9.",
+        "A ratio is shown only when both runs are steady; past saturation a backlog grows with "
+        "the run, and the cell names the saturated strategy and the rate it served instead. "
+        "The targets are taken at the rate named in the notes, where round-robin is steady.",
     )
 
 
-def workload_table(by_workload: Mapping[str, Sequence[Outcome]]) -> Table:
-    """prefix-aware beside round-robin and the oracle on every workload (the top swept rate)."""
+def workload_table(by_workload: Mapping[str, Sequence[Outcome]], target_rate: float) -> Table:
+    """prefix-aware beside round-robin and the oracle envelope on every workload (shared
+    prefix at the target rate)."""
     rows: list[list[object]] = []
     for workload, outcomes in by_workload.items():
-        rate = max((o.rate for o in outcomes if o.rate is not None), default=None)
-        pa, rr, oracle = (
-            _find(outcomes, s, rate) for s in ("prefix-aware", "round-robin", "oracle")
-        )
-        if pa is None or rr is None or oracle is None:
+        rate = target_rate if any(o.rate is not None for o in outcomes) else None
+        pa, rr = _find(outcomes, "prefix-aware", rate), _find(outcomes, "round-robin", rate)
+        best = envelope(outcomes, workload, rate)
+        if pa is None or rr is None or best is None:
             continue
         rows.append(
             [
                 workload if rate is None else f"{workload} at {rate:g}/s",
-                _ratio(pa.ttft_p50, rr.ttft_p50),
-                _ratio(pa.ttft_p90, rr.ttft_p90),
-                _ratio(pa.ttft_p90, oracle.ttft_p90),
-                _ratio(pa.itl_p90, rr.itl_p90),
+                versus(pa, rr, lambda o: o.ttft_p50),
+                versus(pa, rr, _p90),
+                versus(pa, best, _p90),
+                versus(pa, rr, lambda o: o.itl_p90),
                 pa.hit_rate,
-                oracle.hit_rate,
+                best.hit_rate,
                 rr.hit_rate,
+                pa.preemptions,
                 sum(1 for n in pa.per_engine if n),
                 pa.spread_max_mean,
             ]
         )
     return Table(
-        "Every workload: prefix-aware beside round-robin and the oracle",
+        "Every workload: prefix-aware beside round-robin and the oracle envelope",
         [
             "workload",
             "TTFT p50 / RR",
             "TTFT p90 / RR",
-            "TTFT p90 / oracle",
+            "TTFT p90 / oracle envelope",
             "ITL p90 / RR",
             "hit rate",
-            "oracle hit rate",
+            "envelope hit rate",
             "RR hit rate",
+            "preemptions",
             "engines used",
             "load max/mean",
         ],
@@ -744,26 +1051,158 @@ def workload_table(by_workload: Mapping[str, Sequence[Outcome]]) -> Table:
     )
 
 
-def targets(shared: Sequence[Outcome]) -> list[Target]:
-    """The three goals, at the highest swept rate (where placement matters most)."""
-    rates = [o.rate for o in shared if o.rate is not None]
-    if not rates:
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """One run: the oracle envelope's TTFT p90 against the best picker's."""
+
+    workload: str
+    rate: float | None
+    oracle: str
+    oracle_p90: float
+    picker: str
+    picker_p90: float
+
+    @property
+    def ratio(self) -> float:
+        """The best picker's p90 over the envelope's: at least ``1 - BOUND_SLACK`` when the
+        envelope bounds the run."""
+        return _ratio(self.picker_p90, self.oracle_p90)
+
+    @property
+    def holds(self) -> bool:
+        return self.ratio >= 1.0 - BOUND_SLACK - 1e-9  # 1e-9: float noise at the limit
+
+
+def bounds(outcomes: Sequence[Outcome]) -> list[Bound]:
+    """For every run (workload and rate): the envelope against the best of ``PICKERS``."""
+    found: list[Bound] = []
+    for key in dict.fromkeys((o.workload, o.rate) for o in outcomes):
+        workload, rate = key
+        best = envelope(outcomes, workload, rate)
+        pickers = [o for o in outcomes if (o.workload, o.rate) == key and o.strategy in PICKERS]
+        if best is None or not pickers:
+            continue
+        picker = min(pickers, key=lambda o: (o.ttft_p90, PICKERS.index(o.strategy)))
+        found.append(
+            Bound(workload, rate, best.strategy, best.ttft_p90, picker.strategy, picker.ttft_p90)
+        )
+    return found
+
+
+def bound_table(outcomes: Sequence[Outcome]) -> Table:
+    """Does the oracle envelope bound every picker, run by run?"""
+    rows: list[list[object]] = [
+        [
+            b.workload if b.rate is None else f"{b.workload} at {b.rate:g}/s",
+            b.oracle,
+            b.oracle_p90 * 1e3,
+            b.picker,
+            b.picker_p90 * 1e3,
+            b.ratio,
+            "yes" if b.holds else "**no**",
+        ]
+        for b in bounds(outcomes)
+    ]
+    return Table(
+        "Does the oracle envelope bound every picker? (TTFT p90, run by run)",
+        [
+            "run",
+            "envelope from",
+            "envelope p90 ms",
+            "best picker",
+            "its p90 ms",
+            "best picker / envelope",
+            "bounded",
+        ],
+        rows,
+        "The envelope is, per run, the better TTFT p90 of oracle-lookahead and oracle-estimate. "
+        "It bounds a run when no picker's p90 is more than "
+        f"{BOUND_SLACK:.0%} below it (a ratio of at least {1 - BOUND_SLACK:g}).",
+    )
+
+
+def bound_target(outcomes: Sequence[Outcome]) -> Target:
+    """The worst run's best-picker / envelope ratio: the envelope bounds every run when it is
+    at least ``1 - BOUND_SLACK``."""
+    ratios = [b.ratio for b in bounds(outcomes)]
+    return Target(
+        "best picker's TTFT p90 / oracle envelope's, worst run",
+        min(ratios, default=math.nan),
+        1.0 - BOUND_SLACK,
+        at_most=False,
+    )
+
+
+def variant_table(outcomes: Sequence[Outcome], variants: Sequence[Variant]) -> Table:
+    """Each engine-model switch turned away from current vLLM (or jitter on): shared prefix at
+    the target rate and the top rate, and multi-turn under the earlier model."""
+    rows: list[list[object]] = []
+    for key in dict.fromkeys((v.outcome.workload, v.outcome.rate) for v in variants):
+        every = [(VARIANTS[0][0], o) for o in outcomes if (o.workload, o.rate) == key]
+        every += [
+            (v.variant, v.outcome) for v in variants if (v.outcome.workload, v.outcome.rate) == key
+        ]
+        for name, _ in VARIANTS:
+            rr = next((o for n, o in every if n == name and o.strategy == "round-robin"), None)
+            pa = next((o for n, o in every if n == name and o.strategy == "prefix-aware"), None)
+            if rr is None or pa is None:
+                continue
+            workload, rate = key
+            rows.append(
+                [
+                    workload if rate is None else f"{workload} at {rate:g}/s",
+                    name,
+                    rr.state() if rr.saturated else rr.ttft_p90 * 1e3,
+                    rr.preemptions,
+                    pa.state() if pa.saturated else pa.ttft_p90 * 1e3,
+                    pa.ttft_p99 * 1e3,
+                    pa.preemptions,
+                    pa.hit_rate,
+                    versus(pa, rr, _p90),
+                ]
+            )
+    return Table(
+        "What each engine-model switch changes (round-robin and prefix-aware)",
+        [
+            "run",
+            "engine model",
+            "RR TTFT p90 ms",
+            "RR preemptions",
+            "PA TTFT p90 ms",
+            "PA TTFT p99 ms",
+            "PA preemptions",
+            "PA hit rate",
+            "PA / RR TTFT p90",
+        ],
+        rows,
+        "Each row turns one of simulator.engine.Scheduling's switches away from current vLLM "
+        "(or adds jitter); 'the earlier model' is the engine model before these switches "
+        "existed (the workload text is today's in every row).",
+    )
+
+
+def targets(shared: Sequence[Outcome], rate: float) -> list[Target]:
+    """The three goals, at ``rate``: below round-robin's saturation, where ratios mean
+    something (a ratio with a saturated run is not measured, and so not reached)."""
+    pa, rr = _find(shared, "prefix-aware", rate), _find(shared, "round-robin", rate)
+    best = envelope(shared, "shared-prefix", rate)
+    if pa is None or rr is None or best is None:
         return []
-    top = max(rates)
-    pa, rr, oracle = (_find(shared, s, top) for s in ("prefix-aware", "round-robin", "oracle"))
-    if pa is None or rr is None or oracle is None:
-        return []
-    at = f"shared prefix at {top:g} requests/s"
+
+    def measured(value: object) -> float:
+        return value if isinstance(value, float) else math.nan
+
+    at = f"shared prefix at {rate:g} requests/s"
     return [
+        Target(f"prefix-aware TTFT p90 / round-robin's, {at}", measured(versus(pa, rr, _p90)), 0.1),
         Target(
-            f"prefix-aware TTFT p90 / round-robin's, {at}", _ratio(pa.ttft_p90, rr.ttft_p90), 0.1
+            f"prefix-aware TTFT p90 / oracle envelope's, {at}",
+            measured(versus(pa, best, _p90)),
+            1.25,
         ),
         Target(
-            f"prefix-aware TTFT p90 / oracle's, {at}", _ratio(pa.ttft_p90, oracle.ttft_p90), 1.25
-        ),
-        Target(
-            f"prefix-aware hit rate / oracle's, {at}",
-            _ratio(pa.hit_rate, oracle.hit_rate),
+            f"prefix-aware hit rate / oracle envelope's, {at}",
+            measured(versus(pa, best, _hits)),
             0.9,
             at_most=False,
         ),
@@ -811,7 +1250,11 @@ def _shown(path: Path) -> str:
 
 
 def notes_for(
-    sizes: Sizes, profile: Profile, traces_found: bool, shared: Sequence[Outcome] = ()
+    sizes: Sizes,
+    profile: Profile,
+    traces_found: bool,
+    shared: Sequence[Outcome] = (),
+    wall: float = math.nan,
 ) -> list[str]:
     """The assumptions of the run, stated plainly (with round-robin's measured hit rate)."""
     sp = sizes.shared
@@ -825,19 +1268,35 @@ def notes_for(
     blind = [o.hit_rate for o in shared if o.strategy == "round-robin"]
     hit = statistics.fmean(blind) if blind else 0.0
     uncached = (1 - hit) * sp.prompt_tokens * profile.prefill_per_token
+    rr = _find(shared, "round-robin", sizes.target_rate)
+    steady_rr = [o.rate for o in shared if o.strategy == "round-robin" and not o.saturated]
+    saturated_rr = [o.rate for o in shared if o.strategy == "round-robin" and o.saturated]
+    sample = workloads.shared_prefix(sp, 1.0, 20, 0)
+    chars = sum(len(a.body["prompt"]) for a in sample) / sum(len(a.prompt_tokens) for a in sample)
+    switches = ", ".join(f"{k} {v}" for k, v in asdict(DEFAULT_SCHEDULING).items())
     notes = [
         f"Engines: {ENGINES} simulated vLLM engines (simulator.engine), profile "
         f"{profile.name!r} {kv}: {profile.summary}; {profile.num_blocks:,} KV blocks of "
         f"{profile.block_size} tokens ({profile.kv_tokens:,} tokens), prefill "
         f"{profile.prefill_per_token * 1e6:g} µs/token, step overhead "
         f"{profile.step_overhead * 1e3:g} ms, max_num_seqs {profile.max_num_seqs}, "
-        f"max_num_batched_tokens {profile.max_num_batched_tokens}. Virtual time: "
-        "no network, no asyncio; every number is deterministic for the seed.",
+        f"max_num_batched_tokens {profile.max_num_batched_tokens}. Scheduler switches as "
+        f"current vLLM ({switches}): whole-prompt admission, a request arriving at a busy "
+        "engine admitted one step later (async scheduling), blocks hittable once scheduled, "
+        "exact step times. Virtual time: no network, no asyncio; every number is "
+        "deterministic for the seed.",
         "Strategies: round-robin is Pipeline() with no plugins (LWEPP's default); random is "
         "bench/configs/random.yaml (random-picker, seeded); least-queue is "
         "bench/configs/least-queue.yaml (metrics-data-source + queue-scorer); prefix-aware is "
-        "demo/configs/prefix-aware.yaml unchanged; oracle is bench/oracle.py (exact caches and "
-        "queues, least estimated time to first token plus the prefill work the choice adds).",
+        "demo/configs/prefix-aware.yaml unchanged. References (bench/oracle.py): "
+        "oracle-lookahead forks every engine's exact state (blocks, queues, the step in "
+        "flight, admission) and simulates it forward with the request and no later arrival, "
+        "and picks the earliest first token; oracle-estimate (the earlier oracle) picks by a "
+        "step-model estimate plus twice the prefill the choice adds; the oracle envelope is, "
+        "per run, the one of the two with the lower TTFT p90; offline-partition (shared "
+        "prefix only) puts every group on one engine, groups spread to even out requests "
+        "with the whole workload known in advance; the TTFT floor is each request alone on "
+        "an idle engine that holds every earlier prompt, a bound no placement can beat.",
         "Metrics: each engine's state rendered as vLLM's /metrics page (simulator.metrics) and "
         "read by metrics-data-source's own parser into the pipeline's attribute store, every "
         "refreshIntervalSeconds per endpoint (LWEPP's default, 0.1 s; GIE's EPP refreshes "
@@ -848,40 +1307,46 @@ def notes_for(
         f"{prefix_blocks} KV blocks each; one engine's {profile.num_blocks:,} blocks hold at "
         f"most {per_engine} of them ({per_engine / sp.groups:.0%} of the groups, fewer while "
         f"running requests hold blocks), the {ENGINES} engines together "
-        f"{per_engine * ENGINES} (all {sp.groups}). Best possible hit rate: "
-        f"{sp.shared_fraction:.2f} of prompt tokens less each group's first (cold) request.",
+        f"{per_engine * ENGINES} (all {sp.groups}). Best possible hit rate once warm: "
+        f"{sp.shared_fraction:.2f} of prompt tokens.",
         f"Shared-prefix rates: engines that see every group (round-robin measured a hit rate of "
         f"{hit:.2f}) prefill {1 - hit:.0%} of each {sp.prompt_tokens}-token prompt, "
         f"{uncached:.2f} s of engine time, so the {ENGINES} engines saturate below "
         f"{ENGINES / uncached:.0f} requests/s (less once decoding takes its share of each "
         f"step); placement by prefix leaves about {sp.question_tokens} uncached tokens "
-        f"({sp.question_tokens * profile.prefill_per_token * 1e3:.0f} ms). The sweep "
-        f"({', '.join(f'{r:g}' for r in sizes.rates)} requests/s) takes cache-blind "
-        "strategies from below saturation to far beyond it while placement by prefix stays "
-        "below it: the regime where placement matters. The targets are taken at the "
-        "highest rate.",
-        "TTFT: arrival to first token (routing takes no virtual time). Past saturation a "
-        "backlog builds for as long as requests keep coming, so there TTFT grows with the "
-        "number of requests: it shows that a strategy is saturated, not by how much. ITL: "
-        "every gap between consecutive tokens of a request, mean and p90. Throughput: "
-        "output tokens and completed requests per second from the first arrival to the last "
-        "completion. Hit rate: the engines' prefix-cache counters, hit tokens / queried "
-        "prompt tokens. Load "
-        "spread: requests per engine, max/mean and coefficient of variation.",
-        "Prompt text is simulator.tokenizer text: one pseudo-random word of about ten "
-        "characters per token. prefix-aware.yaml hashes 16-character blocks (blockSizeTokens 4, "
-        "4 characters per token) and matches at most 256 of them: the first ~4,096 characters, "
-        "about 370 of these tokens.",
+        f"({sp.question_tokens * profile.prefill_per_token * 1e3:.0f} ms). Round-robin was "
+        f"steady at {_rates(steady_rr)} and saturated at {_rates(saturated_rr)} requests/s. "
+        f"The targets are taken at {sizes.target_rate:g} requests/s, below its saturation "
+        f"(there: {'not measured' if rr is None else rr.state()}, TTFT p90 growth "
+        f"{'n/a' if rr is None else f'{rr.growth:.2f}'} as the run doubles).",
+        f"Each run: the first {WARMUP:.0%} of arrivals warm the caches and are left out of "
+        "latencies and hit rates (their share would otherwise shrink as the run grows). TTFT: "
+        "arrival to first token (routing takes no virtual time). Steady or saturated: a run is "
+        f"saturated when its TTFT p90 is more than {SATURATION_GROWTH:g}× its p90 over the "
+        f"first half of the run ('p90 growth': a backlog that grows with the run doubles it, "
+        f"a stationary one keeps it), or when it answered less than "
+        f"{SATURATION_THROUGHPUT:.0%} of the offered rate while requests kept arriving; "
+        "ratios involving a saturated run are not shown, since they measure the run's length, "
+        "not placement (a trace replay, whose load is the trace's, is marked by how much its "
+        "p90 grew instead). ITL: every gap "
+        "between consecutive tokens of a measured request, mean and p90. Throughput: output "
+        "tokens and completed requests per second from the first arrival to the last "
+        "completion. Hit rate: prompt tokens found in the prefix cache when each request was "
+        "first scheduled / prompt tokens. Preemptions: the engines' own counters, whole run. "
+        "Load spread: requests per engine, max/mean.",
+        f"Prompt text is simulator.tokenizer text: {chars:.1f} characters per token with the "
+        "spaces, as English under a BPE tokenizer. prefix-aware.yaml hashes 16-character "
+        "blocks (blockSizeTokens 4, 4 characters per token) and matches at most 256 of them: "
+        f"the first 4,096 characters, about {4096 / chars:,.0f} of these tokens.",
     ]
     notes.append(
         "Reading prefix-aware.yaml's arithmetic (prefix ×3, queue ×2, KV use ×2): "
-        "queue-scorer reads waiting requests, which stay 0 until an engine is saturated (it "
-        "admits up to max_num_seqs while KV blocks last), so while no engine queues only the "
-        "KV term, worth at most 2, can move a pick. A prefix every request shares (the "
-        "multi-turn workload's system prompt, about 70% of a first turn's hashed text) gives "
-        "the engines that already served it about 3 × 0.7 = 2.1 more, so new sessions keep "
-        "to the engines that served first until those queue: see 'engines used' in the "
-        "per-workload table."
+        "queue-scorer reads waiting requests, which stay 0 while an engine admits everything "
+        "that arrives (up to max_num_seqs, while the whole prompt fits in free KV blocks), so "
+        "below saturation only the KV term, worth at most 2, can move a pick. A prefix every "
+        "request shares (the multi-turn workload's system prompt) gives the engines that "
+        "already served it up to 3 more, so new sessions keep to the engines that served "
+        "first until those queue: see 'engines used' in the per-workload table."
     )
     if traces_found:
         mc, az = sizes.mooncake_replay, sizes.azure_replay
@@ -905,4 +1370,10 @@ def notes_for(
         )
     else:
         notes.append(f"The trace workloads were skipped: no traces under {TRACES}.")
+    if not math.isnan(wall):
+        notes.append(f"Whole routing part: {wall:.0f} s of wall time.")
     return notes
+
+
+def _rates(rates: Sequence[float | None]) -> str:
+    return ", ".join(f"{r:g}" for r in rates if r is not None) or "none of the swept rates"

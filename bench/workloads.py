@@ -146,8 +146,12 @@ def shared_prefix(shape: SharedPrefix, rate: float, count: int, seed: int = 0) -
 
     Group ``g``'s system prompt is ``text_block`` of a seed derived from
     ``(seed, g)``; question ``k`` of a request is a fresh block. Request ids
-    are ``sp-<rate>-<n>``.
+    are ``sp-<rate>-<n>``. Each request's gap, group and user are drawn in
+    turn, so a longer run starts with exactly the requests of a shorter one
+    (the first half of a run is the run half as long).
     """
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
     rng = random.Random(derived_seed("shared-prefix", seed, rate))
     prefixes = []
     for group in range(shape.groups):
@@ -156,7 +160,9 @@ def shared_prefix(shape: SharedPrefix, rate: float, count: int, seed: int = 0) -
             (text_block(block, shape.prefix_tokens), tuple(token_block(block, shape.prefix_tokens)))
         )
     arrivals = []
-    for n, at in enumerate(poisson_times(rate, count, rng)):
+    at = 0.0
+    for n in range(count):
+        at += rng.expovariate(rate)
         group, user = rng.randrange(shape.groups), rng.randrange(shape.users)
         block = derived_seed("shared-prefix", seed, rate, n)
         question = text_block(block, shape.question_tokens)

@@ -56,6 +56,7 @@ class BodyMode(enum.IntEnum):
     FULL_DUPLEX_STREAMED = _SEND_MODES.Value("FULL_DUPLEX_STREAMED")
     GRPC = _SEND_MODES.Value("GRPC")
 
+
 CHUNK_LIMIT: Final = 62_000
 """Largest body chunk sent back in one ``streamed_response``.
 

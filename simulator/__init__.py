@@ -8,7 +8,7 @@ scale and faults. The engine model (``engine``) runs on either clock
 
 from __future__ import annotations
 
-from simulator.engine import Engine, Faults, Request, Settings
+from simulator.engine import Engine, Faults, Request, Scheduling, Settings
 from simulator.profiles import PROFILES, Profile
 from simulator.server import DEFAULT_MODEL, Replica, serve_pods
 from simulator.tokenizer import count_tokens, output_token
@@ -21,6 +21,7 @@ __all__ = [
     "Profile",
     "Replica",
     "Request",
+    "Scheduling",
     "Settings",
     "count_tokens",
     "output_token",

@@ -13,7 +13,7 @@ import structlog
 from pods.file import PodFileError, load_pods
 from pods.model import Pod, parse_selector
 from protos.logs import configure_logging
-from simulator.engine import Faults, Settings
+from simulator.engine import Faults, Scheduling, Settings
 from simulator.metrics import ENGINES
 from simulator.profiles import DEFAULT_PROFILE, PROFILES
 from simulator.server import serve_pods
@@ -144,6 +144,38 @@ def _parser() -> argparse.ArgumentParser:
         help="usage carries prompt_tokens_details.cached_tokens, the prompt tokens that hit "
         "the prefix cache (vLLM's flag of the same name)",
     )
+    scheduling = parser.add_argument_group(
+        "scheduling", "scheduler behaviours; each defaults to what current vLLM does"
+    )
+    scheduling.add_argument(
+        "--scheduler-reserve-full-isl",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="admit a waiting request only if its whole prompt fits in the free KV blocks "
+        "(vLLM's flag of the same name); --no-...: only its first chunk must fit",
+    )
+    scheduling.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the next batch is decided while a step runs, so a request arriving at a busy "
+        "replica waits one more step (vLLM's flag of the same name)",
+    )
+    scheduling.add_argument(
+        "--cache-blocks-at-schedule",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="blocks are prefix-cache hits from when the step that fills them is scheduled, "
+        "as in vLLM; --no-...: from when that step ends",
+    )
+    scheduling.add_argument(
+        "--step-jitter",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="multiply each step's time by a seeded uniform draw from 1 +/- F, 0 <= F < 1 "
+        "(default: %(default)s, exact step times)",
+    )
     faults = parser.add_argument_group("faults", "failures to inject, to test a router")
     faults.add_argument(
         "--error-rate",
@@ -203,6 +235,12 @@ def settings_of(args: argparse.Namespace) -> Settings:
             crash_after=args.crash_after,
         ),
         seed=args.seed,
+        scheduling=Scheduling(
+            full_prompt_admission=args.scheduler_reserve_full_isl,
+            async_scheduling=args.async_scheduling,
+            cache_at_schedule=args.cache_blocks_at_schedule,
+            step_jitter=args.step_jitter,
+        ),
     )
 
 

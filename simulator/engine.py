@@ -24,18 +24,54 @@ then calls ``finish(step, now)`` to apply the results and get the events.
    of them is still cached. If it is itself the newest, it preempts itself.
 3. If nothing was preempted, waiting requests are admitted first come, first
    served while the budget lasts, fewer than ``max_num_seqs`` run and the KV
-   cache can hold the request's first chunk. A request's prefill starts
-   after its longest cached prefix (full blocks only, and never the whole
-   sequence: the last token is always computed, as vLLM recomputes it to
-   get logits). A request whose adapter would make more than ``max_loras``
-   distinct adapters run at once is skipped (it keeps its place) and the
-   next is tried, as vLLM does.
+   cache can hold the request's whole sequence (its prompt, plus what it had
+   generated if it was preempted), cached blocks aside: vLLM's
+   ``scheduler_reserve_full_isl``, on by default (``Scheduling`` below). A
+   request's prefill starts after its longest cached prefix (full blocks
+   only, and never the whole sequence: the last token is always computed,
+   as vLLM recomputes it to get logits). A request whose adapter would make
+   more than ``max_loras`` distinct adapters run at once is skipped (it
+   keeps its place) and the next is tried, as vLLM does.
 
 **Step time** is ``Profile.step_time(prefill tokens, decoding sequences,
 attended context tokens)``, plus ``lora_load_time`` for each adapter the
 batch needs that is not resident (vLLM loads adapters into their GPU slots
-before running the batch). Resident adapters are an LRU set of
+before running the batch), times a random factor when
+``Scheduling.step_jitter`` is set. Resident adapters are an LRU set of
 ``max_loras``; adapters of running requests are never evicted.
+
+**Scheduling switches** (``Scheduling``; each defaults to what current vLLM
+does, and can be turned off to see what it changes):
+
+- ``full_prompt_admission``: the admission gate above. vLLM's
+  ``SchedulerConfig.scheduler_reserve_full_isl`` (default True since
+  vllm-project/vllm#37307) makes ``KVCacheManager.allocate_slots`` refuse a
+  waiting request unless the blocks for ``request.num_tokens`` (prompt and
+  any output so far), less its prefix hits, fit in the free blocks. Off, the
+  gate is the first chunk only: long prompts are admitted, grow, and
+  preempt each other, and the waiting queue stays short until they do.
+- ``async_scheduling``: vLLM's default (vllm-project/vllm#27614). Its
+  ``EngineCore.step_with_batch_queue`` keeps two batches in flight
+  (``max_concurrent_batches`` is 2): the batch that starts when step *k*
+  ends was scheduled while step *k* ran, before the requests that arrived
+  during step *k* were read from the input queue. So a request that arrives
+  at a busy engine waits one extra step to be admitted. The model keeps
+  the scheduling at the step boundary and hides from it the requests that
+  arrived after the previous step started; an engine that was idle (no step
+  back to back) sees everything, as vLLM's busy loop then schedules at
+  once. Blocks and slots freed in step *k* are usable at once here, one step
+  earlier than in vLLM.
+- ``cache_at_schedule``: vLLM registers a block in the prefix cache when the
+  step that will fill it is scheduled (``allocate_slots`` ends with
+  ``cache_blocks(request, min(computed + new tokens, request.num_tokens))``),
+  so a request admitted later in the same schedule already hits it (each
+  layer writes its KV before its attention reads it). Off, blocks are
+  registered when the step ends.
+- ``step_jitter``: each step's time is multiplied by a factor drawn
+  uniformly from ``1 ± step_jitter`` (seeded; mean 1, so capacity is
+  unchanged). Real step times vary (CPU scheduling, sampling, kernels); off
+  (0), every step takes exactly its modelled time and tails are optimistic
+  for every router alike.
 
 **Tokens.** A step that completes a sequence's prefill samples its first
 token (time to first token ends there); every later step samples one more.
@@ -44,8 +80,13 @@ id, so blocks holding generated tokens are hashed and cached like prompt
 blocks. A request ends after exactly ``max_tokens`` tokens (no EOS).
 
 **KV cache**: ``simulator.kvcache``. Blocks are registered in the prefix
-cache when the step that filled them finishes. ``kv_usage`` is blocks in use
-over ``num_blocks``; cached blocks nobody uses do not count.
+cache when the step that fills them is scheduled (``cache_at_schedule``).
+``kv_usage`` is blocks in use over ``num_blocks``; cached blocks nobody uses
+do not count.
+
+**Look-ahead.** ``fork`` copies the whole state (queues, blocks, the step
+in flight, the random state), so a caller can run the copy forward to see
+what would happen to a request, without touching the engine itself.
 
 **Faults** (``Faults``): injected errors, a stall mid-stream, dead metrics
 (the HTTP layer's) and a crash after N requests.
@@ -61,7 +102,7 @@ import math
 import random
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final, Literal
 
 from simulator.kvcache import BlockPool, extend_hashes
@@ -73,6 +114,7 @@ __all__ = [
     "Event",
     "Faults",
     "Request",
+    "Scheduling",
     "Settings",
     "Step",
     "count_tokens",
@@ -110,6 +152,29 @@ class Faults:
             raise ValueError("crash_after: must not be negative")
 
 
+@dataclass(frozen=True, slots=True)
+class Scheduling:
+    """Scheduler behaviours that differ between vLLM versions; each defaults to current vLLM.
+
+    The module docstring says what each one models and where vLLM does it.
+    """
+
+    full_prompt_admission: bool = True
+    """Admit a waiting request only if its whole sequence fits (``scheduler_reserve_full_isl``);
+    False: only its first chunk must fit."""
+    async_scheduling: bool = True
+    """A request that arrives while a step runs is admitted one step later (vLLM's
+    ``async_scheduling``); False: at the next step boundary."""
+    cache_at_schedule: bool = True
+    """Blocks are hittable from the schedule of the step that fills them; False: from its end."""
+    step_jitter: float = 0.0
+    """Each step's time is multiplied by a uniform draw from ``1 ± step_jitter`` (0: exact)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.step_jitter < 1:
+            raise ValueError("step_jitter: must be at least 0 and below 1")
+
+
 @dataclass(slots=True)
 class Request:
     """One generation request: the prompt's token ids and how many tokens to produce.
@@ -141,6 +206,26 @@ class Request:
     def ttft(self) -> float | None:
         """Seconds from arrival to the first token, once there is one."""
         return None if self.first_token_at is None else self.first_token_at - self.arrival
+
+    def clone(self) -> Request:
+        """A copy with the same progress, sharing the prompt and the hash chain (both fixed by
+        the prompt), for a look-ahead that must not touch this request."""
+        twin = Request(
+            self.id,
+            self.tokens,
+            self.max_tokens,
+            self.arrival,
+            self.adapter,
+            self.cached_tokens,
+            self.first_token_at,
+            self.finished_at,
+            self.generated,
+            self.preemptions,
+            self.error,
+        )
+        twin._hashes = self._hashes
+        twin._hash_block_size = self._hash_block_size
+        return twin
 
     def sequence(self, start: int, end: int) -> Sequence[int]:
         """Token ids ``start:end`` of the sequence: the prompt, then the output tokens."""
@@ -177,6 +262,7 @@ class _Seq:
     """The engine's bookkeeping for one request it holds."""
 
     __slots__ = (
+        "added",
         "blocks",
         "capacity",
         "computed",
@@ -193,6 +279,7 @@ class _Seq:
 
     def __init__(self, request: Request) -> None:
         self.request = request
+        self.added = request.arrival  # when it joined the queue (async scheduling's lag)
         self.prompt_len = len(request.tokens)
         self.total = self.prompt_len + request.generated  # tokens in the sequence so far
         self.blocks: list[int] = []
@@ -204,6 +291,22 @@ class _Seq:
         self.scheduled_before = False
         self.stall_until = -math.inf
         self.token_event = Event(request, "token")  # immutable, so one serves every token
+
+    def copy(self, request: Request) -> _Seq:
+        """This bookkeeping for ``request`` (a copy of ``self.request``), for ``Engine.fork``."""
+        twin = _Seq(request)
+        twin.added = self.added
+        twin.prompt_len = self.prompt_len
+        twin.total = self.total
+        twin.blocks = list(self.blocks)
+        twin.capacity = self.capacity
+        twin.computed = self.computed
+        twin.hashed = self.hashed
+        twin.live = self.live
+        twin.running = self.running
+        twin.scheduled_before = self.scheduled_before
+        twin.stall_until = self.stall_until
+        return twin
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,11 +331,15 @@ class Engine:
     """The state of one engine; ``step``/``finish`` advance it (see the module docstring)."""
 
     __slots__ = (
+        "_in_flight",
+        "_jitter",
         "_last_now",
         "_loaded",
         "_outbox",
         "_pending",
         "_pool",
+        "_prev_end",
+        "_prev_start",
         "_rng",
         "_running",
         "_seqs",
@@ -249,6 +356,7 @@ class Engine:
         "prompt_tokens_total",
         "requests_total",
         "running_adapters",
+        "scheduling",
         "waiting_adapters",
     )
 
@@ -259,13 +367,19 @@ class Engine:
         faults: Faults = Faults(),
         seed: int = 0,
         all_tokens: bool = True,
+        scheduling: Scheduling = Scheduling(),
     ) -> None:
         """``all_tokens=False`` reports only the first token and ``done`` of each request (a
         benchmark that needs only time to first token and completion saves one event per token)."""
         self.profile = profile
         self.faults = faults
         self.all_tokens = all_tokens
+        self.scheduling = scheduling
         self._rng = random.Random(seed)
+        # Its own stream, so turning jitter on leaves the fault draws as they were.
+        self._jitter = random.Random(f"step-jitter-{seed}")
+        self._in_flight: Step | None = None
+        self._prev_start = self._prev_end = -math.inf
         self._pool = BlockPool(profile.num_blocks)
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
@@ -314,6 +428,11 @@ class Engine:
     def loaded_adapters(self) -> tuple[str, ...]:
         """Resident LoRA adapters, least recently used first."""
         return tuple(self._loaded)
+
+    @property
+    def in_flight(self) -> Step | None:
+        """The step scheduled and not yet finished, if any."""
+        return self._in_flight
 
     @property
     def idle(self) -> bool:
@@ -424,6 +543,7 @@ class Engine:
         pool = self._pool
         running = self._running
         budget = profile.max_num_batched_tokens
+        at_schedule = self.scheduling.cache_at_schedule
         batch: list[tuple[_Seq, int]] = []
         prefill = decodes = context = preempted = 0
 
@@ -455,6 +575,8 @@ class Engine:
                 seq.capacity += need * size
             append((seq, count))
             budget -= count
+            if at_schedule and end >= (seq.hashed + 1) * size:
+                self._register(seq, end)
             if remaining == 1 and seq.total > seq.prompt_len:
                 decodes += 1
                 context += end
@@ -462,58 +584,21 @@ class Engine:
                 prefill += count
 
         loads: list[str] = []
-        if not preempted:
-            waiting = self._waiting
-            skipped: list[_Seq] = []
-            loras = self.running_adapters
-            while waiting and budget > 0 and len(running) < profile.max_num_seqs:
-                seq = waiting[0]
-                request = seq.request
-                adapter = request.adapter
-                if adapter and adapter not in loras and len(loras) >= profile.max_loras:
-                    skipped.append(waiting.popleft())
-                    continue
-                total = seq.total
-                hashes = request.block_hashes(total // size, size)
-                hits = pool.hits(hashes, (total - 1) // size)
-                computed = len(hits) * size
-                count = min(total - computed, budget)
-                need = (computed + count + size - 1) // size - len(hits)
-                if need > pool.free - pool.evictable(hits):
-                    break  # the head waits for blocks; FCFS does not look past it
-                pool.touch(hits)
-                new = pool.allocate(need)
-                assert new is not None
-                seq.blocks = hits + new
-                seq.capacity = len(seq.blocks) * size
-                seq.computed = computed
-                seq.hashed = len(hits)
-                self._pending -= computed
-                if not seq.scheduled_before:
-                    seq.scheduled_before = True
-                    request.cached_tokens = computed
-                    self.prefix_queries_total += seq.prompt_len
-                    self.prefix_hits_total += computed
-                waiting.popleft()
-                self._leave_waiting(seq)
-                running.append(seq)
-                seq.running = True
-                if adapter:
-                    loras[adapter] += 1
-                    if adapter in self._loaded:
-                        self._loaded.move_to_end(adapter)
-                    else:
-                        loads.append(adapter)
-                        self._load(adapter)
-                batch.append((seq, count))
-                budget -= count
-                if count == 1 and request.generated:
+        if not preempted and self._waiting:
+            # Async scheduling: back to back, this batch was decided while the previous one
+            # ran, before the requests that came since it started were read.
+            lagged = self.scheduling.async_scheduling and self._prev_end == now
+            cutoff = self._prev_start if lagged else now
+            budget, admitted = self._admit(batch, budget, cutoff, loads)
+            if lagged and not batch:
+                # vLLM would have run an empty batch and scheduled again at once.
+                budget, admitted = self._admit(batch, budget, now, loads)
+            for seq, count in admitted:
+                if count == 1 and seq.request.generated:
                     decodes += 1
-                    context += computed + 1
+                    context += seq.computed + 1
                 else:
                     prefill += count
-            if skipped:
-                waiting.extendleft(reversed(skipped))
 
         if not batch and not self._outbox:
             return None
@@ -521,14 +606,89 @@ class Engine:
         if batch:
             duration = profile.step_time(prefill, decodes, context)
             duration += profile.lora_load_time * len(loads)
-        return Step(duration, now, prefill, decodes, context, tuple(loads), preempted, tuple(batch))
+            jitter = self.scheduling.step_jitter
+            if jitter:
+                duration *= 1.0 + jitter * (2.0 * self._jitter.random() - 1.0)
+        step = Step(duration, now, prefill, decodes, context, tuple(loads), preempted, tuple(batch))
+        self._in_flight = step
+        return step
+
+    def _admit(
+        self, batch: list[tuple[_Seq, int]], budget: int, cutoff: float, loads: list[str]
+    ) -> tuple[int, list[tuple[_Seq, int]]]:
+        """Admit waiting requests that joined by ``cutoff`` into ``batch``, first come first
+        served (module docstring, rule 3); the budget left and what was admitted."""
+        profile = self.profile
+        size = profile.block_size
+        pool = self._pool
+        running = self._running
+        waiting = self._waiting
+        full = self.scheduling.full_prompt_admission
+        at_schedule = self.scheduling.cache_at_schedule
+        admitted: list[tuple[_Seq, int]] = []
+        skipped: list[_Seq] = []
+        loras = self.running_adapters
+        while waiting and budget > 0 and len(running) < profile.max_num_seqs:
+            seq = waiting[0]
+            if seq.added > cutoff:
+                break  # not read yet; everyone behind it came later still
+            request = seq.request
+            adapter = request.adapter
+            if adapter and adapter not in loras and len(loras) >= profile.max_loras:
+                skipped.append(waiting.popleft())
+                continue
+            total = seq.total
+            hashes = request.block_hashes(total // size, size)
+            hits = pool.hits(hashes, (total - 1) // size)
+            computed = len(hits) * size
+            count = min(total - computed, budget)
+            need = (computed + count + size - 1) // size - len(hits)
+            # The gate: the whole sequence's blocks, or this step's chunk's.
+            gate = (total + size - 1) // size - len(hits) if full else need
+            if gate > pool.free - pool.evictable(hits):
+                break  # the head waits for blocks; FCFS does not look past it
+            pool.touch(hits)
+            new = pool.allocate(need)
+            assert new is not None
+            seq.blocks = hits + new
+            seq.capacity = len(seq.blocks) * size
+            seq.computed = computed
+            seq.hashed = len(hits)
+            self._pending -= computed
+            if not seq.scheduled_before:
+                seq.scheduled_before = True
+                request.cached_tokens = computed
+                self.prefix_queries_total += seq.prompt_len
+                self.prefix_hits_total += computed
+            waiting.popleft()
+            self._leave_waiting(seq)
+            running.append(seq)
+            seq.running = True
+            if adapter:
+                loras[adapter] += 1
+                if adapter in self._loaded:
+                    self._loaded.move_to_end(adapter)
+                else:
+                    loads.append(adapter)
+                    self._load(adapter)
+            if at_schedule and computed + count >= (seq.hashed + 1) * size:
+                self._register(seq, computed + count)
+            batch.append((seq, count))
+            admitted.append((seq, count))
+            budget -= count
+        if skipped:
+            waiting.extendleft(reversed(skipped))
+        return budget, admitted
 
     def finish(self, step: Step, now: float) -> list[Event]:
         """Apply a batch's results at ``now`` (its end) and return what happened, in order."""
         events = self._outbox
         self._outbox = []
+        if step is self._in_flight:
+            self._in_flight = None
+            self._prev_start, self._prev_end = step.start, now
         size = self.profile.block_size
-        pool = self._pool
+        at_end = not self.scheduling.cache_at_schedule
         faults = self.faults
         all_tokens = self.all_tokens
         done = False
@@ -540,13 +700,8 @@ class Engine:
             computed = seq.computed + count
             seq.computed = computed
             fed += count
-            if computed >= (seq.hashed + 1) * size:  # blocks filled: into the prefix cache
-                full = computed // size
-                hashes = seq.request.block_hashes(full, size)
-                blocks = seq.blocks
-                for index in range(seq.hashed, full):
-                    pool.register(blocks[index], hashes[index])
-                seq.hashed = full
+            if at_end and computed >= (seq.hashed + 1) * size:  # blocks filled
+                self._register(seq, computed)
             if computed < seq.total:
                 continue  # a prefill chunk: no token yet
             request = seq.request
@@ -566,7 +721,7 @@ class Engine:
                 seq.live = False
                 del self._seqs[request.id]
                 self._leave_running(seq)
-                pool.release(seq.blocks)
+                self._pool.release(seq.blocks)
                 seq.blocks = []
                 seq.capacity = 0
                 done = True
@@ -578,7 +733,67 @@ class Engine:
             self._running = [seq for seq in self._running if seq.live]
         return events
 
+    def fork(self) -> Engine:
+        """An independent copy of this engine, to run forward without touching this one.
+
+        Everything that decides what happens next is copied: the queues, every
+        request's progress (on copies of the requests, sharing their prompt and
+        hash chain), the KV blocks and prefix cache, the step in flight (finish
+        the copy's ``in_flight`` first), the resident adapters and the random
+        state. Events waiting to be reported are not (they concern requests
+        that are already decided), and the copy reports only first tokens and
+        completions (``all_tokens=False``). Cost: O(blocks + requests held).
+        """
+        twin = Engine.__new__(Engine)
+        twin.profile = self.profile
+        twin.faults = self.faults
+        twin.all_tokens = False
+        twin.scheduling = self.scheduling
+        twin._rng = random.Random()
+        twin._rng.setstate(self._rng.getstate())
+        twin._jitter = random.Random()
+        twin._jitter.setstate(self._jitter.getstate())
+        twin._pool = self._pool.copy()
+        seqs: dict[int, _Seq] = {}
+        for seq in self._seqs.values():
+            seqs[id(seq)] = seq.copy(seq.request.clone())
+        twin._seqs = {seq.request.id: seq for seq in seqs.values()}
+        twin._running = [seqs[id(seq)] for seq in self._running]
+        twin._waiting = deque(seqs[id(seq)] for seq in self._waiting)
+        step = self._in_flight
+        twin._in_flight = None
+        if step is not None:
+            batch = tuple((seqs[id(seq)], count) for seq, count in step.batch if id(seq) in seqs)
+            twin._in_flight = replace(step, batch=batch)
+        twin._prev_start, twin._prev_end = self._prev_start, self._prev_end
+        twin._outbox = []
+        twin._loaded = OrderedDict(self._loaded)
+        twin._pending = self._pending
+        twin._last_now = self._last_now
+        twin.crashed = self.crashed
+        twin.running_adapters = Counter(self.running_adapters)
+        twin.waiting_adapters = Counter(self.waiting_adapters)
+        twin.requests_total = self.requests_total
+        twin.errors_total = self.errors_total
+        twin.prompt_tokens_total = self.prompt_tokens_total
+        twin.generation_tokens_total = self.generation_tokens_total
+        twin.prefix_queries_total = self.prefix_queries_total
+        twin.prefix_hits_total = self.prefix_hits_total
+        twin.preemptions_total = self.preemptions_total
+        return twin
+
     # --- internals -----------------------------------------------------------------------
+
+    def _register(self, seq: _Seq, tokens: int) -> None:
+        """Put the sequence's full blocks up to ``tokens`` into the prefix cache."""
+        size = self.profile.block_size
+        full = tokens // size
+        hashes = seq.request.block_hashes(full, size)
+        blocks = seq.blocks
+        register = self._pool.register
+        for index in range(seq.hashed, full):
+            register(blocks[index], hashes[index])
+        seq.hashed = full
 
     def _preempt(self, seq: _Seq) -> None:
         """Recompute-mode preemption: free the blocks, back to the front of the queue."""
@@ -653,7 +868,8 @@ def _decrement(counter: Counter[str], key: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """How a served replica is built: a profile, the driver's time scale, faults, a seed.
+    """How a served replica is built: a profile, scheduler switches, the driver's time scale,
+    faults, a seed.
 
     ``max_running`` and ``kv_capacity`` override the profile's
     ``max_num_seqs`` and KV-cache size (in tokens; the cache gets
@@ -671,7 +887,9 @@ class Settings:
     """Overrides the profile's KV-cache size, in tokens."""
     faults: Faults = Faults()
     seed: int = 0
-    """Seeds the fault draws; replica ``i`` of a process uses ``seed + i``."""
+    """Seeds the fault draws and the step jitter; replica ``i`` of a process uses ``seed + i``."""
+    scheduling: Scheduling = Scheduling()
+    """The scheduler's switches (current vLLM by default)."""
 
     def __post_init__(self) -> None:
         if self.time_scale < 0:
@@ -696,4 +914,9 @@ class Settings:
 
     def engine(self, index: int = 0) -> Engine:
         """A fresh engine for replica ``index``."""
-        return Engine(self.engine_profile(), faults=self.faults, seed=self.seed + index)
+        return Engine(
+            self.engine_profile(),
+            faults=self.faults,
+            seed=self.seed + index,
+            scheduling=self.scheduling,
+        )

@@ -59,6 +59,16 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
 
+    def copy(self) -> BlockPool:
+        """An independent copy: the same blocks, counts, hashes and free-queue order."""
+        twin = BlockPool.__new__(BlockPool)
+        twin.num_blocks = self.num_blocks
+        twin._ref = self._ref.copy()
+        twin._hash = self._hash.copy()
+        twin._free = self._free.copy()
+        twin._cached = self._cached.copy()
+        return twin
+
     @property
     def free(self) -> int:
         """Blocks not in use (cached or empty): what new blocks can be taken from."""

@@ -14,8 +14,18 @@ Whitespace never becomes a token, so ``tokenize(a + " " + b) ==
 tokenize(a) + tokenize(b)``: text made of whole words concatenates at the
 token level. ``text_block`` builds workload text on that property: a block
 of ``n`` pseudo-random one-token words that ends with a space, so shared
-prefixes of a workload are shared token prefixes. Real BPE tokenizers give
-roughly 1.3 tokens per English word; nothing here depends on the ratio.
+prefixes of a workload are shared token prefixes.
+
+**Characters per token.** The engine counts tokens, but a router that does
+not tokenize counts characters: the prefix-cache scorer hashes the prompt
+text in blocks of ``4 × blockSizeTokens`` characters and caps how many it
+matches, on the rule of thumb that BPE tokenizers give about 4 characters
+of English text per token. So the length of workload words matters: it
+sets how many engine tokens such a router's window covers. ``text_block``
+words are 2 to 4 lowercase letters (3 on average) plus a space, 4.0
+characters per token on average (``CHARS_PER_TOKEN``), like English text;
+a scorer that matches 4,096 characters then sees about 1,000 of these
+tokens, as it would of real text.
 
 The output is a fixed word cycle (``output_token``), so equal requests get
 equal answers from every replica and the ids of generated tokens are known
@@ -32,6 +42,9 @@ from typing import Final
 
 VOCAB_SIZE: Final = 128_256
 """Token ids lie in ``range(VOCAB_SIZE)``: Llama 3's vocabulary size (its tokenizer config)."""
+
+CHARS_PER_TOKEN: Final = 4.0
+"""Characters per token of ``text_block`` text on average, the space included (module docstring)."""
 
 _TOKEN: Final = re.compile(r"\w+|[^\w\s]")
 _WORDS: Final = ("the", "quick", "simulated", "model", "answers", "every", "request", "in", "kind")
@@ -57,16 +70,32 @@ def count_tokens(text: str) -> int:
     return len(_TOKEN.findall(text))
 
 
+_LETTERS: Final = "abcdefghijklmnopqrstuvwxyz"
+
+
 def _words(seed: int, tokens: int) -> list[str]:
     """``tokens`` pseudo-random one-token words: a fixed function of ``(seed, tokens)``.
 
-    Each word is ``w`` and a hexadecimal number, so it is one run of word
-    characters; 36 random bits make two different words in one workload
-    unlikely, which keeps different blocks different.
+    Each word is 2, 3 or 4 lowercase letters (equally likely), so it is one
+    run of word characters and, with its space, 4 characters on average.
+    About 470,000 words are possible: two equal words are common, but two
+    equal runs of words are not, so different blocks stay different (a
+    16-token KV block carries about 250 random bits).
     """
     rng = random.Random(seed)
     bits = rng.getrandbits
-    return [f"w{bits(36):x}" for _ in range(tokens)]
+    letters = _LETTERS
+    words = []
+    for _ in range(tokens):
+        draw = bits(32)
+        length = 2 + draw % 3
+        draw //= 3
+        word = ""
+        for _ in range(length):
+            draw, letter = divmod(draw, 26)
+            word += letters[letter]
+        words.append(word)
+    return words
 
 
 def text_block(seed: int, tokens: int) -> str:

@@ -1,18 +1,27 @@
-"""The routing benchmark: its workloads, its oracle, and a smoke run of the whole harness."""
+"""The routing benchmark: its workloads, its oracles and floor, and a smoke run of the whole
+harness.
+
+``make bench-routing`` also runs ``test_the_oracle_envelope_bounds_every_picker_in_a_full_run``
+on the results it just wrote (``SWITCHYARD_ROUTING_RESULTS``); ``make test`` skips it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
+import math
+import os
 import statistics
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bench import routing, workloads
-from bench.oracle import Oracle
+from bench.oracle import Lookahead, Oracle, floor_ttfts, forecast, partition
 from bench.report import Options, Section
 from bench.workloads import AzureRecord, MooncakeRecord, MultiTurn, Replay, SharedPrefix
 from lwepp.contracts import LLMRequest, Usage
@@ -20,9 +29,9 @@ from lwepp.pipeline import Pipeline
 from lwepp.plugins.metrics_source import MetricsDataSource
 from simulator import metrics, openai
 from simulator.clocks import VirtualEngine, VirtualLoop
-from simulator.engine import Engine, Event, Request
-from simulator.profiles import PROFILES
-from simulator.tokenizer import tokenize
+from simulator.engine import Engine, Event, Request, Scheduling
+from simulator.profiles import PROFILES, Profile
+from simulator.tokenizer import output_token_ids, token_block, tokenize
 
 SHAPE = SharedPrefix(groups=4, prefix_tokens=96, users=3, question_tokens=16, max_tokens=4)
 
@@ -56,10 +65,18 @@ def test_shared_prefix_groups_share_exactly_their_system_prompt() -> None:
     for members in by_group.values():
         prefix = members[0].prompt_tokens[: SHAPE.prefix_tokens]
         assert all(m.prompt_tokens[: SHAPE.prefix_tokens] == prefix for m in members)
-        questions = {m.prompt_tokens[SHAPE.prefix_tokens] for m in members}
+        start = SHAPE.prefix_tokens
+        questions = {m.prompt_tokens[start : start + 4] for m in members}
         assert len(questions) == len(members)  # a fresh question every time
-        prefixes.add(prefix[0])
-    assert len(prefixes) == SHAPE.groups  # different groups differ from the first token
+        prefixes.add(prefix[:4])
+    assert len(prefixes) == SHAPE.groups  # different groups differ from their first words
+
+
+def test_a_longer_shared_prefix_run_starts_with_the_shorter_one() -> None:
+    """The first half of a 2N-request run is exactly the N-request run, so a run's first half
+    measures the run half as long (what 'p90 growth' compares)."""
+    short = workloads.shared_prefix(SHAPE, 10.0, 50, seed=2)
+    assert workloads.shared_prefix(SHAPE, 10.0, 100, seed=2)[:50] == short
 
 
 def test_workloads_are_pure_functions_of_their_seed() -> None:
@@ -156,7 +173,7 @@ def drive(engine: Engine, loop: VirtualLoop, tokens: tuple[int, ...]) -> None:
 
 
 def test_oracle_sends_a_request_where_its_prefix_is_cached() -> None:
-    """With one engine holding the prompt's prefix, the oracle picks that engine."""
+    """With one engine holding the prompt's prefix, the estimate oracle picks that engine."""
     profile = PROFILES[routing.PROFILE].replace(num_blocks=256)
     loop = VirtualLoop()
     engines = [Engine(profile, seed=i) for i in range(4)]
@@ -184,6 +201,261 @@ def test_oracle_counts_a_prompt_sent_but_not_yet_prefilled() -> None:
     assert oracle.hit(first, second, hashes) == 0  # nothing was really run
 
 
+def busy_engines(
+    profile: Profile, count: int = 4
+) -> tuple[VirtualLoop, list[Engine], list[VirtualEngine]]:
+    """``count`` engines on one loop, engine 0 holding a cached prefix and all of them busy
+    mid-step with requests running and waiting; no arrival is scheduled after this."""
+    loop = VirtualLoop()
+    engines = [Engine(profile, seed=i) for i in range(count)]
+    drivers = [VirtualEngine(e, loop, lambda event: None) for e in engines]
+    drive(engines[0], loop, (*PREFIX, 1, 2, 3))
+    start = loop.now
+    for n in range(24):
+        tokens = tuple(token_block(100 + n, 300 + 40 * n))
+        drivers[n % count].submit(Request(f"busy{n}", tokens, 20, start))
+    loop.run(until=start + 0.2)
+    return loop, engines, drivers
+
+
+PREFIX = tuple(range(1000, 1512))
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_forecast_is_the_ttft_the_request_then_gets_and_touches_nothing(index: int) -> None:
+    """Mid-step, with requests running and waiting: the look-ahead's forecast is exactly the
+    TTFT the request gets on that engine when nothing else arrives, and forecasting leaves
+    the engine as it was."""
+    profile = PROFILES[routing.PROFILE].replace(num_blocks=400)
+    loop, engines, drivers = busy_engines(profile)
+    engine = engines[index]
+    assert engine.in_flight is not None
+    assert engine.waiting + engine.running > 1
+    request = Request("new", (*PREFIX, 7, 8, 9), 2, loop.now)
+
+    def state() -> tuple[object, ...]:
+        return (engine.running, engine.waiting, engine.used_blocks, engine.pending_tokens())
+
+    before = state()
+    predicted = forecast(engine, request)
+    assert state() == before
+    drivers[index].submit(request)
+    loop.run()
+    assert request.ttft == pytest.approx(predicted, abs=1e-12)
+
+
+def test_lookahead_sends_a_request_where_its_prefix_is_cached() -> None:
+    """With one engine holding the prompt's prefix, the look-ahead picks that engine."""
+    profile = PROFILES[routing.PROFILE].replace(num_blocks=256)
+    loop = VirtualLoop()
+    engines = [Engine(profile, seed=i) for i in range(4)]
+    drive(engines[2], loop, (*PREFIX, 1, 2, 3))
+    lookahead = Lookahead(engines)
+    assert lookahead.choose(Request("a", (*PREFIX, 7, 8, 9), 2, loop.now)) == 2
+    assert lookahead.sent == [0, 0, 1, 0]
+
+
+def test_lookahead_sends_a_cold_request_to_the_engine_that_answers_it_first() -> None:
+    """Engines 0, 1 and 3 busy with 8, 5 and 3 long prompts, engine 2 with one: a prompt
+    cached nowhere goes to the engine whose forecast is earliest (engine 2)."""
+    profile = PROFILES[routing.PROFILE].replace(num_blocks=400)
+    loop = VirtualLoop()
+    engines = [Engine(profile, seed=i) for i in range(4)]
+    drivers = [VirtualEngine(e, loop, lambda event: None) for e in engines]
+    for index, count in enumerate((8, 5, 1, 3)):
+        for n in range(count):
+            tokens = tuple(token_block(100 * index + n, 600))
+            drivers[index].submit(Request(f"busy{index}-{n}", tokens, 20, 0.0))
+    loop.run(until=0.1)
+    request = Request("cold", tuple(token_block(9999, 800)), 2, loop.now)
+    forecasts = [forecast(e, request) for e in engines]
+    assert min(forecasts) == forecasts[2] < min(forecasts[:2] + forecasts[3:])
+    assert Lookahead(engines).choose(request) == 2
+
+
+def test_lookahead_choice_is_the_earliest_forecast_even_with_simulations_cut_short() -> None:
+    """Engine 0 holds a long prefix and is the busiest (decoding streams), the others hold
+    less work: at several moments the engine chosen is the one with the earliest full
+    forecast (engine 0 for the prefix, not always for a cold prompt); stopping a simulation
+    once it cannot win never changes the choice."""
+    profile = PROFILES[routing.PROFILE].replace(num_blocks=600)
+    loop = VirtualLoop()
+    engines = [Engine(profile, seed=i) for i in range(4)]
+    drivers = [VirtualEngine(e, loop, lambda event: None) for e in engines]
+    prefix = tuple(token_block(77, 1600))
+    drive(engines[0], loop, (*prefix, 1))
+    for index, count in enumerate((6, 2, 3, 1)):
+        for n in range(count):
+            tokens = tuple(token_block(100 * index + n, 200))
+            drivers[index].submit(Request(f"busy{index}-{n}", tokens, 60, loop.now))
+    chosen = []
+    for moment in range(4):
+        loop.run(until=loop.now + 0.15)
+        for name, tokens in (("hit", (*prefix, moment)), ("cold", tuple(token_block(moment, 90)))):
+            request = Request(f"{name}{moment}", tokens, 2, loop.now)
+            forecasts = [forecast(e, request) for e in engines]
+            choice = Lookahead(engines).choose(request)
+            assert forecasts[choice] == min(forecasts)
+            chosen.append((name, choice))
+    assert {choice for name, choice in chosen if name == "hit"} == {0}
+    assert {choice for name, choice in chosen if name == "cold"} != {0}
+
+
+def test_partition_keeps_groups_whole_and_evens_out_requests() -> None:
+    """Largest group first, each to the least loaded engine: groups of 5, 4, 3, 2 requests
+    over two engines give loads of 7 and 7, every group on one engine."""
+    groups = ["a"] * 5 + ["b"] * 4 + ["c"] * 3 + ["d"] * 2
+    placed = partition(groups, 2)
+    loads = [sum(1 for g in groups if placed[g] == engine) for engine in range(2)]
+    assert loads == [7, 7]
+    assert placed == {"a": 0, "b": 1, "c": 1, "d": 0}
+
+
+@pytest.mark.parametrize("jitter", [0.0, 0.3], ids=["exact", "jittered"])
+@pytest.mark.parametrize("engines", [4, 1], ids=["round-robin-over-4", "all-on-1"])
+def test_floor_is_below_every_request_ttft_under_any_placement(jitter: float, engines: int) -> None:
+    """Requests sharing prefixes, placed round-robin or all on one engine: every request's
+    TTFT is at least its floor."""
+    profile = PROFILES[routing.PROFILE].replace(num_blocks=300)
+    arrivals = workloads.shared_prefix(SHAPE, 30.0, 80, seed=5)
+    floors = floor_ttfts(
+        [a.prompt_tokens for a in arrivals],
+        [output_token_ids(0, a.max_tokens) for a in arrivals],
+        profile,
+        1.0 - jitter,
+    )
+    loop = VirtualLoop()
+    scheduling = Scheduling(step_jitter=jitter)
+    fleet = [Engine(profile, seed=i, scheduling=scheduling) for i in range(engines)]
+    drivers = [VirtualEngine(e, loop, lambda event: None) for e in fleet]
+    requests = [Request(a.request_id, a.prompt_tokens, a.max_tokens, a.at) for a in arrivals]
+    for n, request in enumerate(requests):
+        loop.at(request.arrival, functools.partial(drivers[n % engines].submit, request))
+    loop.run()
+    for request, floor in zip(requests, floors, strict=True):
+        assert request.ttft is not None
+        assert request.ttft >= floor - 1e-12
+
+
+def test_floor_is_reached_alone_on_an_idle_engine_holding_the_prefix() -> None:
+    """A repeated prompt on an idle engine that holds it takes exactly its floor: one step
+    for the tokens after the last full cached block."""
+    profile = PROFILES[routing.PROFILE]
+    prompt = tuple(token_block(3, 900))
+    engine = Engine(profile)
+    drive(engine, VirtualLoop(), prompt)
+    floor = floor_ttfts([prompt, prompt], [(), ()], profile)[1]
+    assert floor == pytest.approx(profile.step_time(900 - 896, 0, 0))
+    assert forecast(engine, Request("again", prompt, 1, 100.0)) == pytest.approx(floor)
+
+
+def outcome(**changes: Any) -> routing.Outcome:
+    """A made-up run: steady at 10/s, p90 200 ms, unless ``changes`` say otherwise."""
+    base = routing.Outcome(
+        workload="shared-prefix",
+        strategy="round-robin",
+        rate=10.0,
+        requests=2000,
+        completed=2000,
+        failed=0,
+        fallbacks=0,
+        ttft_p50=0.1,
+        ttft_p90=0.2,
+        ttft_p99=0.3,
+        ttft_p90_half=0.2,
+        itl_mean=0.07,
+        itl_p90=0.08,
+        output_tokens_per_s=300.0,
+        requests_per_s=10.0,
+        answered_per_s=10.0,
+        hit_rate=0.5,
+        preemptions=0,
+        per_engine=(250,) * 8,
+        spread_max_mean=1.0,
+        spread_cv=0.0,
+        virtual_seconds=200.0,
+        wall_seconds=1.0,
+        scrapes=0,
+        floor_p90=0.08,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+@pytest.mark.parametrize(
+    ("changes", "saturated"),
+    [
+        ({}, False),
+        ({"ttft_p90": 0.27}, False),
+        ({"ttft_p90": 0.3}, True),
+        ({"answered_per_s": 9.4}, True),
+        ({"answered_per_s": 9.6}, False),
+        ({"rate": None, "answered_per_s": 1.0}, False),
+    ],
+    ids=["steady", "p90-grows-a-little", "p90-grows-1.5x", "backlog", "served", "trace"],
+)
+def test_a_run_is_saturated_when_its_p90_grows_with_it_or_its_rate_is_not_served(
+    changes: dict[str, Any], saturated: bool
+) -> None:
+    """Saturated: p90 over the whole run above 1.4x its first half's, or (a swept rate) fewer
+    than 95% of the offered requests answered while they kept arriving."""
+    run = outcome(**changes)
+    assert run.saturated is saturated
+    assert run.state().startswith("saturated" if saturated else "steady")
+
+
+def test_ratios_with_a_saturated_run_name_it_instead_of_a_number() -> None:
+    """Past saturation a ratio measures the run's length: the ratio table shows which run is
+    saturated and the rate it sustained, and the targets count as not measured there."""
+    runs = [
+        outcome(strategy="round-robin", ttft_p90=30.0, ttft_p90_half=15.0, answered_per_s=8.1),
+        outcome(strategy="prefix-aware", ttft_p90=0.15),
+        outcome(strategy="oracle-lookahead", ttft_p90=0.14),
+        outcome(strategy="oracle-estimate", ttft_p90=0.16),
+    ]
+    row = routing.ratio_table(runs).rows[0]
+    assert row[1] == "saturated at 8.1/s"
+    assert row[2] == "round-robin saturated (8.1/s)"
+    assert row[3] == pytest.approx(0.15 / 0.14)
+    assert row[5] == "oracle-lookahead"
+    first, second, _ = routing.targets(runs, 10.0)
+    assert math.isnan(first.measured)
+    assert not first.reached
+    assert second.measured == pytest.approx(0.15 / 0.14)
+
+
+def test_bounds_flag_a_picker_more_than_two_percent_below_the_envelope() -> None:
+    """The envelope is the better oracle's p90; a run where a picker's p90 is more than 2%
+    under it is reported as not bounded, and the worst run is the bound target's value."""
+    runs = [
+        outcome(strategy="round-robin", ttft_p90=0.5),
+        outcome(strategy="prefix-aware", ttft_p90=0.196),
+        outcome(strategy="oracle-lookahead", ttft_p90=0.21),
+        outcome(strategy="oracle-estimate", ttft_p90=0.2),
+        outcome(workload="mooncake", rate=None, strategy="prefix-aware", ttft_p90=0.2),
+        outcome(workload="mooncake", rate=None, strategy="oracle-lookahead", ttft_p90=0.206),
+        outcome(workload="mooncake", rate=None, strategy="oracle-estimate", ttft_p90=0.22),
+    ]
+    found = {b.workload: b for b in routing.bounds(runs)}
+    assert (found["shared-prefix"].oracle, found["shared-prefix"].picker) == (
+        "oracle-estimate",
+        "prefix-aware",
+    )
+    assert found["shared-prefix"].holds
+    assert not found["mooncake"].holds
+    assert routing.bound_target(runs).measured == pytest.approx(0.2 / 0.206)
+    assert not routing.bound_target(runs).reached
+
+
+def test_outcomes_read_back_from_results_json() -> None:
+    """An outcome written to results.json (NaN as null) reads back as the same outcome."""
+    import orjson
+
+    original = outcome(itl_mean=math.nan)
+    back = routing.Outcome.of(orjson.loads(orjson.dumps(dataclasses.asdict(original))))
+    assert math.isnan(back.itl_mean)
+    assert dataclasses.replace(back, itl_mean=0.0) == dataclasses.replace(original, itl_mean=0.0)
+
+
 @pytest.fixture(scope="module")
 def quick() -> Section:
     """One smoke-size run of the whole benchmark (seconds)."""
@@ -191,27 +463,58 @@ def quick() -> Section:
 
 
 def test_quick_run_measures_every_strategy_on_every_workload(quick: Section) -> None:
-    """Every workload is run under every strategy, and every request is accounted for."""
+    """Every workload is run under every strategy (shared prefix also offline), and every
+    request is accounted for."""
     runs = quick.data["runs"]
     workloads_run = {r["workload"] for r in runs}
     assert {"shared-prefix", "multi-turn"} <= workloads_run
     for workload in workloads_run:
+        expected = list(routing.STRATEGIES)
+        if workload == "shared-prefix":
+            expected.append(routing.OFFLINE)
         rates = {r["rate"] for r in runs if r["workload"] == workload}
         for rate in rates:
             strategies = [
                 r["strategy"] for r in runs if r["workload"] == workload and r["rate"] == rate
             ]
-            assert strategies == list(routing.STRATEGIES)
+            assert strategies == expected
     for r in runs:
         assert r["completed"] + r["failed"] == r["requests"] > 0
         assert r["failed"] == 0
         assert r["fallbacks"] == 0
         assert sum(r["per_engine"]) == r["requests"]
         assert r["ttft_p50"] <= r["ttft_p90"] <= r["ttft_p99"]
+        assert r["floor_p90"] <= r["ttft_p90"]
         assert 0.0 <= r["hit_rate"] <= 1.0
     assert [t.name for t in quick.targets]
-    assert len(quick.targets) == 3
+    assert len(quick.targets) == 4
     assert any(t.title.startswith("Routing: shared-prefix") for t in quick.tables)
+    assert {v["variant"] for v in quick.data["variants"]} == {n for n, _ in routing.VARIANTS[1:]}
+
+
+def test_the_oracle_envelope_bounds_every_picker_in_the_quick_run(quick: Section) -> None:
+    """In every run of the smoke benchmark no picker's TTFT p90 is more than 2% below the
+    oracle envelope's."""
+    outcomes = [routing.Outcome.of(r) for r in quick.data["runs"]]
+    assert routing.bounds(outcomes)
+    assert [b for b in routing.bounds(outcomes) if not b.holds] == []
+
+
+@pytest.mark.skipif(
+    "SWITCHYARD_ROUTING_RESULTS" not in os.environ,
+    reason="reads a full run's results.json: run `make bench-routing`",
+)
+def test_the_oracle_envelope_bounds_every_picker_in_a_full_run() -> None:
+    """In every run of a full `make bench-routing` (its results.json) no picker's TTFT p90 is
+    more than 2% below the oracle envelope's."""
+    path = Path(os.environ["SWITCHYARD_ROUTING_RESULTS"])
+    sections = json.loads(path.read_text())
+    (routing_section,) = [s for s in sections if s["key"] == "routing"]
+    assert not routing_section["data"]["quick"], "a smoke run proves nothing here"
+    outcomes = [routing.Outcome.of(r) for r in routing_section["data"]["runs"]]
+    found = routing.bounds(outcomes)
+    assert len(found) >= len(routing.FULL.rates) + 1
+    assert [b for b in found if not b.holds] == []
 
 
 def test_quick_run_round_robin_spreads_evenly(quick: Section) -> None:
@@ -241,11 +544,13 @@ def test_nothing_shared_gives_no_prefix_hits() -> None:
         assert outcome.hit_rate == 0.0
 
 
-def test_shared_prefix_hits_when_routed_by_prefix() -> None:
-    """On a shared-prefix workload the oracle finds cached prefixes: its hit rate is high."""
+@pytest.mark.parametrize("strategy", ["oracle-lookahead", "oracle-estimate", "offline-partition"])
+def test_shared_prefix_hits_when_routed_by_prefix(strategy: str) -> None:
+    """On a shared-prefix workload the references find cached prefixes: their hit rate is
+    high."""
     arrivals = workloads.shared_prefix(SHAPE, 20.0, 80, seed=0)
-    outcome = routing.simulate("sp", arrivals, "oracle", routing.profile_for(routing.QUICK))
-    assert outcome.hit_rate > 0.5
+    run = routing.simulate("sp", arrivals, strategy, routing.profile_for(routing.QUICK))
+    assert run.hit_rate > 0.5
 
 
 def test_the_scraped_page_reads_back_as_the_engine_state() -> None:
@@ -311,7 +616,9 @@ def test_response_hooks_hear_the_served_endpoint_and_usage(
         assert usage.completion_tokens == SHAPE.max_tokens
 
 
-@pytest.mark.parametrize("strategy", ["random", "prefix-aware", "oracle"])
+@pytest.mark.parametrize(
+    "strategy", ["random", "prefix-aware", "oracle-lookahead", "oracle-estimate"]
+)
 def test_a_run_is_deterministic_for_its_seed(strategy: str) -> None:
     """The same workload and seed give the same measurements, random picks and scrapes included."""
     arrivals = workloads.shared_prefix(SHAPE, 10.0, 40, seed=4)

@@ -11,10 +11,11 @@ from collections.abc import Iterable
 import pytest
 
 from simulator.clocks import VirtualEngine, VirtualLoop
-from simulator.engine import CRASHED, INJECTED_ERROR, Engine, Event, Faults, Request
+from simulator.engine import CRASHED, INJECTED_ERROR, Engine, Event, Faults, Request, Scheduling
 from simulator.kvcache import block_hashes
 from simulator.profiles import PROFILES, Profile
 from simulator.tokenizer import (
+    CHARS_PER_TOKEN,
     count_tokens,
     output_token,
     output_token_id,
@@ -30,11 +31,16 @@ class Run:
     """One engine on a virtual loop, recording every event per request."""
 
     def __init__(
-        self, profile: Profile = H100, faults: Faults | None = None, seed: int = 0
+        self,
+        profile: Profile = H100,
+        faults: Faults | None = None,
+        seed: int = 0,
+        scheduling: Scheduling | None = None,
     ) -> None:
         faults = faults or Faults()
+        scheduling = scheduling or Scheduling()
         self.loop = VirtualLoop()
-        self.engine = Engine(profile, faults=faults, seed=seed)
+        self.engine = Engine(profile, faults=faults, seed=seed, scheduling=scheduling)
         self.events: dict[str, list[tuple[str, int, float]]] = defaultdict(list)
         self.driver = VirtualEngine(self.engine, self.loop, self.record)
         self.requests: dict[str, Request] = {}
@@ -96,6 +102,15 @@ def test_tokenizer_is_deterministic_and_concatenates() -> None:
     assert tokenize("".join(output_token(i) for i in range(12))) == [
         output_token_id(i) for i in range(12)
     ]
+
+
+def test_workload_text_has_about_four_characters_per_token() -> None:
+    """text_block words average 4 characters with their space, as English text does per BPE
+    token, so a router that counts characters sees as many engine tokens as with real text."""
+    text = text_block(11, 20_000)
+    assert len(tokenize(text)) == 20_000
+    assert len(text) / 20_000 == pytest.approx(CHARS_PER_TOKEN, abs=0.05)
+    assert {len(word) for word in text.split()} == {2, 3, 4}
 
 
 @pytest.mark.parametrize("name", list(PROFILES))
@@ -169,11 +184,12 @@ def test_ttft_counts_only_the_uncached_tokens() -> None:
         assert request.ttft == pytest.approx(H100.step_time(tail, 0, 0))
 
 
-def test_long_prompts_are_prefilled_in_chunks_with_decodes_first() -> None:
+@pytest.mark.parametrize("lagged", [True, False], ids=["async-scheduling", "sync-scheduling"])
+def test_long_prompts_are_prefilled_in_chunks_with_decodes_first(lagged: bool) -> None:
     """A prompt over the token budget takes several steps; a decoding stream keeps getting a
     token every one of those steps (decodes are scheduled first, the chunk takes the rest)."""
     profile = H100.replace(max_num_batched_tokens=512)
-    run = Run(profile)
+    run = Run(profile, scheduling=Scheduling(async_scheduling=lagged))
     run.submit("decoder", prompt(1, 10), max_tokens=30)
     run.run(until=0.05)  # decoding by now
     before = len(run.token_times("decoder"))
@@ -182,9 +198,10 @@ def test_long_prompts_are_prefilled_in_chunks_with_decodes_first() -> None:
     decoder = run.token_times("decoder")
     assert long.first_token_at is not None
     during = [t for t in decoder[before:] if t <= long.first_token_at]
-    # The step in flight when it arrived, then 1500 tokens at 511 per step (one budget token
-    # goes to the decoder): 3 steps, each with a decoder token.
-    assert len(during) == 1 + 3
+    # The step in flight when it arrived, with async scheduling the step already decided while
+    # that one ran, then 1500 tokens at 511 per step (one budget token goes to the decoder):
+    # 3 steps, each with a decoder token.
+    assert len(during) == 1 + lagged + 3
     gaps = [b - a for a, b in itertools.pairwise(decoder)]
     assert max(gaps) < H100.step_time(512, 1, 100)  # never blocked for the whole prefill
 
@@ -416,6 +433,173 @@ def test_max_loras_limits_distinct_adapters_in_a_batch() -> None:
     assert other.first_token_at is not None
     assert other.first_token_at > first.finished_at
     assert base.ttft == first.ttft
+
+
+# --- scheduling switches (each defaults to current vLLM) --------------------------------------
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["full-prompt-gate", "first-chunk-gate"])
+def test_admission_gate_on_the_whole_prompt_queues_instead_of_preempting(full: bool) -> None:
+    """Two 200-token prompts, a 24-block cache (13 blocks each): with vLLM's full-prompt gate the
+    second waits in the queue and nothing is preempted; gated on its first chunk only, it is
+    admitted, the queue reads empty, and the two preempt each other."""
+    profile = H100.replace(num_blocks=24, max_num_batched_tokens=64)
+    run = Run(profile, scheduling=Scheduling(full_prompt_admission=full))
+    first = run.submit("first", prompt(1, 200), max_tokens=20)
+    second = run.submit("second", prompt(2, 200), max_tokens=20)
+    seen: list[tuple[int, int]] = []
+    run.loop.at(0.03, lambda: seen.append((run.engine.running, run.engine.waiting)))
+    run.run()
+    assert first.finished_at is not None
+    assert second.first_token_at is not None
+    if full:
+        assert seen == [(1, 1)]
+        assert run.engine.preemptions_total == 0
+        assert second.first_token_at > first.finished_at
+    else:
+        assert seen == [(2, 0)]
+        assert run.engine.preemptions_total > 0
+        assert second.preemptions > 0
+
+
+def test_async_scheduling_admits_a_request_one_step_late_on_a_busy_engine() -> None:
+    """An idle engine schedules a new request at once either way; while a step runs, the next
+    batch is already decided, so with async scheduling the request waits one more step (one
+    decode step of the running stream here)."""
+
+    def ttfts(lagged: bool) -> tuple[float, float]:
+        run = Run(scheduling=Scheduling(async_scheduling=lagged))
+        idle = run.submit("idle", prompt(5, 100))
+        run.run()
+        run.submit("decoder", prompt(1, 10), max_tokens=50)
+        run.run(until=run.loop.now + 0.05)
+        late = run.submit("late", prompt(2, 100))
+        run.run()
+        assert idle.ttft is not None
+        assert late.ttft is not None
+        return idle.ttft, late.ttft
+
+    (idle_async, late_async), (idle_sync, late_sync) = ttfts(True), ttfts(False)
+    assert idle_async == idle_sync == pytest.approx(H100.step_time(100, 0, 0))
+    lag = late_async - late_sync
+    assert H100.step_overhead < lag < 1.1 * H100.step_overhead
+
+
+def test_async_scheduling_adds_no_lag_when_the_decided_batch_is_empty() -> None:
+    """A request that arrives during the last step of the only stream: the batch decided
+    meanwhile is empty, and vLLM then schedules again at once, so the request starts when
+    that step ends."""
+    run = Run()
+    last = run.submit("last", prompt(1, 10), max_tokens=2)
+    run.run(until=H100.step_time(10, 0, 0) + 0.003)  # the stream's second (last) step runs
+    new = run.submit("new", prompt(2, 100))
+    run.run()
+    assert last.finished_at is not None
+    assert new.first_token_at == pytest.approx(last.finished_at + H100.step_time(100, 0, 0))
+
+
+@pytest.mark.parametrize("at_schedule", [True, False], ids=["at-schedule", "at-step-end"])
+def test_blocks_scheduled_in_a_step_are_hit_by_a_request_admitted_after_them(
+    at_schedule: bool,
+) -> None:
+    """Two equal 320-token prompts admitted in one step: vLLM caches the first one's blocks when
+    it schedules them, so the second hits 304 tokens (all full blocks but the last token's);
+    registered only at the step's end, the second computes everything."""
+    run = Run(scheduling=Scheduling(cache_at_schedule=at_schedule))
+    first = run.submit("a", prompt(5, 320))
+    second = run.submit("b", prompt(5, 320))
+    run.run()
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == (304 if at_schedule else 0)
+    assert run.engine.prefix_hits_total == second.cached_tokens
+    assert second.ttft == pytest.approx(H100.step_time(320 + 320 - second.cached_tokens, 0, 0))
+
+
+def test_step_jitter_varies_step_times_within_its_bounds_reproducibly() -> None:
+    """Jitter 0.2 multiplies each step by a seeded draw in [0.8, 1.2] with mean about 1; the
+    same seed gives the same times, another seed others, and the fault draws are unchanged."""
+
+    def factors(jitter: float, seed: int) -> list[float]:
+        run = Run(seed=seed, scheduling=Scheduling(step_jitter=jitter))
+        out = []
+        for index in range(200):
+            request = run.submit(f"r{index}", prompt(index, 100))
+            run.run()
+            assert request.ttft is not None
+            out.append(request.ttft / H100.step_time(100, 0, 0))
+        return out
+
+    jittered = factors(0.2, seed=1)
+    assert 0.8 <= min(jittered) < 0.85
+    assert 1.15 < max(jittered) <= 1.2
+    assert sum(jittered) / len(jittered) == pytest.approx(1.0, abs=0.03)
+    assert factors(0.2, seed=1) == jittered
+    assert factors(0.2, seed=2) != jittered
+    assert factors(0.0, seed=1) == pytest.approx([1.0] * 200)
+
+    def failures(jitter: float) -> list[str]:
+        run = Run(faults=Faults(error_rate=0.3), seed=4, scheduling=Scheduling(step_jitter=jitter))
+        for index in range(50):  # steps (and jitter draws) between the requests' fault draws
+            run.submit(f"r{index}", prompt(index, 20), max_tokens=3)
+            run.run(until=run.loop.now + 0.004)
+        run.run()
+        return [rid for rid, events in run.events.items() if events[-1][0] == "error"]
+
+    assert failures(0.5) == failures(0.0)
+
+
+def test_scheduling_rejects_a_jitter_outside_zero_to_one() -> None:
+    """A step jitter of 1 or more (a step could take no time) is refused, naming the field."""
+    for jitter in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="step_jitter"):
+            Scheduling(step_jitter=jitter)
+
+
+def test_a_fork_runs_forward_exactly_as_the_engine_would_and_leaves_it_untouched() -> None:
+    """Fork mid-step (running, waiting and cached requests, a step in flight, jitter on): run
+    forward, the fork gives every request the first-token and finish times the engine itself
+    then gives them, and running the fork changes nothing in the engine."""
+    profile = H100.replace(num_blocks=40, max_num_seqs=6, max_num_batched_tokens=256)
+    run = Run(profile, seed=3, scheduling=Scheduling(step_jitter=0.3))
+    for index in range(12):
+        run.at(index * 0.004, f"r{index}", prompt(index % 3, 100) + prompt(100 + index, 30), 40)
+    run.run(until=0.05)
+    engine = run.engine
+    step = engine.in_flight
+    assert step is not None
+    assert engine.running
+    assert engine.waiting
+
+    def state() -> tuple[object, ...]:
+        return (
+            engine.running,
+            engine.waiting,
+            engine.used_blocks,
+            engine.pending_tokens(),
+            engine.preemptions_total,
+            engine.prefix_hits_total,
+            engine.cached_prefix(prompt(1, 100) + prompt(7, 40)),
+            [(r.generated, r.first_token_at) for r in run.requests.values()],
+        )
+
+    before = state()
+    twin = engine.fork()
+    seen: dict[str, tuple[float | None, float | None]] = {}
+    now = step.start + step.duration
+    events = twin.finish(twin.in_flight or step, now)
+    while True:
+        for event in events:
+            if event.kind == "done":
+                seen[event.request.id] = (event.request.first_token_at, event.request.finished_at)
+        following = twin.step(now)
+        if following is None:
+            break
+        now += following.duration
+        events = twin.finish(following, now)
+    assert state() == before
+    assert twin.preemptions_total > engine.preemptions_total  # the fork did work
+    run.run()
+    assert seen == {rid: (r.first_token_at, r.finished_at) for rid, r in run.requests.items()}
 
 
 # --- faults -----------------------------------------------------------------------------------

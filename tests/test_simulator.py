@@ -28,7 +28,7 @@ from pods.model import Pod
 from simulator import Faults, Replica, Request, Settings, count_tokens, output_token, serve_pods
 from simulator.__main__ import _parser, main, settings_of
 from simulator.clocks import EngineError, RealTimeEngine, Sleep
-from simulator.engine import Engine
+from simulator.engine import Engine, Scheduling
 from simulator.profiles import PROFILES
 from simulator.server import echo_set_headers
 from simulator.tokenizer import token_block, tokenize
@@ -908,6 +908,30 @@ def test_flags_become_settings() -> None:
     )
     with pytest.raises(ValueError, match="give one"):
         settings_of(_parser().parse_args(["--pods=p", "--num-blocks=5", "--kv-capacity=9"]))
+
+
+def test_scheduling_flags_default_to_vllm_and_turn_each_behaviour_off() -> None:
+    """With no flag every scheduler switch is current vLLM's; each --no-... flag turns its
+    behaviour off, --step-jitter sets the jitter, and a jitter of 1 is refused by name."""
+    assert settings_of(_parser().parse_args(["--pods=p"])).scheduling == Scheduling()
+    args = _parser().parse_args(
+        [
+            "--pods=p",
+            "--no-scheduler-reserve-full-isl",
+            "--no-async-scheduling",
+            "--no-cache-blocks-at-schedule",
+            "--step-jitter=0.1",
+        ]
+    )
+    assert settings_of(args).scheduling == Scheduling(
+        full_prompt_admission=False,
+        async_scheduling=False,
+        cache_at_schedule=False,
+        step_jitter=0.1,
+    )
+    assert settings_of(args).engine().scheduling == settings_of(args).scheduling
+    with pytest.raises(ValueError, match="step_jitter"):
+        settings_of(_parser().parse_args(["--pods=p", "--step-jitter=1"]))
 
 
 def free_port() -> int:

@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench bench-micro bench-overhead bench-routing bench-live peers conformance images images-oci images-test lock clean
+.PHONY: demo test lint typecheck unit bench bench-micro bench-overhead bench-routing bench-live bench-instructions peers conformance images images-oci images-test lock clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,12 @@ bench-routing: $(STAMP)
 	$(BOUND_CHECK)
 bench-live: $(STAMP) $(PEERS)
 	$(PY) -m bench live --seed $(SEED) --out $(BENCH_OUT)
+
+## bench-instructions: CPU instructions per pick and per stream of each picker and of BBR,
+## counted by valgrind (the same count every run, however busy the machine; ~5 minutes)
+bench-instructions: $(STAMP)
+	command -v valgrind >/dev/null || { apt-get update -qq && apt-get install -y -qq valgrind; }
+	PYTHONHASHSEED=0 $(PY) -m bench.instructions
 
 ## peers: vllm-router and sglang-router (pinned in pyproject's `peers` extra) for bench-live
 peers: $(PEERS)

@@ -30,6 +30,8 @@ from typing import Final
 from protos import extproc
 from protos.extproc import BodyMode, Phase, ProcessingRequest
 
+_FULL_DUPLEX: Final = int(BodyMode.FULL_DUPLEX_STREAMED)
+
 MAX_BODY_BYTES: Final = 10 * 1024 * 1024
 """The default cap on a held body (``--max-body-bytes``): 10 MiB."""
 
@@ -76,25 +78,29 @@ class Half:
     """One direction of the exchange, request or response: its headers, body mode and held body.
 
     ``headers`` are Envoy's ``(name, value)`` pairs; ``mode`` the body send
-    mode Envoy runs this direction with (``BodyMode``); ``chunks`` and
-    ``size`` the body held so far, at most ``limit`` bytes; ``held`` whether
-    our answer to the headers waits for the end of the body.
+    mode Envoy runs this direction with (``BodyMode``), and ``streamed``
+    whether that is ``FULL_DUPLEX_STREAMED``, where Envoy forwards only the
+    body we send back; ``chunks`` and ``size`` the body held so far, at most
+    ``limit`` bytes; ``held`` whether our answer to the headers waits for the
+    end of the body.
     """
 
-    __slots__ = ("chunks", "headers", "held", "limit", "mode", "phase", "size")
+    __slots__ = ("chunks", "headers", "held", "limit", "mode", "phase", "size", "streamed")
 
     def __init__(self, phase: Phase, mode: int, limit: int = MAX_BODY_BYTES) -> None:
-        # A plain __init__, not a dataclass's: two are made for every stream.
-        self.phase, self.mode, self.limit = phase, mode, limit
+        # Plain code, not a dataclass's __init__ nor a call to use(): two halves are made
+        # for every stream, and each Python call there is a measurable share of a stream.
+        self.phase, self.limit, self.mode = phase, limit, mode
+        self.streamed = mode == _FULL_DUPLEX
         self.headers: list[tuple[str, str]] = []
         self.chunks: list[bytes] = []
         self.size = 0
         self.held = False
 
-    @property
-    def streamed(self) -> bool:
-        """``FULL_DUPLEX_STREAMED``: Envoy forwards only the body we send back."""
-        return bool(self.mode == BodyMode.FULL_DUPLEX_STREAMED)
+    def use(self, mode: int) -> None:
+        """Run with body mode ``mode`` (``streamed`` is kept with it: it is read per chunk)."""
+        self.mode = mode
+        self.streamed = mode == _FULL_DUPLEX
 
     def fits(self, chunk: bytes) -> bool:
         """Whether ``chunk`` can join the held body without going over the cap."""
@@ -134,7 +140,8 @@ class Exchange:
     def use_modes(self, message: ProcessingRequest) -> None:
         """Take each direction's body mode from ``protocol_config``, when Envoy sends it."""
         if (modes := extproc.body_modes(message)) is not None:
-            self.request.mode, self.response.mode = modes
+            self.request.use(modes[0])
+            self.response.use(modes[1])
 
     @property
     def request_id(self) -> str | None:

@@ -8,9 +8,10 @@ import json
 import grpc
 import pytest
 
-from bench import hooks
+from bench import hooks, instructions
 from bench.server import handler_for
 from lwepp.pipeline import Pipeline
+from protos.extproc import ProcessingRequest, ProcessingResponse
 from protos.testing import ExtProcClient, request_headers, set_headers
 
 ADDRESSES = {f"{pod.address}:{pod.ports[0]}" for pod in hooks.PODS}
@@ -88,3 +89,34 @@ def test_an_unknown_server_kind_is_refused() -> None:
     """A kind the benchmark does not know stops the server with its name."""
     with pytest.raises(SystemExit, match="unknown server kind 'lwepp-hooks-x'"):
         handler_for("lwepp-hooks-x")
+
+
+@pytest.mark.parametrize("kind", instructions.STREAM_KINDS)
+def test_the_counted_stream_is_a_whole_stream(kind: str) -> None:
+    """What ``bench.instructions`` counts per stream: headers answered after the body, with
+    the endpoint (pickers) or the model header (BBR), and the body sent back whole."""
+
+    class Recording(instructions.WireStream):
+        __slots__ = ("replies",)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.replies: list[ProcessingResponse] = []
+
+        async def send(self, reply: ProcessingResponse) -> None:
+            self.replies.append(reply)
+
+    stream = Recording()
+    asyncio.run(instructions._handler(kind)(stream))
+    headers, *body = stream.replies
+    added = dict(set_headers(headers))
+    if kind == "bbr":
+        assert added["X-Gateway-Model-Name"] == "m"
+    else:
+        assert added["x-gateway-destination-endpoint"] in ADDRESSES
+    sent = b"".join(r.request_body.response.body_mutation.streamed_response.body for r in body)
+    assert sent == request_body_of(instructions.WIRE[1])
+
+
+def request_body_of(wire: bytes) -> bytes:
+    return bytes(ProcessingRequest.FromString(wire).request_body.body)

@@ -109,6 +109,14 @@ def test_an_overwritten_header_is_counted_once() -> None:
         check_headers_fit("request", old.items(), [("X-Gateway-Model-Name", "m" * 101)])
 
 
+def test_setting_a_repeated_header_replaces_only_its_first_value() -> None:
+    """As Envoy's ``setCopy``: a second value under the same name stays and still counts."""
+    twice = [*padded(HEADERS_SIZE_LIMIT - 20).items(), ("x-m", "a" * 8), ("x-m", "b" * 8)]
+    check_headers_fit("request", twice[:-1], [("x-m", "c" * 8)])
+    with pytest.raises(Refusal):
+        check_headers_fit("request", twice, [("x-m", "c" * 8)])
+
+
 def test_header_count_limit_and_response_phase() -> None:
     """At most 100 headers after the change; a response over the limits is a 502."""
     many = [(f"x-h{i}", "v") for i in range(HEADERS_COUNT_LIMIT - 1)]

@@ -234,13 +234,19 @@ def answer_or_hold(half: Half, end_of_stream: bool) -> list[ProcessingResponse]:
 
 
 def changed(half: Half, message: Message, end_of_stream: bool) -> list[ProcessingResponse]:
-    """The answer carrying the chain's header changes, and the body if streamed or new."""
-    half.held = False
+    """The answer carrying the chain's header changes, and the body if streamed or new.
+
+    Streamed, the changes ride on the held headers answer; with no headers
+    held (a body Envoy sent without headers first, which it never does)
+    there is nothing to answer but the body.
+    """
     set_headers, remove = message.header_changes()
     check_headers_fit(half.phase, half.headers, set_headers, remove)  # Envoy's limits: 431
+    held, half.held = half.held, False
     if half.streamed:
+        answer = extproc.headers_response(half.phase, set_headers, remove, clear_route_cache=True)
         return [
-            extproc.headers_response(half.phase, set_headers, remove, clear_route_cache=True),
+            *([answer] if held else []),
             *extproc.streamed_body_responses(half.phase, message.raw, end_of_stream=end_of_stream),
         ]
     new_body = message.raw if message.body_mutated else None
@@ -253,10 +259,10 @@ def changed(half: Half, message: Message, end_of_stream: bool) -> list[Processin
 
 def unchanged(half: Half, body: bytes, end_of_stream: bool) -> list[ProcessingResponse]:
     """Let the body through as it came, after the held headers answer (if streamed)."""
-    half.held = False
+    held, half.held = half.held, False
     if half.streamed:
         return [
-            extproc.headers_response(half.phase),
+            *([extproc.headers_response(half.phase)] if held else []),
             *extproc.streamed_body_responses(half.phase, body, end_of_stream=end_of_stream),
         ]
     return [extproc.body_response(half.phase)]

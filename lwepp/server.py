@@ -146,7 +146,7 @@ class EndpointPickerService:
                         replies = self.on_request_body(message.request_body, state)
                     case "request_trailers":
                         replies = [
-                            *self.finish_request(state),
+                            *self.finish_request(state, end_of_stream=False),
                             extproc.trailers_response("request"),
                         ]
                     case "response_headers":
@@ -202,13 +202,20 @@ class EndpointPickerService:
         state.request.hold(chunk.body)
         return self.finish_request(state) if chunk.end_of_stream else []
 
-    def finish_request(self, state: PickState) -> list[ProcessingResponse]:
-        """The held headers reply, then the body we kept, now that the body has ended."""
+    def finish_request(
+        self, state: PickState, *, end_of_stream: bool = True
+    ) -> list[ProcessingResponse]:
+        """The held headers reply, then the body we kept, now that the body has ended.
+
+        When trailers end it, the body sent back does not end the stream: the
+        trailers that follow do (``end_of_stream=False``).
+        """
         if not state.request.held:
             return []
         state.request.held = False
         body = state.request.take()
-        return [self.pick(state, body), *extproc.streamed_body_responses("request", body)]
+        chunks = extproc.streamed_body_responses("request", body, end_of_stream=end_of_stream)
+        return [self.pick(state, body), *chunks]
 
     def candidates_for(
         self, message: ProcessingRequest, headers: Sequence[tuple[str, str]]

@@ -43,7 +43,7 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import text_format
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE
@@ -240,8 +240,18 @@ NAMES = st.sampled_from(
 VALUES = (
     TEXT
     | st.binary(max_size=40)
-    | st.sampled_from(["10.0.0.1", "10.0.0.2:8002,10.0.0.9", "1", "cDE=", "[::1]:80", ""])
-    | st.integers(1, 70_000).map(lambda n: "v" * n)
+    | st.sampled_from(
+        [
+            "10.0.0.1",
+            "10.0.0.2:8002,10.0.0.9",
+            "1",
+            "cDE=",
+            "[::1]:80",
+            "",
+            "v" * 5000,
+            "v" * 70_000,
+        ]
+    )
 )
 HEADERS = st.lists(st.tuples(NAMES, VALUES), max_size=8).map(header_map)
 MODES = st.sampled_from(
@@ -317,7 +327,8 @@ def exchange(draw: st.DrawFn) -> list[ProcessingRequest]:
     for phase, mode in zip(("request", "response"), modes, strict=True):
         if phase == "response" and not draw(st.booleans()):
             break
-        body = draw(st.none() | BODIES) if mode != BodyMode.NONE else None
+        has_body = mode != BodyMode.NONE and draw(st.integers(0, 4)) > 0  # mostly
+        body = draw(BODIES) if has_body else None
         trailers = (
             body is not None and mode == BodyMode.FULL_DUPLEX_STREAMED and draw(st.booleans())
         )
@@ -362,16 +373,16 @@ class Plan:
         printer.text(repr(self))  # Hypothesis' printer would otherwise show every field whole
 
 
-PLANS = st.builds(
-    Plan,
-    messages=exchange(),
-    well_formed=st.just(True),
-    hang_up_after=st.none(),
-) | st.builds(
-    Plan,
-    messages=st.lists(any_message(), max_size=8),
-    well_formed=st.just(False),
-    hang_up_after=st.none() | st.integers(0, 8),
+EXCHANGES = st.builds(Plan, messages=exchange(), well_formed=st.just(True), hang_up_after=st.none())
+PLANS = (
+    EXCHANGES
+    | EXCHANGES
+    | st.builds(
+        Plan,
+        messages=st.lists(any_message(), max_size=8),
+        well_formed=st.just(False),
+        hang_up_after=st.none() | st.integers(0, 8),
+    )
 )
 
 
@@ -442,7 +453,9 @@ def check(plan: Plan, replies: list[ProcessingResponse]) -> None:
         assert phase in sent, f"a {phase} reply to {sent}"
         if not phase.endswith("_body"):
             assert phases.count(phase) <= sent.count(phase), (phases, sent)
-    if plan.well_formed and "immediate_response" not in phases:
+    if "immediate_response" in phases:
+        event(f"refused with {replies[-1].immediate_response.status.code}")
+    elif plan.well_formed:
         check_exchange(plan, replies, sent, phases)
 
 
@@ -466,6 +479,8 @@ def check_exchange(
             kind = f"{phase}_{part}"
             assert phases.count(kind) == sent.count(kind), (kind, phases, sent)
         kind = f"{phase}_body"
+        trailers = f"{phase}_trailers" in sent
+        event(f"exchange checked: {phase} {BodyMode.Name(mode)}{', trailers' if trailers else ''}")
         bodies = [getattr(m, kind).body for m in plan.messages if m.HasField(kind)]
         answers = [getattr(r, kind).response for r in replies if phase_of(r) == kind]
         if mode == BodyMode.FULL_DUPLEX_STREAMED:
@@ -473,7 +488,6 @@ def check_exchange(
             assert b"".join(c.body for c in chunks) == b"".join(bodies), f"the {phase} body changed"
             # The body's end is announced once, on its last chunk, unless trailers end it.
             ends = [c.end_of_stream for c in chunks]
-            trailers = f"{phase}_trailers" in sent
             if bodies:
                 expected = [False] * (len(ends) - 1) + [not trailers]
                 assert ends == expected or (trailers and not ends), (phase, ends)

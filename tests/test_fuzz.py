@@ -373,10 +373,24 @@ class Plan:
         printer.text(repr(self))  # Hypothesis' printer would otherwise show every field whole
 
 
+@st.composite
+def mangled(draw: st.DrawFn) -> list[ProcessingRequest]:
+    """An exchange with messages dropped, repeated and reordered (a confused or hostile peer)."""
+    messages = draw(exchange())
+    order = draw(st.lists(st.integers(0, len(messages) - 1), max_size=len(messages) + 2))
+    return [messages[i] for i in order]
+
+
 EXCHANGES = st.builds(Plan, messages=exchange(), well_formed=st.just(True), hang_up_after=st.none())
 PLANS = (
     EXCHANGES
     | EXCHANGES
+    | st.builds(
+        Plan,
+        messages=mangled(),
+        well_formed=st.just(False),
+        hang_up_after=st.none() | st.integers(0, 8),
+    )
     | st.builds(
         Plan,
         messages=st.lists(any_message(), max_size=8),

@@ -293,7 +293,7 @@ class Topology(Processes):
     ``<work dir>/<name>.trace`` (``--trace-messages``), as the walkthrough shows.
     ``picker_config``: an EndpointPickerConfig every pool's LWEPP runs with
     (``--config``); None: plain round-robin. ``picker_args``: more flags for
-    some pools' pickers, by pool name.
+    some pools' pickers, by pool name; ``bbr_args``: more flags for BBR.
     """
 
     def __init__(
@@ -310,9 +310,11 @@ class Topology(Processes):
         trace: bool = False,
         picker_config: Path | None = None,
         picker_args: Mapping[str, Sequence[str]] | None = None,
+        bbr_args: Sequence[str] = (),
     ) -> None:
         self.work_dir = work_dir
         self._picker_args = dict(picker_args or {})
+        self._bbr_args = list(bbr_args)
         self.picker_config = picker_config.resolve() if picker_config else None
         self.pod_file = pod_file.resolve()
         self.pools = pools_of(self.pod_file, fail_open)
@@ -361,7 +363,7 @@ class Topology(Processes):
                 *(("--config", str(self.picker_config)) if self.picker_config else ()),
                 *self._picker_args.get(pool.name, ()),
             )
-        self._ext_proc("bbr", "bbr")
+        self._ext_proc("bbr", "bbr", *self._bbr_args)
         # All started at once, so they come up in parallel; now wait for each.
         for service in self.services.values():
             service.listening = wait_for(

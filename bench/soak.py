@@ -357,15 +357,24 @@ async def _soak(topology: Topology, minutes: float, rate: float, seed: int) -> R
     return Report(minutes, rate, tally, idle_before, warm, end, idle_after, errors, peak)
 
 
-def soak(work_dir: Path, minutes: float, rate: float = 12.0, seed: int = 0) -> Report:
-    """Run the gateway, soak it for ``minutes``, stop it; return what was measured."""
+def soak(
+    work_dir: Path,
+    minutes: float,
+    rate: float = 12.0,
+    seed: int = 0,
+    picker_config: Path | None = PICKER_CONFIG,
+) -> Report:
+    """Run the gateway, soak it for ``minutes``, stop it; return what was measured.
+
+    ``picker_config`` is what every picker runs (None: plain round-robin).
+    """
     work_dir.mkdir(parents=True, exist_ok=True)
     pods = write_pods(work_dir / "pods.yaml")
     with Topology(
         work_dir,
         pods,
         fail_open=["b"],
-        picker_config=PICKER_CONFIG,
+        picker_config=picker_config,
         simulator_args=["--time-scale", "0.1"],
     ) as topology:
         return asyncio.run(_soak(topology, minutes, rate, seed))
@@ -384,10 +393,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=12.0, help="requests a second (12)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the request mix (0)")
     parser.add_argument("--work-dir", type=Path, default=Path("run/soak"), help="logs")
+    parser.add_argument(
+        "--picker-config",
+        default=str(PICKER_CONFIG),
+        metavar="FILE",
+        help="the pickers' EndpointPickerConfig (default: demo/configs/prefix-aware.yaml; "
+        "'none': round-robin)",
+    )
     args = parser.parse_args(argv)
     if args.minutes <= 0 or args.rate <= 0:
         parser.error("--minutes and --rate must be above 0")
-    report = soak(args.work_dir, args.minutes, args.rate, args.seed)
+    config = None if args.picker_config == "none" else Path(args.picker_config)
+    report = soak(args.work_dir, args.minutes, args.rate, args.seed, config)
     print(report.markdown())
     for name, lines in report.error_lines.items():
         for line in lines[:5]:

@@ -120,18 +120,18 @@ def settles(gateway: Topology, baseline: dict[str, int], timeout: float = 10.0) 
 
 BODIES = [
     ("truncated JSON", b'{"model": "model-a", "prompt": ', 400, "failed to parse request body"),
-    ("an empty body", b"", 404, "the request names no model"),
+    ("an empty body", b"", 404, "model"),
     ("a JSON array", b'[{"model": "model-a"}]', 400, "an array, not a JSON object"),
     ("a JSON string, not an object", b'"model-a"', 400, "a scalar, not a JSON object"),
-    ("`model` a number (`7`)", b'{"model": 7, "prompt": "hi"}', 404, "no pool serves model '7'"),
-    ("`model` null", b'{"model": null, "prompt": "hi"}', 404, "no pool serves model '<nil>'"),
+    ("`model` a number (`7`)", b'{"model": 7, "prompt": "hi"}', 404, "'7'"),
+    ("`model` null", b'{"model": null, "prompt": "hi"}', 404, "'<nil>'"),
     (
         "`model` an object",
         b'{"model": {"name": "model-a"}, "prompt": "hi"}',
         404,
-        "no pool serves model 'map[name:model-a]'",
+        "'map[name:model-a]'",
     ),
-    ("`model` a list", b'{"model": ["model-a"]}', 404, "no pool serves model '[model-a]'"),
+    ("`model` a list", b'{"model": ["model-a"]}', 404, "'[model-a]'"),
     (
         "`model` with CR/LF (`model-a\\r\\nx: y`)",
         b'{"model": "model-a\\r\\nx: y", "prompt": "hi"}',
@@ -165,7 +165,8 @@ BODIES = [
 def test_a_bad_body_gets_a_clear_client_error(
     gateway: Topology, what: str, body: bytes, status: int, says: str
 ) -> None:
-    """Never a 5xx for a malformed body: a 400 saying what is wrong, or the 404 naming the model."""
+    """Never a 5xx for a malformed body: a 400 saying what is wrong, or Envoy's 404 naming the
+    model as BBR rendered it (Go's ``%v``, as GIE's BBR)."""
     answer = ask(gateway, body)
     assert answer.status == status, answer
     assert says in answer.body.decode("utf-8", "replace")
@@ -177,7 +178,7 @@ def test_a_model_at_the_cap_reaches_routing(gateway: Topology) -> None:
     """A 4,096-byte model is a legal header: Envoy matches no route and answers 404."""
     answer = ask(gateway, {"model": "m" * HEADER_VALUE_LIMIT})
     assert answer.status == 404
-    assert "no pool serves model" in answer.body.decode()
+    assert "m" * HEADER_VALUE_LIMIT in answer.body.decode()
     record("Bad input", "`model` of exactly 4,096 bytes", cell(answer))
 
 

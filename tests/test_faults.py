@@ -434,11 +434,11 @@ def test_a_replica_that_dies_mid_stream_ends_the_streams_and_nothing_hangs(tmp_p
             assert settled
         # The other replica still serves (it crashes after 3 too: 2 requests each here), but
         # round-robin still sends the dead one its turn: it is in the pod file, ready.
-        after = Counter(
+        statuses = Counter(
             http1(gateway.port, "/v1/completions", body_for(pool.models[0])).status
             for _ in range(4)
         )
-        assert after == {200: 2, 503: 2}, after
+        assert statuses == {200: 2, 503: 2}, statuses
     record(
         "Faults",
         "a replica crashing with 3 streamed completions in flight (simulator `--crash-after`)",

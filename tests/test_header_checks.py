@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry
 
 from bbr.plugins import DEFAULT_PLUGINS, PLUGINS, PluginSpec
@@ -37,6 +39,7 @@ from protos.testing import (
 from tests.fakes import StaticPods, pod
 from tests.plugin_fakes import RecordingHook
 
+ROOT = Path(__file__).resolve().parent.parent
 FDS = (BodyMode.FULL_DUPLEX_STREAMED, BodyMode.NONE)
 POST = {":method": "POST", ":path": "/v1/completions", "x-request-id": "r-1"}
 ENDPOINT = "10.0.0.1:3000"
@@ -151,9 +154,9 @@ def immediate(replies: Sequence[ProcessingResponse]) -> tuple[int, str]:
 @pytest.mark.parametrize(
     ("model", "problem"),
     [
-        ("llama-3-8b\r\nx: y", "control character '\\r'"),
+        ("llama-3-8b\r\nx: y", "contains the control character"),
         ("m" * (HEADER_VALUE_LIMIT + 1), "over the 4096-byte limit"),
-        ({"a": "b\nc"}, "control character '\\n'"),
+        ({"a": "b\nc"}, "contains the control character"),
     ],
     ids=["crlf", "too-long", "object-rendered-with-lf"],
 )
@@ -335,3 +338,13 @@ def test_a_response_hook_adding_a_bad_value_is_skipped_and_counted() -> None:
         "lwepp_plugin_errors_total", {"plugin": "bad", "stage": "response_headers"}
     )
     assert count == 1
+
+
+def test_the_manifests_pickers_ignore_the_test_header() -> None:
+    """In production (the Kubernetes manifests) no client may choose its replica."""
+    documents = yaml.safe_load_all((ROOT / "manifests" / "lwepp.yaml").read_text())
+    pickers = [d for d in documents if d and d["kind"] == "Deployment"]
+    assert pickers
+    for picker in pickers:
+        (container,) = picker["spec"]["template"]["spec"]["containers"]
+        assert "--disable-test-selection-header" in container["args"], picker["metadata"]["name"]

@@ -28,8 +28,8 @@ def test_a_minute_of_mixed_traffic_leaves_every_service_as_it_was(tmp_path: Path
         assert report.growth(name) <= 0.05, (name, report.warm[name], report.end[name])
         before, after = report.idle_before[name], report.idle_after[name]
         assert after["asyncio_tasks"] <= before["asyncio_tasks"], (name, before, after)
-        # Envoy's connections to the service open with the first request and stay: a few
-        # descriptors more than before any traffic, never one per request.
+        # Envoy's connections to the service (one per Envoy worker) open with the first
+        # requests and stay: a few descriptors more than before any traffic, never one per request.
         assert after["open_fds"] <= before["open_fds"] + 4, (name, before, after)
     assert report.error_lines == {name: [] for name in report.error_lines}
     good = tally.sent["good"] + tally.sent["good, streamed"]

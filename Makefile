@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench bench-micro bench-overhead bench-routing bench-live bench-instructions peers conformance images images-oci images-test lock clean
+.PHONY: demo test lint typecheck unit fuzz soak reliability bench bench-micro bench-overhead bench-routing bench-live bench-instructions peers conformance images images-oci images-test lock clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,26 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
+
+## fuzz: random ext_proc streams against BBR and LWEPP, FUZZ_EXAMPLES per service (new ones
+## each run; make test runs 120 per service, the same each time)
+FUZZ_EXAMPLES ?= 3000
+fuzz: $(STAMP)
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/test_fuzz.py --hypothesis-show-statistics
+
+## soak: good, bad and cancelled requests through the demo gateway for SOAK_MINUTES (default 10);
+## reports non-200 good requests, memory growth, descriptors, tasks and error log lines
+SOAK_MINUTES ?= 10
+soak: $(STAMP)
+	$(PY) -m bench.soak --minutes $(SOAK_MINUTES)
+
+## reliability: every bad-input, fault and soak test through the real Envoy, then their rows
+## rewritten into docs/reliability.md's table (the figures of this run)
+reliability: $(STAMP)
+	rm -f run/reliability-rows.jsonl && mkdir -p run
+	RELIABILITY_TABLE=run/reliability-rows.jsonl $(PY) -m pytest tests/test_bad_input.py \
+	  tests/test_faults.py tests/test_soak.py
+	$(PY) -m tests.reliability run/reliability-rows.jsonl docs/reliability.md
 
 ## conformance: GIE's conformance tests through a real Envoy and at the pickers; prints the
 ## table and writes the reports (GIE's format) and their README to docs/conformance/.

@@ -15,13 +15,17 @@ status: processing stops and the client gets that status (an Envoy
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any, Final, final
 
 from plugin.frozen import FrozenDict, parse_object
-from protos.exchange import Refusal
+from protos.exchange import Refusal, header_value_problem
 from protos.extproc import Phase
+
+HEADER_NAME: Final = re.compile(r":?[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+"""A header name Envoy accepts: an HTTP token (RFC 9110), or a pseudo-header (``:path``)."""
 
 
 def parse(raw: bytes, phase: Phase) -> dict[str, Any]:
@@ -34,6 +38,12 @@ def parse(raw: bytes, phase: Phase) -> dict[str, Any]:
         return parse_object(raw)
     except ValueError as error:
         raise Refusal(400, f"failed to parse {phase} body: {error}") from None
+
+
+def check_name(name: str) -> None:
+    """Raise ``ValueError`` unless Envoy would accept ``name`` in a header mutation."""
+    if not HEADER_NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not a valid header name")
 
 
 # --- the message -----------------------------------------------------------------
@@ -104,7 +114,17 @@ class Message:
         compares the exact key; since Envoy hands us lower-case names while
         plugins write ``X-Gateway-Model-Name``, we compare names
         case-insensitively, so an unchanged header is not re-sent.
+
+        A value Envoy would refuse (a control character such as CR or LF, or
+        longer than ``protos.exchange.HEADER_VALUE_LIMIT``) is refused here,
+        naming the header: with 400 on a request (the client sent it; Envoy
+        would answer 500), 502 on a response. A name that is no HTTP token is
+        a plugin's bug (``ValueError``).
         """
+        check_name(name)
+        if problem := header_value_problem(value):
+            status = 400 if self.phase == "request" else 502
+            raise Refusal(status, f"the value for header {name} {problem}")
         key = name.lower()
         self._removed.pop(key, None)
         if self.headers.get(key) == value:
@@ -114,6 +134,7 @@ class Message:
 
     def remove_header(self, name: str) -> None:
         """Record that header ``name`` is to go: drops a pending set; removes only what exists."""
+        check_name(name)
         key = name.lower()
         self._set.pop(key, None)
         if key in self.headers:

@@ -30,8 +30,9 @@ from typing import Any, Final, Protocol, final
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from bbr.message import Message
+from bbr.message import Message, check_name
 from plugin import NO_PARAMS, ConfigError, Factory, Params, Role, build, needs_body
+from protos.exchange import Refusal
 from protos.extproc import Phase
 
 MODEL_HEADER: Final = "X-Gateway-Model-Name"
@@ -302,7 +303,8 @@ class BodyFieldToHeader:
     The value is rendered like Go's ``%v``. An absent field is counted in
     ``bbr_body_field_not_found_total`` and one that renders empty in
     ``bbr_body_field_empty_total``; either way the header is left alone and
-    the request goes on.
+    the request goes on. A value no header can carry (CR, LF, too long) is
+    the client's mistake: 400, naming the field.
     """
 
     needs_body = True
@@ -314,6 +316,10 @@ class BodyFieldToHeader:
         for key, value in (("fieldName", self.field), ("headerName", self.header)):
             if not value:
                 raise params.error(key, "must not be empty")
+        try:
+            check_name(self.header)
+        except ValueError as error:
+            raise params.error("headerName", str(error)) from None
         metrics = params.service(BBRMetrics)
         self._not_found = metrics.body_field_not_found.labels(field=self.field)
         self._empty = metrics.body_field_empty.labels(field=self.field)
@@ -327,7 +333,10 @@ class BodyFieldToHeader:
         if not value:
             self._empty.inc()
             return
-        message.set_header(self.header, value)
+        try:
+            message.set_header(self.header, value)
+        except Refusal as refusal:
+            raise Refusal(refusal.status, f"body field {self.field!r}: {refusal.message}") from None
 
 
 @final

@@ -38,6 +38,11 @@ Which body mode a direction uses comes from Envoy's ``protocol_config`` on the
 first message (Envoy 1.34 and later); an older proxy sends none, and then
 ``--streaming`` says whether to expect full duplex (GIE's chart sets it).
 
+Header changes are checked before they go (``Message.set_header``, then
+``check_headers_fit`` on the whole): a value Envoy would refuse is a 400
+naming the header and the field, headers grown past Envoy's limits a 431.
+Envoy would otherwise refuse the mutation and answer 500 with no body.
+
 Errors become an ``ImmediateResponse`` in one place, ``BodyBasedRouter.refusal``:
 a ``Refusal`` with its own status and text; anything else (a bug, in a plugin
 or here) is logged with the request id and answered 500. Either way the
@@ -56,7 +61,7 @@ from bbr.message import Message
 from bbr.plugins import DEFAULT_PLUGINS, BBRMetrics, PluginSpec, build_chains
 from plugin import Factory
 from protos import extproc
-from protos.exchange import MAX_BODY_BYTES, Exchange, Half, Refusal
+from protos.exchange import MAX_BODY_BYTES, Exchange, Half, Refusal, check_headers_fit
 from protos.extproc import BodyMode, ProcessingResponse
 from protos.server import EXT_PROC_SERVICE, Stream
 
@@ -229,12 +234,19 @@ def answer_or_hold(half: Half, end_of_stream: bool) -> list[ProcessingResponse]:
 
 
 def changed(half: Half, message: Message, end_of_stream: bool) -> list[ProcessingResponse]:
-    """The answer carrying the chain's header changes, and the body if streamed or new."""
-    half.held = False
+    """The answer carrying the chain's header changes, and the body if streamed or new.
+
+    Streamed, the changes ride on the held headers answer; with no headers
+    held (a body Envoy sent without headers first, which it never does)
+    there is nothing to answer but the body.
+    """
     set_headers, remove = message.header_changes()
+    check_headers_fit(half.phase, half.headers, set_headers, remove)  # Envoy's limits: 431
+    held, half.held = half.held, False
     if half.streamed:
+        answer = extproc.headers_response(half.phase, set_headers, remove, clear_route_cache=True)
         return [
-            extproc.headers_response(half.phase, set_headers, remove, clear_route_cache=True),
+            *([answer] if held else []),
             *extproc.streamed_body_responses(half.phase, message.raw, end_of_stream=end_of_stream),
         ]
     new_body = message.raw if message.body_mutated else None
@@ -247,10 +259,10 @@ def changed(half: Half, message: Message, end_of_stream: bool) -> list[Processin
 
 def unchanged(half: Half, body: bytes, end_of_stream: bool) -> list[ProcessingResponse]:
     """Let the body through as it came, after the held headers answer (if streamed)."""
-    half.held = False
+    held, half.held = half.held, False
     if half.streamed:
         return [
-            extproc.headers_response(half.phase),
+            *([extproc.headers_response(half.phase)] if held else []),
             *extproc.streamed_body_responses(half.phase, body, end_of_stream=end_of_stream),
         ]
     return [extproc.body_response(half.phase)]

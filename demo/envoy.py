@@ -258,7 +258,8 @@ def bbr_filter() -> hcm.HttpFilter:
     FULL_DUPLEX_STREAMED (GIE's BBR chart runs ``--streaming``) lets BBR hold
     the headers until it has read the body, then answer them (model header,
     ``clear_route_cache``) and stream the body back. Envoy requires trailer
-    mode SEND with that body mode. FailClose, as the chart.
+    mode SEND with that body mode. FailClose, as the chart; an unreachable BBR
+    is a 503 (``status_on_error``; Envoy's default is 500).
     """
     mode = ext_proc.ProcessingMode(
         request_header_mode=_Send.SEND,
@@ -268,7 +269,9 @@ def bbr_filter() -> hcm.HttpFilter:
         response_body_mode=_Body.NONE,
         response_trailer_mode=_Send.SKIP,
     )
-    return _ext_proc("bbr", mode, fail_open=False)
+    # BBR down is the gateway's trouble, not the request's: 503, as for a picker.
+    unavailable = types.HttpStatus(code=types.StatusCode.ServiceUnavailable)
+    return _ext_proc("bbr", mode, fail_open=False, status_on_error=unavailable)
 
 
 def picker_filter(pool: GatewayPool) -> hcm.HttpFilter:

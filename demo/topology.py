@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Final, Self, TypeVar
@@ -292,7 +292,8 @@ class Topology(Processes):
     ``trace``: BBR and the pickers write every ext_proc message to
     ``<work dir>/<name>.trace`` (``--trace-messages``), as the walkthrough shows.
     ``picker_config``: an EndpointPickerConfig every pool's LWEPP runs with
-    (``--config``); None: plain round-robin.
+    (``--config``); None: plain round-robin. ``picker_args``: more flags for
+    some pools' pickers, by pool name; ``bbr_args``: more flags for BBR.
     """
 
     def __init__(
@@ -308,8 +309,12 @@ class Topology(Processes):
         startup_timeout: float = 30.0,
         trace: bool = False,
         picker_config: Path | None = None,
+        picker_args: Mapping[str, Sequence[str]] | None = None,
+        bbr_args: Sequence[str] = (),
     ) -> None:
         self.work_dir = work_dir
+        self._picker_args = dict(picker_args or {})
+        self._bbr_args = list(bbr_args)
         self.picker_config = picker_config.resolve() if picker_config else None
         self.pod_file = pod_file.resolve()
         self.pools = pools_of(self.pod_file, fail_open)
@@ -356,8 +361,9 @@ class Topology(Processes):
                 "lwepp",
                 *("--pods", pods, "--selector", f"pool={pool.name}"),
                 *(("--config", str(self.picker_config)) if self.picker_config else ()),
+                *self._picker_args.get(pool.name, ()),
             )
-        self._ext_proc("bbr", "bbr")
+        self._ext_proc("bbr", "bbr", *self._bbr_args)
         # All started at once, so they come up in parallel; now wait for each.
         for service in self.services.values():
             service.listening = wait_for(

@@ -153,6 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
         "GET /debug/decisions on the metrics port keeps",
     )
     parser.add_argument(
+        "--disable-test-selection-header",
+        action="store_true",
+        help="ignore GIE's conformance header test-epp-endpoint-selection, with which any "
+        "client can choose the replicas of the pool that may serve it (honoured by default, "
+        "as GIE's lwepp does; turn it off in production)",
+    )
+    parser.add_argument(
         "--pods-interval",
         type=float,
         default=1.0,
@@ -236,7 +243,13 @@ async def run(
             pipeline.background(lambda: pool.endpoints),
             pipeline.debug_pages(),
         )
-    service = EndpointPickerService(pool, strategy, PickerMetrics(registry), args.max_body_bytes)
+    service = EndpointPickerService(
+        pool,
+        strategy,
+        PickerMetrics(registry),
+        args.max_body_bytes,
+        test_selection=not args.disable_test_selection_header,
+    )
     health = Health(HEALTH_SERVICES, ready=lambda: source.synced)
     if elector is not None:
         # A standby is alive but not ready: only readiness names follow the lease.

@@ -81,7 +81,7 @@ from lwepp.picking import Pick, PickRequest, RoundRobin
 from lwepp.plugins.pickers import MaxScorePicker
 from plugin import ConfigError, Role, needs_body, roles_of
 from pods.model import Endpoint
-from protos.exchange import MAX_BODY_BYTES, Refusal
+from protos.exchange import HEADER_VALUE_LIMIT, MAX_BODY_BYTES, Refusal, header_value_problem
 
 log = structlog.get_logger()
 
@@ -427,7 +427,11 @@ class Followup:
         request, added = self.decision.request, list[tuple[str, str]]()
         for hook in self.pipeline.on_headers:
             try:
-                added += hook.response_headers(request, served, headers).items()
+                pairs = hook.response_headers(request, served, headers).items()
+                for name, value in pairs:  # Envoy would fail the whole response on one
+                    if problem := header_value_problem(value):
+                        raise ValueError(f"the value for header {name} {problem}")
+                added += pairs
             except Exception as error:
                 self._failed(hook, Role.RESPONSE_HEADERS, error)
         if self.pipeline.on_complete:
@@ -466,7 +470,33 @@ class Followup:
 
 
 def header_json(data: Mapping[str, Any]) -> str:
-    """Compact JSON that is safe in a header value: ASCII only, no line breaks."""
+    """Compact JSON that is safe in a header value: ASCII only, no line breaks, bounded.
+
+    A decision over ``HEADER_VALUE_LIMIT`` bytes (a large pool, a long client
+    ``x-request-id``) keeps the best-scored rows that fit and says it was cut
+    short; the whole record is on ``/debug/decisions``.
+    """
+    text = _compact(data)
+    if len(text) <= HEADER_VALUE_LIMIT:
+        return text
+    cut: dict[str, Any] = {
+        key: value for key, value in data.items() if key not in ("candidates", "filters", "scores")
+    }
+    cut["truncated"] = "the whole decision is on /debug/decisions"
+    budget = HEADER_VALUE_LIMIT - len(_compact({**cut, "scores": []}))
+    rows = []
+    for row in data.get("scores", ()):
+        budget -= len(_compact(row)) + 1
+        if budget < 0:
+            break
+        rows.append(row)
+    cut["scores"] = rows
+    if len(text := _compact(cut)) > HEADER_VALUE_LIMIT:  # a request id of kilobytes, say
+        text = _compact({"picked": list(data.get("picked", ()))[:1], "truncated": cut["truncated"]})
+    return text
+
+
+def _compact(data: Any) -> str:
     return json.dumps(data, separators=(",", ":"), ensure_ascii=True)
 
 

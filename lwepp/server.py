@@ -33,7 +33,9 @@ is the whole seam.
 
 Refusals are ImmediateResponses with an HTTP status, made in one place
 (``refuse``): 503 when no endpoint may serve the request (the protocol's
-rule), 413 for a body over the cap, 500 for a bug (logged with the request id).
+rule), 413 for a body over the cap, 431 when the routing headers would take
+the request's headers past Envoy's limits (Envoy would refuse the mutation
+and answer 500), 500 for a bug (logged with the request id).
 """
 
 from __future__ import annotations
@@ -57,7 +59,14 @@ from lwepp.picking import (
 )
 from pods.model import Endpoint
 from protos import extproc
-from protos.exchange import MAX_BODY_BYTES, Exchange, Half, Refusal
+from protos.exchange import (
+    MAX_BODY_BYTES,
+    Exchange,
+    Half,
+    Refusal,
+    check_headers_fit,
+    header_value_problem,
+)
 from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse
 from protos.server import Stream
 
@@ -106,11 +115,17 @@ class EndpointPickerService:
         strategy: Strategy,
         metrics: PickerMetrics,
         max_body_bytes: int = MAX_BODY_BYTES,
+        *,
+        test_selection: bool = True,
     ) -> None:
+        """``test_selection``: honour GIE's ``test-epp-endpoint-selection`` header, with
+        which a client narrows the candidates (GIE's lwepp always does; its conformance
+        tests need it). Off, the header is ignored: a client cannot choose its replica."""
         self.pool = pool
         self.strategy = strategy
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.test_selection = test_selection
         metrics.endpoints.set_function(lambda: len(pool.endpoints))
         # Speed, behind three names: a reply depends on the endpoint (or the report)
         # alone, and building its Struct is the costliest step of a stream, so each is
@@ -131,7 +146,7 @@ class EndpointPickerService:
                         replies = self.on_request_body(message.request_body, state)
                     case "request_trailers":
                         replies = [
-                            *self.finish_request(state),
+                            *self.finish_request(state, end_of_stream=False),
                             extproc.trailers_response("request"),
                         ]
                     case "response_headers":
@@ -187,13 +202,20 @@ class EndpointPickerService:
         state.request.hold(chunk.body)
         return self.finish_request(state) if chunk.end_of_stream else []
 
-    def finish_request(self, state: PickState) -> list[ProcessingResponse]:
-        """The held headers reply, then the body we kept, now that the body has ended."""
+    def finish_request(
+        self, state: PickState, *, end_of_stream: bool = True
+    ) -> list[ProcessingResponse]:
+        """The held headers reply, then the body we kept, now that the body has ended.
+
+        When trailers end it, the body sent back does not end the stream: the
+        trailers that follow do (``end_of_stream=False``).
+        """
         if not state.request.held:
             return []
         state.request.held = False
         body = state.request.take()
-        return [self.pick(state, body), *extproc.streamed_body_responses("request", body)]
+        chunks = extproc.streamed_body_responses("request", body, end_of_stream=end_of_stream)
+        return [self.pick(state, body), *chunks]
 
     def candidates_for(
         self, message: ProcessingRequest, headers: Sequence[tuple[str, str]]
@@ -201,10 +223,10 @@ class EndpointPickerService:
         endpoints = self.pool.endpoints
         if not endpoints:
             raise Refusal(503, "no ready endpoint in the pool", reason="no_endpoints")
-        allowed = allowed_entries(
-            extproc.filter_metadata(message, SUBSET_NAMESPACE),
-            extproc.first_header(headers, TEST_SELECTION_HEADER),
+        test_header = (
+            extproc.first_header(headers, TEST_SELECTION_HEADER) if self.test_selection else None
         )
+        allowed = allowed_entries(extproc.filter_metadata(message, SUBSET_NAMESPACE), test_header)
         found = candidates(endpoints, allowed)
         if not found:
             raise Refusal(
@@ -219,16 +241,21 @@ class EndpointPickerService:
 
         Several endpoints travel as one ordered list, ``ip:port,ip:port`` (GIE
         protocol v0.4.0): the proxy uses the first and walks the list on retries.
+        The headers this adds must fit Envoy's limits with the client's own
+        (``check_headers_fit``): a client near them gets 431, not Envoy's 500.
         """
         chosen = self.strategy.pick(PickRequest(state.request.headers, body), state.candidates)
         if not chosen.endpoints:
             raise Refusal(503, "no endpoint accepted the request", reason="no_pick")
         state.followup = chosen.followup
         first = chosen.endpoints[0].hostport
-        self.pick_counter(first).inc()
         if len(chosen.endpoints) == 1:
-            return self.routing_reply(first)
-        return self.routing_reply(",".join(e.hostport for e in chosen.endpoints))
+            endpoint = first
+        else:
+            endpoint = ",".join(e.hostport for e in chosen.endpoints)
+        check_headers_fit("request", state.request.headers, routing_headers(endpoint))
+        self.pick_counter(first).inc()
+        return self.routing_reply(endpoint)
 
     # --- response side ----------------------------------------------------------
 
@@ -260,26 +287,40 @@ class EndpointPickerService:
             followup.end()
 
 
+def routing_headers(endpoint: str) -> list[tuple[str, str]]:
+    """The request headers that name ``endpoint`` (``ip:port``, or a list)."""
+    return [
+        (DESTINATION, endpoint),
+        # GIE's conformance echo server copies this into a response header.
+        (ECHO_SET_HEADER, f"{SERVED_REPORT}:{endpoint}"),
+    ]
+
+
 def routing_reply(endpoint: str) -> ProcessingResponse:
     """The headers reply that sends the request to ``endpoint`` (``ip:port``, or a list)."""
     return extproc.headers_response(
         "request",
-        [
-            (DESTINATION, endpoint),
-            # GIE's conformance echo server copies this into a response header.
-            (ECHO_SET_HEADER, f"{SERVED_REPORT}:{endpoint}"),
-        ],
+        routing_headers(endpoint),
         clear_route_cache=True,
         dynamic_metadata={extproc.LB_NAMESPACE: {DESTINATION: endpoint}},
     )
 
 
 def served_report(message: ProcessingRequest) -> str:
-    """What to report as the served endpoint: the ``ip:port``, or GIE's failure string."""
+    """What to report as the served endpoint: the ``ip:port``, or GIE's failure string.
+
+    A value no header can carry (the gateway's to set, so never expected) is
+    reported as a failure too, rather than handed to Envoy, which would fail
+    the response.
+    """
     if extproc.LB_NAMESPACE not in message.metadata_context.filter_metadata:
         return "fail: missing envoy lb metadata"
     served = served_endpoint(message)
-    return "fail: missing destination endpoint served metadata" if served is None else served
+    if served is None:
+        return "fail: missing destination endpoint served metadata"
+    if header_value_problem(served):
+        return "fail: destination endpoint served metadata is no header value"
+    return served
 
 
 def served_endpoint(message: ProcessingRequest) -> str | None:

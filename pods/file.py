@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -34,6 +35,8 @@ from pods.model import Pod, is_ip
 log = structlog.get_logger()
 
 _POD_FIELDS: Final = {"name", "address", "ports", "labels", "ready"}
+_PARENT: Final = re.compile(r"(\.[^.\[]*|\[\d+\])$")
+"""The last step of a field's path: ``.ports`` or ``[1]``."""
 
 
 class PodFileError(ValueError):
@@ -41,65 +44,107 @@ class PodFileError(ValueError):
 
 
 def parse_pods(text: str, origin: str = "<pods>") -> tuple[Pod, ...]:
-    """Decode a pod file strictly: unknown fields, bad types and duplicates are errors."""
+    """Decode a pod file strictly: unknown fields, bad types and duplicates are errors.
+
+    Each error names the file, the line and the field: ``pods.yaml:7:
+    pods[1].ports[0]: expected a port 1-65535, got 99999``.
+    """
     try:
         document = yaml.safe_load(text)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         raise PodFileError(f"{origin}:{where} not valid YAML: {error}") from None
+    try:
+        return _decode(document)
+    except _Invalid as invalid:
+        lines, path = _lines(text), invalid.path
+        while path not in lines and (shorter := _PARENT.sub("", path)) != path:
+            path = shorter  # a missing field: the line of what holds it
+        at = f"{origin}:{lines[path]}" if path in lines else origin
+        raise PodFileError(f"{at}: {invalid.path}: {invalid.problem}") from None
+
+
+class _Invalid(Exception):
+    """A field that does not decode: where it is (``pods[1].ports[0]``) and what is wrong."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path, self.problem = path, problem
+
+
+def _lines(text: str) -> dict[str, int]:
+    """The line (1-based) of every field of a YAML document, by its path (``pods[1].ports``)."""
+    found: dict[str, int] = {}
+
+    def walk(node: yaml.Node, path: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                field = f"{path}.{key.value}" if path else str(key.value)
+                found[field] = key.start_mark.line + 1
+                walk(value, field)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                found[f"{path}[{i}]"] = item.start_mark.line + 1
+                walk(item, f"{path}[{i}]")
+
+    if (root := yaml.compose(text, Loader=yaml.SafeLoader)) is not None:
+        walk(root, "")
+    return found
+
+
+def _decode(document: Any) -> tuple[Pod, ...]:
     if not isinstance(document, Mapping) or set(document) != {"pods"}:
-        raise PodFileError(f"{origin}: expected a mapping with the single key 'pods'")
+        raise _Invalid("pods", "expected a mapping with the single key 'pods'")
     entries = document["pods"] or []
     if not isinstance(entries, list):
-        raise PodFileError(f"{origin}: pods: expected a list")
-    pods = tuple(_pod(entry, f"{origin}: pods[{i}]") for i, entry in enumerate(entries))
+        raise _Invalid("pods", "expected a list")
+    pods = tuple(_pod(entry, f"pods[{i}]") for i, entry in enumerate(entries))
     seen: set[tuple[str, int]] = set()
     names: set[str] = set()
     for i, pod in enumerate(pods):
         if pod.name in names:
-            raise PodFileError(f"{origin}: pods[{i}].name: duplicate pod name {pod.name!r}")
+            raise _Invalid(f"pods[{i}].name", f"duplicate pod name {pod.name!r}")
         names.add(pod.name)
         for port in pod.ports:
             if (pod.address, port) in seen:
-                raise PodFileError(
-                    f"{origin}: pods[{i}].ports: {pod.address}:{port} is listed twice"
-                )
+                raise _Invalid(f"pods[{i}].ports", f"{pod.address}:{port} is listed twice")
             seen.add((pod.address, port))
     return pods
 
 
 def _pod(entry: Any, where: str) -> Pod:
     if not isinstance(entry, Mapping):
-        raise PodFileError(f"{where}: expected a mapping")
+        raise _Invalid(where, "expected a mapping")
     unknown = set(entry) - _POD_FIELDS
     if unknown:
-        raise PodFileError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+        field = sorted(unknown)[0]
+        raise _Invalid(f"{where}.{field}", f"unknown field {field!r}")
     for required in ("name", "address", "ports"):
         if required not in entry:
-            raise PodFileError(f"{where}.{required}: required")
+            raise _Invalid(f"{where}.{required}", "required")
     name, address, ports = entry["name"], entry["address"], entry["ports"]
     if not isinstance(name, str) or not name:
-        raise PodFileError(f"{where}.name: expected a non-empty string")
+        raise _Invalid(f"{where}.name", "expected a non-empty string")
     if not isinstance(address, str) or not is_ip(address):
-        raise PodFileError(f"{where}.address: expected an IP address, got {address!r}")
+        raise _Invalid(f"{where}.address", f"expected an IP address, got {address!r}")
     if isinstance(ports, int):
         ports = [ports]
     if not isinstance(ports, list) or not ports:
-        raise PodFileError(f"{where}.ports: expected a non-empty list of ports")
+        raise _Invalid(f"{where}.ports", "expected a non-empty list of ports")
     for j, port in enumerate(ports):
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-            raise PodFileError(f"{where}.ports[{j}]: expected a port 1-65535, got {port!r}")
+            raise _Invalid(f"{where}.ports[{j}]", f"expected a port 1-65535, got {port!r}")
     if len(set(ports)) != len(ports):
-        raise PodFileError(f"{where}.ports: duplicate port")
+        raise _Invalid(f"{where}.ports", "duplicate port")
     labels = entry.get("labels") or {}
     if not isinstance(labels, Mapping) or not all(
         isinstance(k, str) and isinstance(v, str | int | float | bool) for k, v in labels.items()
     ):
-        raise PodFileError(f"{where}.labels: expected a mapping of names to strings")
+        raise _Invalid(f"{where}.labels", "expected a mapping of names to strings")
     ready = entry.get("ready", True)
     if not isinstance(ready, bool):
-        raise PodFileError(f"{where}.ready: expected true or false")
+        raise _Invalid(f"{where}.ready", "expected true or false")
     return Pod(
         name=name,
         address=address,

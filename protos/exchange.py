@@ -20,11 +20,18 @@ whether the response is passing through):
 it anywhere on the request path (a service, a plugin, a picking strategy);
 each service turns it into an Envoy ``ImmediateResponse`` in exactly one
 place, and the stream then ends normally.
+
+Header changes are checked before they leave (``header_value_problem``,
+``check_headers_fit``): Envoy refuses a mutation with a control character in
+a value, or one that makes the headers outgrow its limits, and then answers
+the client 500 with an empty body. Found first, a client's bad value is a
+400 naming the header, and headers that would grow too large a 431.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Sequence
 from typing import Final
 
 from protos import extproc
@@ -42,10 +49,54 @@ CODES: Final = {
     404: "NotFound",
     413: "PayloadTooLarge",
     429: "ResourceExhausted",
+    431: "HeadersTooLarge",
     500: "Internal",
+    502: "BadGateway",
     503: "ServiceUnavailable",
 }
-"""GIE's names for its error codes, by the HTTP status each maps to (413 is ours)."""
+"""GIE's names for its error codes, by the HTTP status each maps to (413, 431 and 502 are ours)."""
+
+
+HEADER_VALUE_LIMIT: Final = 4096
+"""Longest header value (UTF-8 bytes) a service sets from what a client sent.
+
+Envoy itself caps only the whole header map, but the value travels on to the
+model server, and common servers cap a header line near 8 KiB (nginx's
+``large_client_header_buffers``, aiohttp's 8,190 bytes); a model name is
+never near this long.
+"""
+
+HEADERS_SIZE_LIMIT: Final = 60 * 1024
+"""Envoy's default ``max_request_headers_kb`` (and ``max_response_headers_kb``): 60 KiB.
+
+After a mutation Envoy checks that the names and values together stay within
+it (``MutationUtils::headerMutationResultCheck``); a gateway configured with
+a larger limit still gets this one from us.
+"""
+
+HEADERS_COUNT_LIMIT: Final = 100
+"""Envoy's default ``max_headers_count``, checked after a mutation the same way."""
+
+_NOT_IN_A_VALUE: Final = re.compile("[\x00-\x08\x0a-\x1f\x7f]")
+"""What Envoy refuses in a header value: control characters but tab, and DEL.
+
+Envoy's ``HeaderUtility::headerValueIsValid`` allows tab, visible ASCII, space
+and any byte from 0x80 (``obs-text``, so UTF-8 passes); CR and LF above all
+must never reach a header, where they would end it.
+"""
+
+
+def header_value_problem(value: str) -> str | None:
+    """What Envoy (or the server behind it) would refuse in header value ``value``; None if none."""
+    if bad := _NOT_IN_A_VALUE.search(value):
+        return f"contains the control character {bad.group()!r} at offset {bad.start()}"
+    try:
+        size = len(value.encode())
+    except UnicodeEncodeError:
+        return "is not valid Unicode text (it holds a lone surrogate)"
+    if size > HEADER_VALUE_LIMIT:
+        return f"is {size} bytes long, over the {HEADER_VALUE_LIMIT}-byte limit of a header value"
+    return None
 
 
 class Refusal(Exception):
@@ -72,6 +123,49 @@ class Refusal(Exception):
     def code(self) -> str:
         """GIE's name for the status: ``BadRequest``, ``ServiceUnavailable``, ..."""
         return CODES.get(self.status, str(self.status))
+
+
+def check_headers_fit(
+    phase: Phase,
+    headers: Iterable[tuple[str, str]],
+    set_headers: Sequence[tuple[str, str]],
+    remove: Sequence[str] = (),
+) -> None:
+    """Refuse a mutation that would take ``headers`` past Envoy's default limits.
+
+    Counted as Envoy counts (``HeaderMap::byteSize``: every name and value,
+    pseudo-headers included, the headers Envoy sent us being its whole map);
+    a set header replaces the first of that name and adds one if absent. A
+    request is answered 431 (its headers are too large once routed), a
+    response 502 (the gateway cannot pass it on).
+    """
+    replaced = {name.lower() for name, _ in set_headers}
+    removed = {name.lower() for name in remove}
+    size = count = 0
+    for name, value in headers:
+        key = name.lower()
+        if key in removed:
+            continue
+        if key in replaced:
+            replaced.discard(key)  # the first of that name is overwritten, counted below
+            continue
+        size += len(name) + _utf8_length(value)
+        count += 1
+    size += sum(len(name) + _utf8_length(value) for name, value in set_headers)
+    count += len(set_headers)
+    if size > HEADERS_SIZE_LIMIT or count > HEADERS_COUNT_LIMIT:
+        names = ", ".join(name for name, _ in set_headers)
+        raise Refusal(
+            431 if phase == "request" else 502,
+            f"{phase} headers too large: setting {names} would make them {count} headers of "
+            f"{size} bytes, over the gateway's limits ({HEADERS_COUNT_LIMIT} headers, "
+            f"{HEADERS_SIZE_LIMIT} bytes)",
+            reason="headers_too_large",
+        )
+
+
+def _utf8_length(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode(errors="surrogatepass"))
 
 
 class Half:

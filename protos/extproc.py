@@ -244,8 +244,12 @@ def streamed_body_responses(
     """A whole body sent back as ``streamed_response`` chunks (FULL_DUPLEX_STREAMED).
 
     Only the last chunk carries ``end_of_stream``, and only if asked: the
-    stream's end is the proxy's to announce when trailers follow.
+    stream's end is the proxy's to announce when trailers follow. An empty
+    body that does not end the stream is no message at all (headers, then
+    trailers, with no body between: there is nothing to send back).
     """
+    if not body and not end_of_stream:
+        return []
     pieces = list(chunks(body))
     last = len(pieces) - 1
     return [

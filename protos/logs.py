@@ -25,6 +25,8 @@ def configure_logging(level: str = "info") -> None:
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        # One write per line: stderr is unbuffered, and print() writes the line and its
+        # newline apart, so the workers of --workers, sharing one stderr, interleaved them.
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )

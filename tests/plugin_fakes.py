@@ -204,3 +204,73 @@ class NotAPlugin:
 def configured(kind: str, parameters: Mapping[str, Any] | None = None, name: str = "p") -> Any:
     """A built-in plugin built as a configuration file builds it: every parameter checked."""
     return build(kind, name, parameters, REGISTRY, ROLES).plugin
+
+
+class FailsOnCue:
+    """Every hook of a pick but the picker's: raises at the stage a request names in ``x-fail-at``.
+
+    For running as a real plugin (by dotted path, in a picker started from a
+    configuration file): one picker then fails wherever each request asks.
+    """
+
+    CUE = "x-fail-at"
+
+    def __init__(self, name: str, params: Params) -> None:
+        self.name = name
+
+    def _cue(self, request: LLMRequest, stage: str) -> None:
+        if request.headers.get(self.CUE) == stage:
+            raise Boom(f"{self.name} fails at {stage}, as the request asked")
+
+    def prepare(self, request: LLMRequest) -> None:
+        self._cue(request, "prepare")
+
+    def filter(
+        self, request: LLMRequest, candidates: Sequence[Candidate], now: float
+    ) -> list[Candidate]:
+        self._cue(request, "filter")
+        return list(candidates)
+
+    def score(
+        self, request: LLMRequest, candidates: Sequence[Candidate], now: float
+    ) -> list[float]:
+        self._cue(request, "score")
+        return [0.5] * len(candidates)
+
+    def picked(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None:
+        self._cue(request, "picked")
+
+    def response_headers(
+        self, request: LLMRequest, served: str | None, headers: Mapping[str, str]
+    ) -> Mapping[str, str]:
+        self._cue(request, "response_headers")
+        return {}
+
+    def response_chunk(self, request: LLMRequest, chunk: bytes) -> None:
+        self._cue(request, "response_chunk")
+
+    def response_complete(
+        self, request: LLMRequest, served: str | None, usage: Usage | None
+    ) -> None:
+        self._cue(request, "response_complete")
+
+
+class FailsOnCuePicker(FailsOnCue):
+    """The picker of the same: the best-scored candidate, unless the request cues ``pick``."""
+
+    def pick(self, request: LLMRequest, scored: Sequence[Any]) -> list[Endpoint]:
+        self._cue(request, "pick")
+        return [max(scored, key=lambda s: s.total).candidate.endpoint]
+
+
+class BBRFailsOnCue:
+    """A BBR request plugin that raises when the request carries ``x-fail-at: bbr``."""
+
+    needs_body = False
+
+    def __init__(self, name: str, params: Params) -> None:
+        self.name = name
+
+    def process_request(self, message: Any) -> None:
+        if message.headers.get(FailsOnCue.CUE) == "bbr":
+            raise Boom(f"{self.name} fails, as the request asked")

@@ -326,7 +326,8 @@ def test_response_body_and_trailers_are_answered() -> None:
                 "response_body",
                 "response_body",
             ]
-            assert replies[1].request_body.response.body_mutation.streamed_response.body == BODY
+            held = replies[1].request_body.response.body_mutation.streamed_response
+            assert (held.body, held.end_of_stream) == (BODY, False)  # the trailers end it
             echoed = [r.response_body.response.body_mutation.streamed_response for r in replies[4:]]
             assert [(c.body, c.end_of_stream) for c in echoed] == [
                 (b"data: 1\n\n", False),

@@ -72,6 +72,28 @@ def test_parse_errors_name_the_field(text: str, message: str) -> None:
     assert message in str(error.value)
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "pods:\n- name: a\n  address: 10.0.0.1\n  ports:\n  - 8000\n  - 99999\n",
+            "pods.yaml:6: pods[0].ports[1]: expected a port 1-65535, got 99999",
+        ),
+        ("pods:\n- name: a\n  ports: [1]\n", "pods.yaml:2: pods[0].address: required"),
+        (
+            "pods:\n- name: a\n  address: 10.0.0.1\n  ports: [1]\n  zone: z\n",
+            "pods.yaml:5: pods[0].zone: unknown field 'zone'",
+        ),
+    ],
+    ids=["bad-port", "missing-field", "unknown-field"],
+)
+def test_parse_errors_name_the_line(text: str, message: str) -> None:
+    """A field that does not decode is named with its line (a missing one, its pod's line)."""
+    with pytest.raises(PodFileError) as error:
+        parse_pods(text, "pods.yaml")
+    assert str(error.value) == message
+
+
 def test_endpoints_are_ready_matching_pods_times_ports() -> None:
     """Each port of each ready pod matching the selector is one endpoint, in file order."""
     pods = parse_pods(GOOD)

@@ -39,7 +39,8 @@ first message (Envoy 1.34 and later); an older proxy sends none, and then
 ``--streaming`` says whether to expect full duplex (GIE's chart sets it).
 
 Errors become an ``ImmediateResponse`` in one place, ``BodyBasedRouter.refusal``:
-a ``Refusal`` with its own status and text; anything else (a bug, in a plugin
+a ``Refusal`` with its own status and message, as an OpenAI-style JSON error
+(GIE's BBR answers plain text); anything else (a bug, in a plugin
 or here) is logged with the request id and answered 500. Either way the
 stream then ends normally.
 """
@@ -135,9 +136,7 @@ class BodyBasedRouter:
             what = "; ".join(getattr(error, "__notes__", ())) or type(error).__name__
             error = Refusal(500, f"unexpected error: {what}")
         self.metrics.errors.labels(reason=error.code).inc()
-        return extproc.immediate_response(
-            error.status, f"inference error: {error.code} - {error.message}"
-        )
+        return error.answer()
 
     # --- the request ---
 

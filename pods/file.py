@@ -15,14 +15,16 @@ data-parallel pod; ``labels`` and ``ready`` are optional)::
       ready: false
 
 A broken edit never empties the list: the last good pods stay in force, and
-the error (naming the file and the field) is logged until the file is fixed.
+the error (naming the file, the line and the field) is logged until the file
+is fixed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -41,9 +43,11 @@ class PodFileError(ValueError):
 
 
 def parse_pods(text: str, origin: str = "<pods>") -> tuple[Pod, ...]:
-    """Decode a pod file strictly: unknown fields, bad types and duplicates are errors."""
+    """Decode a pod file strictly: unknown fields, bad types and duplicates are errors,
+    each naming the file, the line and the field."""
     try:
         document = yaml.safe_load(text)
+        lines = _entry_lines(yaml.compose(text, Loader=yaml.SafeLoader))
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -53,53 +57,85 @@ def parse_pods(text: str, origin: str = "<pods>") -> tuple[Pod, ...]:
     entries = document["pods"] or []
     if not isinstance(entries, list):
         raise PodFileError(f"{origin}: pods: expected a list")
-    pods = tuple(_pod(entry, f"{origin}: pods[{i}]") for i, entry in enumerate(entries))
-    seen: set[tuple[str, int]] = set()
-    names: set[str] = set()
+
+    def at(i: int, field: str = "") -> str:
+        """``<file> line N: pods[i].field``: N is the field's line, else the entry's."""
+        entry, fields = lines[i] if i < len(lines) else (0, {})
+        line = fields.get(field.partition("[")[0], entry)
+        return f"{origin}{f' line {line}' if line else ''}: pods[{i}]{'.' if field else ''}{field}"
+
+    pods = tuple(_pod(entry, functools.partial(at, i)) for i, entry in enumerate(entries))
+    first: dict[tuple[str, int], int] = {}
+    names: dict[str, int] = {}
     for i, pod in enumerate(pods):
         if pod.name in names:
-            raise PodFileError(f"{origin}: pods[{i}].name: duplicate pod name {pod.name!r}")
-        names.add(pod.name)
+            raise PodFileError(
+                f"{at(i, 'name')}: duplicate pod name {pod.name!r} (first: pods[{names[pod.name]}])"
+            )
+        names[pod.name] = i
         for port in pod.ports:
-            if (pod.address, port) in seen:
+            if (pod.address, port) in first:
                 raise PodFileError(
-                    f"{origin}: pods[{i}].ports: {pod.address}:{port} is listed twice"
+                    f"{at(i, 'ports')}: {pod.address}:{port} is listed twice "
+                    f"(first: pods[{first[(pod.address, port)]}])"
                 )
-            seen.add((pod.address, port))
+            first[(pod.address, port)] = i
     return pods
 
 
-def _pod(entry: Any, where: str) -> Pod:
+def _entry_lines(node: yaml.Node | None) -> list[tuple[int, dict[str, int]]]:
+    """Each pod entry's line (1-based) and its fields' lines, read from the YAML node tree.
+
+    ``yaml.safe_load`` keeps no positions; the composed nodes do. An entry that is
+    not a mapping has only its own line.
+    """
+    if not isinstance(node, yaml.MappingNode):
+        return []
+    found = [value for key, value in node.value if getattr(key, "value", None) == "pods"]
+    if not found or not isinstance(found[0], yaml.SequenceNode):
+        return []
+    result = []
+    for item in found[0].value:
+        fields: dict[str, int] = {}
+        if isinstance(item, yaml.MappingNode):
+            fields = {str(key.value): key.start_mark.line + 1 for key, _ in item.value}
+        result.append((item.start_mark.line + 1, fields))
+    return result
+
+
+def _pod(entry: Any, at: Callable[[str], str]) -> Pod:
+    """One entry; ``at(field)`` says where a field is, for the error messages."""
     if not isinstance(entry, Mapping):
-        raise PodFileError(f"{where}: expected a mapping")
+        raise PodFileError(f"{at('')}: expected a mapping")
     unknown = set(entry) - _POD_FIELDS
     if unknown:
-        raise PodFileError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+        field = sorted(unknown)[0]
+        raise PodFileError(f"{at(field)}: unknown field {field!r}")
     for required in ("name", "address", "ports"):
         if required not in entry:
-            raise PodFileError(f"{where}.{required}: required")
+            raise PodFileError(f"{at(required)}: required")
     name, address, ports = entry["name"], entry["address"], entry["ports"]
     if not isinstance(name, str) or not name:
-        raise PodFileError(f"{where}.name: expected a non-empty string")
+        raise PodFileError(f"{at('name')}: expected a non-empty string")
     if not isinstance(address, str) or not is_ip(address):
-        raise PodFileError(f"{where}.address: expected an IP address, got {address!r}")
+        raise PodFileError(f"{at('address')}: expected an IP address, got {address!r}")
     if isinstance(ports, int):
         ports = [ports]
     if not isinstance(ports, list) or not ports:
-        raise PodFileError(f"{where}.ports: expected a non-empty list of ports")
+        raise PodFileError(f"{at('ports')}: expected a non-empty list of ports")
     for j, port in enumerate(ports):
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-            raise PodFileError(f"{where}.ports[{j}]: expected a port 1-65535, got {port!r}")
+            raise PodFileError(f"{at(f'ports[{j}]')}: expected a port 1-65535, got {port!r}")
     if len(set(ports)) != len(ports):
-        raise PodFileError(f"{where}.ports: duplicate port")
+        raise PodFileError(f"{at('ports')}: duplicate port")
     labels = entry.get("labels") or {}
     if not isinstance(labels, Mapping) or not all(
         isinstance(k, str) and isinstance(v, str | int | float | bool) for k, v in labels.items()
     ):
-        raise PodFileError(f"{where}.labels: expected a mapping of names to strings")
+        raise PodFileError(f"{at('labels')}: expected a mapping of names to strings")
     ready = entry.get("ready", True)
     if not isinstance(ready, bool):
-        raise PodFileError(f"{where}.ready: expected true or false")
+        raise PodFileError(f"{at('ready')}: expected true or false")
     return Pod(
         name=name,
         address=address,

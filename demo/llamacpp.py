@@ -115,6 +115,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     params.cpuparams.n_threads = args.threads
     params.cpuparams_batch.n_threads = args.threads
     params.cache_ram_mib = args.prompt_cache_mib
+    # Gemma 3 attends over a sliding window in most layers. By default llama.cpp keeps
+    # only that window's KV for them, and then cannot roll a slot back to where a new
+    # prompt departs from the cached one: only an identical prompt would be reused.
+    # The full cache (llama-server's --swa-full) lets any shared prefix be served from it.
+    params.swa_full = True
     params.endpoint_metrics = True  # what a picker reads
     params.warmup = False  # an empty first run: only delays the start
     stop = threading.Event()

@@ -40,6 +40,24 @@ def test_quick_run_answers_every_request(tmp_path: Path) -> None:
     assert [s.label for s in section.plots[0].series] == [f"{r} {p}" for r, p in expected]
 
 
+def test_quick_run_on_real_llamacpp_engines(tmp_path: Path) -> None:
+    """`--engine llamacpp`: the smoke run on two real llama.cpp engines; every request gets its
+    tokens whatever the router, and llama.cpp's own counters give each arm's hit rate."""
+    section = live.run(Options(quick=True, out=tmp_path, engine="llamacpp"))
+
+    assert section.key == "live-llamacpp"
+    assert section.data["engine"] == "llamacpp"
+    arms = {(arm["router"], arm["policy"]): arm for arm in section.data["arms"]}
+    assert list(arms) == [(live.SWITCHYARD, "prefix-aware"), (peers.PEERS[0].name, "cache_aware")]
+    for arm in arms.values():
+        assert arm["errors"] == 0
+        assert arm["queries"] > 0
+        assert 0 <= arm["hits"] <= arm["queries"]
+        assert [o["tokens"] for o in arm["outcomes"]] == [
+            live.LLAMACPP_QUICK.shape.max_tokens
+        ] * live.LLAMACPP_QUICK.count
+
+
 def test_peer_command_line_names_policy_ports_and_workers() -> None:
     """A peer router is started on the given port with its metrics on another, the policy
     asked for, and every worker URL after --worker-urls."""

@@ -23,7 +23,8 @@ OpenAI API). Two things stand in for what Kubernetes would do for them:
   the user marked ``ready: false`` stays out.
 
 The probe runs on one thread per pod, so a server that hangs delays no
-other's verdict.
+other's verdict. The user's pod file is read once, at start: the pools and
+the gateway's routes are fixed then, as the demo's are.
 """
 
 from __future__ import annotations

@@ -193,8 +193,11 @@ class Backend:
 
     ``prefix_config``: Switchyard's prefix-aware picker configuration for these
     servers. ``queries``/``hits``: the servers' counters whose sums are the
-    prompt tokens asked for / served from the cache. ``extra_body``: fields
-    every request carries. ``peer_policies``: the peers' policies run.
+    prompt tokens asked for / served from the cache. ``prefill``: the counters
+    of prompt tokens computed and of the seconds spent on them, whose ratio is
+    the prefill rate the engines reached (a shared machine's CPU varies from arm
+    to arm; empty when the time is modelled). ``extra_body``: fields every
+    request carries. ``peer_policies``: the peers' policies run.
     """
 
     name: str
@@ -205,6 +208,12 @@ class Backend:
     hits: tuple[str, ...]
     extra_body: Mapping[str, object]
     peer_policies: tuple[str, ...]
+    prefill: tuple[str, ...] = ()
+
+    @property
+    def counted(self) -> tuple[tuple[str, ...], ...]:
+        """The counter groups read from every replica: queries, hits, then prefill's two."""
+        return (self.queries, self.hits, *((name,) for name in self.prefill))
 
     def size(self, quick: bool) -> Size:
         return self.quick if quick else self.full
@@ -223,6 +232,7 @@ LLAMACPP: Final = Backend(
     # Exactly max_tokens tokens from a real model: it would otherwise stop at its end token.
     {"ignore_eos": True},
     ("cache_aware",),
+    ("llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total"),
 )
 BACKENDS: Final = {backend.name: backend for backend in (SIMULATOR, LLAMACPP)}
 
@@ -275,6 +285,8 @@ class ArmResult:
     queries: float | None
     hits: float | None
     notes: list[str] = field(default_factory=list)
+    prefill_rate: float | None = None
+    """Prompt tokens the engines computed per second of prefill, over the window."""
 
     def measured(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.measured and o.error is None]
@@ -391,24 +403,24 @@ async def _send(
 
 async def _counters(
     session: aiohttp.ClientSession, endpoint: str, backend: Backend
-) -> tuple[float, float] | None:
+) -> tuple[float, ...] | None:
+    names = [name for group in backend.counted for name in group]
     async with session.get(f"http://{endpoint}/metrics") as response:
-        families = parse(await response.text(), (*backend.queries, *backend.hits))
-    if any(name not in families for name in (*backend.queries, *backend.hits)):
+        families = parse(await response.text(), names)
+    if any(name not in families for name in names):
         return None
-    queries = sum(v for name in backend.queries for _, v in families[name])
-    return queries, sum(v for name in backend.hits for _, v in families[name])
+    return tuple(sum(v for name in group for _, v in families[name]) for group in backend.counted)
 
 
 async def counters(
     session: aiohttp.ClientSession, endpoints: Sequence[str], backend: Backend = SIMULATOR
-) -> tuple[float, float] | None:
-    """Prompt tokens asked for and served from the cache, summed over ``endpoints``; None if
-    any lacks the counters."""
+) -> tuple[float, ...] | None:
+    """``backend.counted``'s sums over ``endpoints`` (prompt tokens asked for, served from
+    the cache, then the prefill counters); None if any replica lacks one."""
     found = await asyncio.gather(*(_counters(session, e, backend) for e in endpoints))
     if any(f is None for f in found):
         return None
-    return (sum(f[0] for f in found if f), sum(f[1] for f in found if f))
+    return tuple(sum(column) for column in zip(*(f for f in found if f), strict=True))
 
 
 async def drive(
@@ -417,7 +429,7 @@ async def drive(
     arrivals: Sequence[Arrival],
     size: Size,
     backend: Backend = SIMULATOR,
-) -> tuple[list[Outcome], tuple[float, float] | None]:
+) -> tuple[list[Outcome], tuple[float, ...] | None]:
     """Send every arrival at its scheduled time (``at * time_scale`` after the start), open loop;
     the outcomes, and the replicas' prefix-cache counters over the measured window.
 
@@ -455,7 +467,7 @@ async def drive(
         first = await before if before is not None else None
     if first is None or after is None:
         return outcomes, None
-    return outcomes, (after[0] - first[0], after[1] - first[1])
+    return outcomes, tuple(a - b for a, b in zip(after, first, strict=True))
 
 
 async def renders(endpoint: str, model: str) -> bool:
@@ -621,8 +633,10 @@ def run_arm(
             )
         progress(f"live: {arm.label}: {len(arrivals)} requests through {url}")
         outcomes, delta = asyncio.run(drive(url, endpoints, arrivals, size, backend))
-    queries, hits = delta if delta is not None else (None, None)
-    return ArmResult(arm, outcomes, queries, hits, notes)
+    if delta is None:
+        return ArmResult(arm, outcomes, None, None, notes)
+    rate = delta[2] / delta[3] if len(delta) == 4 and delta[3] > 0 else None
+    return ArmResult(arm, outcomes, delta[0], delta[1], notes, rate)
 
 
 # --- the report ----------------------------------------------------------------------
@@ -655,9 +669,10 @@ def _share(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.0%}"
 
 
-def _row(result: ArmResult, time_scale: float) -> list[object]:
+def _row(result: ArmResult, time_scale: float, real: bool = False) -> list[object]:
     ttft, gaps = result.ttfts(), result.gaps()
     spread = result.spread()
+    rate = [math.nan if result.prefill_rate is None else result.prefill_rate] if real else []
     return [
         result.arm.label,
         _ms(percentile(ttft, 50)),
@@ -672,6 +687,7 @@ def _row(result: ArmResult, time_scale: float) -> list[object]:
         f"{sum(1 for o in result.outcomes if o.error is None)}/{len(result.outcomes)}",
         result.errors,
         _ms(result.lag()),
+        *rate,
     ]
 
 
@@ -759,8 +775,9 @@ def section(
             "answered",
             "errors",
             "client lag p99 ms",
+            *(["engine prefill tok/s"] if real else []),
         ],
-        [_row(r, size.time_scale) for r in results],
+        [_row(r, size.time_scale, real) for r in results],
         note=(
             (
                 f"Workload: {shape.groups} system prompts of {shape.prefix_tokens} words "
@@ -850,7 +867,10 @@ def section(
         notes.append(
             "llama.cpp names no replica in its answers: the placement columns count "
             "Switchyard's own report (x-conformance-test-served-endpoint) and are n/a for "
-            "the peers."
+            "the peers. Engine prefill tok/s: prompt tokens the engines computed per second "
+            "they spent computing them (llamacpp:prompt_tokens_total / "
+            "llamacpp:prompt_seconds_total over the window): the CPU the arm had; arms "
+            "run one after the other, and on a shared machine it varies between them."
         )
     if quick:
         notes.append("Quick (smoke) size: the numbers mean nothing.")
@@ -864,6 +884,7 @@ def section(
                 "policy": r.arm.policy,
                 "queries": r.queries,
                 "hits": r.hits,
+                "prefill_rate": r.prefill_rate,
                 "errors": r.errors,
                 "outcomes": [asdict(o) for o in r.outcomes],
             }

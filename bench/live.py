@@ -11,10 +11,11 @@ are one of two engines (``--engine``):
     ``llama-3.1-8b-l4`` profile, in scaled real time (see below).
 ``llamacpp``
     real engines: ``python -m demo.llamacpp``, 2 processes of llama.cpp's own
-    server with Gemma 3 270M, one CPU thread and 2 slots each (2 prompts
-    cached per engine, llama.cpp's host-memory prompt cache off), in real
-    time. The workload has more system prompts (4) than engines, and more
-    than one engine's slots can keep: placement decides what is cached.
+    server with Gemma 3 270M, one CPU thread and one slot each, and a
+    host-memory prompt cache of 12 MiB, room for one more prompt: each engine
+    keeps 2 prompts, in real time. The workload has more system prompts (4)
+    than engines, and more than one engine keeps: placement decides what is
+    cached.
 
 The routers:
 
@@ -147,8 +148,16 @@ QUICK: Final = Size(
     warmup=0.0,
 )
 
-LLAMACPP_SLOTS: Final = 2
-"""Slots per llama.cpp engine: requests at once, and prompts its cache keeps."""
+LLAMACPP_SLOTS: Final = 1
+"""Slots per llama.cpp engine: requests it computes at once."""
+LLAMACPP_PROMPT_CACHE_MIB: Final = 12
+"""llama.cpp's host-memory prompt cache per engine (``--cache-ram``): one saved prompt.
+
+A slot moving on to another prompt saves its own there, and a request whose prompt is
+saved is restored from it. One ~300-token prompt of Gemma 3 270M takes between 6 and 12
+MiB (measured: a 6 MiB cache kept none, 12 MiB kept exactly one), so an engine keeps two
+prompts: its slot's and one saved. Without the cache, two requests of one group that
+overlap would take both slots of a two-slot engine and evict its other group's prompt."""
 LLAMACPP_FULL: Final = Size(
     SharedPrefix(
         groups=4,
@@ -165,9 +174,9 @@ LLAMACPP_FULL: Final = Size(
     warmup=0.2,
 )
 """Sizes are in the workload's words, which Gemma's tokenizer cuts into about 9 tokens each:
-a system prompt of ~290 tokens, a question of ~18. Four groups on two engines of two slots:
-kept on their engines, every group's prompt stays in a slot; spread round-robin, each engine
-sees all four and its two slots hold the last two it served. On one CPU thread (some 80 to
+a system prompt of ~290 tokens, a question of ~18. Four groups on two engines that keep two
+prompts each: kept on their engines, every group's prompt stays cached; spread round-robin,
+each engine sees all four and keeps the last two it served. On one CPU thread (some 80 to
 250 prompt tokens a second) a miss costs seconds of prefill and a hit a few hundred ms, so at
 one request a second round-robin falls behind and prefix placement keeps up."""
 LLAMACPP_QUICK: Final = Size(
@@ -533,14 +542,15 @@ def simulators(work_dir: Path, pods: Path, args: Sequence[str]) -> Iterator[Serv
 
 @contextlib.contextmanager
 def llamacpp_engines(work_dir: Path, count: int) -> Iterator[list[int]]:
-    """``count`` llama.cpp engines (``python -m demo.llamacpp``: one thread,
-    ``LLAMACPP_SLOTS`` slots, no host-memory prompt cache) until the block ends; their ports."""
+    """``count`` llama.cpp engines (``python -m demo.llamacpp``: one thread, ``LLAMACPP_SLOTS``
+    slots, a ``LLAMACPP_PROMPT_CACHE_MIB`` prompt cache) until the block ends; their ports."""
     work_dir.mkdir(parents=True, exist_ok=True)
     model = llamacpp.packaged_model()  # assembled once, before the engines could race to
     argv = [
         *(sys.executable, "-m", "demo.llamacpp", "--model-file", str(model)),
         *("--threads", "1", "--parallel", str(LLAMACPP_SLOTS)),
-        *("--ctx-size", str(1024 * LLAMACPP_SLOTS), "--prompt-cache-mib", "0"),
+        *("--ctx-size", str(1024 * LLAMACPP_SLOTS)),
+        *("--prompt-cache-mib", str(LLAMACPP_PROMPT_CACHE_MIB)),
     ]
     engines = [Service(f"llamacpp-{n}", argv, work_dir / f"llamacpp-{n}.log") for n in range(count)]
     try:
@@ -753,7 +763,8 @@ def section(
     shape = size.shape
     real = backend is LLAMACPP
     servers = (
-        f"llama.cpp, Gemma 3 270M, 1 CPU thread and {LLAMACPP_SLOTS} slots each"
+        f"llama.cpp, Gemma 3 270M, 1 CPU thread, {LLAMACPP_SLOTS} slot and a "
+        f"{LLAMACPP_PROMPT_CACHE_MIB} MiB prompt cache each"
         if real
         else PROFILE
     )

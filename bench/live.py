@@ -880,8 +880,10 @@ def section(
             "Switchyard's own report (x-conformance-test-served-endpoint) and are n/a for "
             "the peers. Engine prefill tok/s: prompt tokens the engines computed per second "
             "they spent computing them (llamacpp:prompt_tokens_total / "
-            "llamacpp:prompt_seconds_total over the window): the CPU the arm had; arms "
-            "run one after the other, and on a shared machine it varies between them."
+            "llamacpp:prompt_seconds_total over the window). A short computation (a "
+            "question after a cached prompt) runs slower per token than a whole prompt, "
+            "so compare it between arms of similar hit rates: there it shows how much CPU "
+            "each arm had on a shared machine (arms run one after the other)."
         )
     if quick:
         notes.append("Quick (smoke) size: the numbers mean nothing.")

@@ -84,7 +84,7 @@ class ServerCheck:
         return f"  {self.pod:<14} {self.hostport:<22} {verdict:<8} {said}"
 
 
-def _findings(report: check_model_server.Report) -> tuple[list[str], list[str]]:
+def findings(report: check_model_server.Report) -> tuple[list[str], list[str]]:
     """The check's report as problems and notes (the checker's own words where it has them)."""
     problems = [f"{api.name}: {api.detail}" for api in report.api if not api.ok]
     notes = [f"lists {api.detail}" for api in report.api if api.ok and api.name == "GET /v1/models"]
@@ -111,7 +111,7 @@ def check_server(pod: Pod, port: int, timeout: float = CHECK_TIMEOUT) -> ServerC
         return ServerCheck(pod.name, hostport, False, (why,))
     model = pod.labels.get("model", "").split(",")[0].strip() or None
     report = check_model_server.check(f"http://{hostport}", model=model, timeout=timeout)
-    problems, notes = _findings(report)
+    problems, notes = findings(report)
     return ServerCheck(pod.name, hostport, True, tuple(problems), tuple(notes))
 
 

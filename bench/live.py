@@ -3,25 +3,46 @@
 Every arm serves the same seeded shared-prefix workload (``bench.workloads``:
 ``groups`` system prompts shared by ``users`` users each, a fresh question per
 request, Poisson arrivals) as streamed ``/v1/completions``, open loop, to a
-fresh set of simulated replicas (``python -m simulator``, 8 replicas in one
-process, cold caches, the ``llama-3.1-8b-l4`` profile), through one router:
+fresh set of model servers (cold caches), through one router. The servers
+are one of two engines (``--engine``):
 
-- Switchyard's demo gateway (``demo.topology``: a real Envoy, BBR, one LWEPP)
-  with plain round-robin, and with ``demo/configs/prefix-aware.yaml``
-  (prefix-cache affinity 3, queue 2, KV-cache use 2);
+``simulator`` (the default)
+    ``python -m simulator``, 8 replicas in one process, the
+    ``llama-3.1-8b-l4`` profile, in scaled real time (see below).
+``llamacpp``
+    real engines: ``python -m demo.llamacpp``, 2 processes of llama.cpp's own
+    server with Gemma 3 270M, one CPU thread and one slot each, and a
+    host-memory prompt cache of 12 MiB, room for one more prompt: each engine
+    keeps 2 prompts, in real time. The workload has more system prompts (4)
+    than engines, and more than one engine keeps: placement decides what is
+    cached.
+
+The routers:
+
+- Switchyard's demo gateway (``demo.topology`` with ``simulator=False``: a
+  real Envoy, BBR, one LWEPP, in front of the servers the arm started) with
+  plain round-robin, and with its prefix-aware configuration for the engine
+  (``demo/configs/prefix-aware.yaml``: prefix-cache affinity 3, queue 2,
+  KV-cache use 2; ``demo/configs/llamacpp.yaml``: the same without the
+  KV-cache scorer, which llama.cpp cannot feed);
 - ``vllm-router`` and ``sglang-router`` (``bench.peers``), each with
-  ``round_robin`` and ``cache_aware``.
+  ``round_robin`` and ``cache_aware`` (only ``cache_aware`` on llama.cpp,
+  whose run is long).
 
 The client is aiohttp in this process. Per request it measures the time to
 the first ``data:`` chunk that carries a token (TTFT, from the moment the
 request is sent), the gaps between token chunks (ITL) and the whole stream;
 a request is an error unless it answers 200 with exactly ``max_tokens``
-token chunks and ``data: [DONE]``. The replicas' own counters,
-``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total``
-(prompt tokens looked up in, and found in, the prefix cache), read from every
+tokens (the count the server reports in ``usage``, else the chunks that carry
+text) and ``data: [DONE]``. The replicas' own counters, read from every
 replica's ``/metrics`` when the measured window opens and after the last
-answer, give each arm's hit rate; the ``x-sim-pod`` header of each answer
-shows how the router spread the load.
+answer, give each arm's hit rate: prompt tokens served from the cache over
+prompt tokens asked for (the simulator's ``vllm:prefix_cache_hits_total`` /
+``vllm:prefix_cache_queries_total``; llama.cpp's
+``llamacpp:prompt_tokens_cached_total`` / that plus
+``llamacpp:prompt_tokens_total``). The ``x-sim-pod`` header of each answer
+shows how the router spread the load (llama.cpp names no replica; Switchyard's
+own report, ``x-conformance-test-served-endpoint``, stands in for its arms).
 
 The first ``warmup`` share of the arrivals warms the caches: those requests
 are sent, and must succeed, but their latencies are left out, so the
@@ -33,17 +54,19 @@ modelled times slowed down by ``time_scale`` (every modelled second lasts
 ``time_scale`` wall seconds), so an engine step (67 ms on the L4 profile)
 lasts 120 ms of wall time while the Python and Envoy hops add about 10 ms per
 request. Arrival rates are given in modelled time and divided by the time
-scale.
+scale. llama.cpp's engines run in real time: one CPU thread prefills a
+300-token prompt in seconds, against the same 10 ms of hops.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Final
@@ -54,13 +77,15 @@ import orjson
 from bench import peers
 from bench.report import Options, Plot, Section, Series, Table, Target, percentile, progress
 from bench.workloads import Arrival, SharedPrefix, shared_prefix
+from demo import llamacpp
 from demo.topology import HOST, Service, Topology, free_ports, listening_line, wait_for
 from lwepp.plugins.prometheus import parse
 from pods.file import dump_pods
 from pods.model import Pod
 from simulator.profiles import PROFILES
 
-PREFIX_AWARE: Final = Path(__file__).resolve().parent.parent / "demo/configs/prefix-aware.yaml"
+CONFIGS: Final = Path(__file__).resolve().parent.parent / "demo/configs"
+PREFIX_AWARE: Final = CONFIGS / "prefix-aware.yaml"
 """The demo's prefix-aware picker configuration, benchmarked as shipped."""
 
 QUERIES: Final = "vllm:prefix_cache_queries_total"
@@ -123,6 +148,103 @@ QUICK: Final = Size(
     warmup=0.0,
 )
 
+LLAMACPP_SLOTS: Final = 1
+"""Slots per llama.cpp engine: requests it computes at once."""
+LLAMACPP_PROMPT_CACHE_MIB: Final = 12
+"""llama.cpp's host-memory prompt cache per engine (``--cache-ram``): one saved prompt.
+
+A slot moving on to another prompt saves its own there, and a request whose prompt is
+saved is restored from it. One ~300-token prompt of Gemma 3 270M takes between 6 and 12
+MiB (measured: a 6 MiB cache kept none, 12 MiB kept exactly one), so an engine keeps two
+prompts: its slot's and one saved. Without the cache, two requests of one group that
+overlap would take both slots of a two-slot engine and evict its other group's prompt."""
+LLAMACPP_FULL: Final = Size(
+    SharedPrefix(
+        groups=4,
+        prefix_tokens=32,
+        users=4,
+        question_tokens=2,
+        max_tokens=4,
+        model=llamacpp.MODEL_ALIAS,
+    ),
+    rate=1.0,
+    count=200,
+    replicas=2,
+    time_scale=1.0,
+    warmup=0.2,
+)
+"""Sizes are in the workload's words, which Gemma's tokenizer cuts into about 9 tokens each:
+a system prompt of ~290 tokens, a question of ~18. Four groups on two engines that keep two
+prompts each: kept on their engines, every group's prompt stays cached; spread round-robin,
+each engine sees all four and keeps the last two it served. On one CPU thread (some 80 to
+250 prompt tokens a second) a miss costs seconds of prefill and a hit a few hundred ms, so at
+one request a second round-robin falls behind and prefix placement keeps up."""
+LLAMACPP_QUICK: Final = Size(
+    SharedPrefix(
+        groups=3,
+        prefix_tokens=4,
+        users=1,
+        question_tokens=1,
+        max_tokens=2,
+        model=llamacpp.MODEL_ALIAS,
+    ),
+    rate=4.0,
+    count=6,
+    replicas=2,
+    time_scale=1.0,
+    warmup=0.0,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """What serves the model in a run, and what the run reads of it.
+
+    ``prefix_config``: Switchyard's prefix-aware picker configuration for these
+    servers. ``queries``/``hits``: the servers' counters whose sums are the
+    prompt tokens asked for / served from the cache. ``prefill``: the counters
+    of prompt tokens computed and of the seconds spent on them, whose ratio is
+    the prefill rate the engines reached (a shared machine's CPU varies from arm
+    to arm; empty when the time is modelled). ``extra_body``: fields every
+    request carries. ``peer_policies``: the peers' policies run.
+    """
+
+    name: str
+    full: Size
+    quick: Size
+    prefix_config: Path
+    queries: tuple[str, ...]
+    hits: tuple[str, ...]
+    extra_body: Mapping[str, object]
+    peer_policies: tuple[str, ...]
+    prefill: tuple[str, ...] = ()
+
+    @property
+    def counted(self) -> tuple[tuple[str, ...], ...]:
+        """The counter groups read from every replica: queries, hits, then prefill's two."""
+        return (self.queries, self.hits, *((name,) for name in self.prefill))
+
+    def size(self, quick: bool) -> Size:
+        return self.quick if quick else self.full
+
+
+SIMULATOR: Final = Backend(
+    "simulator", FULL, QUICK, PREFIX_AWARE, (QUERIES,), (HITS,), {}, peers.POLICIES
+)
+LLAMACPP: Final = Backend(
+    "llamacpp",
+    LLAMACPP_FULL,
+    LLAMACPP_QUICK,
+    CONFIGS / "llamacpp.yaml",
+    ("llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total"),
+    ("llamacpp:prompt_tokens_cached_total",),
+    # Exactly max_tokens tokens from a real model: it would otherwise stop at its end token.
+    {"ignore_eos": True},
+    ("cache_aware",),
+    ("llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total"),
+)
+BACKENDS: Final = {backend.name: backend for backend in (SIMULATOR, LLAMACPP)}
+
 
 @dataclass(frozen=True, slots=True)
 class Arm:
@@ -172,6 +294,8 @@ class ArmResult:
     queries: float | None
     hits: float | None
     notes: list[str] = field(default_factory=list)
+    prefill_rate: float | None = None
+    """Prompt tokens the engines computed per second of prefill, over the window."""
 
     def measured(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.measured and o.error is None]
@@ -240,11 +364,14 @@ async def _send(
     sent = time.perf_counter()
     last = sent
     done = False
+    reported: int | None = None
     try:
         async with session.post(
             url + arrival.path, data=body, headers={"content-type": "application/json"}
         ) as response:
-            outcome.replica = response.headers.get("x-sim-pod")
+            outcome.replica = response.headers.get("x-sim-pod") or response.headers.get(
+                "x-conformance-test-served-endpoint"
+            )
             if response.status != 200:
                 text = (await response.read())[:200].decode(errors="replace")
                 outcome.error = f"HTTP {response.status}: {text}"
@@ -257,7 +384,11 @@ async def _send(
                     done = True
                     break
                 chunk = orjson.loads(payload)
-                if not chunk.get("choices"):  # the usage chunk carries no token
+                if isinstance(usage := chunk.get("usage"), dict):
+                    reported = usage.get("completion_tokens")
+                # A token is a chunk with text: llama.cpp's last chunk only says why it
+                # stopped, and the usage chunk carries no choice at all.
+                if not any(choice.get("text") for choice in chunk.get("choices") or ()):
                     continue
                 now = time.perf_counter()
                 if outcome.ttft is None:
@@ -270,6 +401,8 @@ async def _send(
     except (TimeoutError, aiohttp.ClientError, ValueError) as error:
         outcome.error = f"{type(error).__name__}: {error}"
         return outcome
+    if reported is not None:
+        outcome.tokens = reported  # a token split across chunks (or none) is still one
     if not done:
         outcome.error = "the stream ended without data: [DONE]"
     elif outcome.tokens != arrival.max_tokens:
@@ -277,27 +410,35 @@ async def _send(
     return outcome
 
 
-async def _counters(session: aiohttp.ClientSession, endpoint: str) -> tuple[float, float] | None:
+async def _counters(
+    session: aiohttp.ClientSession, endpoint: str, backend: Backend
+) -> tuple[float, ...] | None:
+    names = [name for group in backend.counted for name in group]
     async with session.get(f"http://{endpoint}/metrics") as response:
-        families = parse(await response.text(), (QUERIES, HITS))
-    if QUERIES not in families or HITS not in families:
+        families = parse(await response.text(), names)
+    if any(name not in families for name in names):
         return None
-    return (sum(v for _, v in families[QUERIES]), sum(v for _, v in families[HITS]))
+    return tuple(sum(v for name in group for _, v in families[name]) for group in backend.counted)
 
 
 async def counters(
-    session: aiohttp.ClientSession, endpoints: Sequence[str]
-) -> tuple[float, float] | None:
-    """Prefix-cache queries and hits summed over ``endpoints``; None if any lacks them."""
-    found = await asyncio.gather(*(_counters(session, e) for e in endpoints))
+    session: aiohttp.ClientSession, endpoints: Sequence[str], backend: Backend = SIMULATOR
+) -> tuple[float, ...] | None:
+    """``backend.counted``'s sums over ``endpoints`` (prompt tokens asked for, served from
+    the cache, then the prefill counters); None if any replica lacks one."""
+    found = await asyncio.gather(*(_counters(session, e, backend) for e in endpoints))
     if any(f is None for f in found):
         return None
-    return (sum(f[0] for f in found if f), sum(f[1] for f in found if f))
+    return tuple(sum(column) for column in zip(*(f for f in found if f), strict=True))
 
 
 async def drive(
-    url: str, endpoints: Sequence[str], arrivals: Sequence[Arrival], size: Size
-) -> tuple[list[Outcome], tuple[float, float] | None]:
+    url: str,
+    endpoints: Sequence[str],
+    arrivals: Sequence[Arrival],
+    size: Size,
+    backend: Backend = SIMULATOR,
+) -> tuple[list[Outcome], tuple[float, ...] | None]:
     """Send every arrival at its scheduled time (``at * time_scale`` after the start), open loop;
     the outcomes, and the replicas' prefix-cache counters over the measured window.
 
@@ -307,19 +448,20 @@ async def drive(
     are read (in a task of their own, so no send waits) when the first
     measured request goes out, and again after the last answer.
     """
-    bodies = [orjson.dumps({**a.body, "stream": True}) for a in arrivals]
+    bodies = [orjson.dumps({**a.body, **backend.extra_body, "stream": True}) for a in arrivals]
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=300, sock_connect=10)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         tasks = []
-        before = asyncio.create_task(counters(session, endpoints)) if not size.warmup else None
+        count = functools.partial(counters, session, endpoints, backend)
+        before = asyncio.create_task(count()) if not size.warmup else None
         start = time.perf_counter()
         for n, (arrival, body) in enumerate(zip(arrivals, bodies, strict=True)):
             due = start + arrival.at * size.time_scale
             if (wait := due - time.perf_counter()) > 0:
                 await asyncio.sleep(wait)
             if n == size.warmup_count and before is None:
-                before = asyncio.create_task(counters(session, endpoints))
+                before = asyncio.create_task(count())
             now = time.perf_counter()
             outcome = Outcome(
                 arrival.request_id,
@@ -330,11 +472,11 @@ async def drive(
             )
             tasks.append(asyncio.create_task(_send(session, url, arrival, body, outcome)))
         outcomes = list(await asyncio.gather(*tasks))
-        after = await counters(session, endpoints)
+        after = await count()
         first = await before if before is not None else None
     if first is None or after is None:
         return outcomes, None
-    return outcomes, (after[0] - first[0], after[1] - first[1])
+    return outcomes, tuple(a - b for a, b in zip(after, first, strict=True))
 
 
 async def renders(endpoint: str, model: str) -> bool:
@@ -383,16 +525,6 @@ def simulator_args(size: Size) -> list[str]:
 
 
 @contextlib.contextmanager
-def switchyard(work_dir: Path, pods: Path, policy: str, args: Sequence[str]) -> Iterator[str]:
-    """The demo gateway with ``policy`` (round-robin or the prefix-aware config); its URL."""
-    config = PREFIX_AWARE if policy == "prefix-aware" else None
-    with Topology(
-        work_dir, pods, simulator_args=args, picker_config=config, startup_timeout=60
-    ) as topology:
-        yield topology.url
-
-
-@contextlib.contextmanager
 def simulators(work_dir: Path, pods: Path, args: Sequence[str]) -> Iterator[Service]:
     """``python -m simulator`` on ``pods`` until the block ends."""
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -409,50 +541,118 @@ def simulators(work_dir: Path, pods: Path, args: Sequence[str]) -> Iterator[Serv
 
 
 @contextlib.contextmanager
-def peer_router(
-    work_dir: Path, pods: Path, endpoints: Sequence[str], arm: Arm, args: Sequence[str]
-) -> Iterator[str]:
-    """Simulators and ``arm``'s peer router in front of them; the router's URL."""
-    peer = next(p for p in peers.PEERS if p.name == arm.router)
-    with simulators(work_dir, pods, args):
-        router = peers.start(
-            peer, arm.policy, [f"http://{e}" for e in endpoints], work_dir, timeout=60
-        )
-        try:
-            yield router.url
-        finally:
-            router.stop()
+def llamacpp_engines(work_dir: Path, count: int) -> Iterator[list[int]]:
+    """``count`` llama.cpp engines (``python -m demo.llamacpp``: one thread, ``LLAMACPP_SLOTS``
+    slots, a ``LLAMACPP_PROMPT_CACHE_MIB`` prompt cache) until the block ends; their ports."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    model = llamacpp.packaged_model()  # assembled once, before the engines could race to
+    argv = [
+        *(sys.executable, "-m", "demo.llamacpp", "--model-file", str(model)),
+        *("--threads", "1", "--parallel", str(LLAMACPP_SLOTS)),
+        *("--ctx-size", str(1024 * LLAMACPP_SLOTS)),
+        *("--prompt-cache-mib", str(LLAMACPP_PROMPT_CACHE_MIB)),
+    ]
+    engines = [Service(f"llamacpp-{n}", argv, work_dir / f"llamacpp-{n}.log") for n in range(count)]
+    try:
+        ports = []
+        for engine in engines:
+            line = wait_for(engine, "listening", functools.partial(listening_line, engine), 120)
+            ports.append(int(line["port"]))
+        yield ports
+    finally:
+        for engine in engines:
+            engine.stop()
 
 
-def run_arm(arm: Arm, size: Size, arrivals: Sequence[Arrival], work_dir: Path) -> ArmResult:
-    """Fresh replicas, ``arm``'s router in front, the workload through it; then stop all."""
+@contextlib.contextmanager
+def replicas(
+    backend: Backend, work_dir: Path, size: Size, model: str
+) -> Iterator[tuple[Path, list[str]]]:
+    """Fresh model servers (cold caches) until the block ends: their pod file and ``ip:port``s."""
     pods = work_dir / "pods.yaml"
+    if backend is SIMULATOR:
+        endpoints = write_pods(pods, size, model)
+        with simulators(work_dir, pods, simulator_args(size)):
+            yield pods, endpoints
+        return
+    with llamacpp_engines(work_dir, size.replicas) as ports:
+        labels = {"pool": "live", "model": model}
+        pods.write_text(
+            dump_pods(Pod(f"llamacpp-{n}", HOST, (port,), labels) for n, port in enumerate(ports))
+        )
+        yield pods, [f"{HOST}:{port}" for port in ports]
+
+
+@contextlib.contextmanager
+def switchyard(
+    work_dir: Path, pods: Path, policy: str, backend: Backend, notes: list[str]
+) -> Iterator[str]:
+    """The demo gateway in front of ``pods`` with ``policy`` (round-robin or the backend's
+    prefix-aware config); its URL. A replica its readiness probe drops is noted."""
+
+    def changed(pod: Pod, why: str | None) -> None:
+        notes.append(f"switchyard {policy}: replica {pod.name} " + (why or "answers again"))
+
+    config = backend.prefix_config if policy == "prefix-aware" else None
+    with Topology(
+        work_dir / "gateway",
+        pods,
+        picker_config=config,
+        startup_timeout=60,
+        simulator=False,
+        on_server_change=changed,
+    ) as topology:
+        yield topology.url
+
+
+@contextlib.contextmanager
+def peer_router(work_dir: Path, endpoints: Sequence[str], arm: Arm) -> Iterator[str]:
+    """``arm``'s peer router in front of ``endpoints``; the router's URL."""
+    peer = next(p for p in peers.PEERS if p.name == arm.router)
+    router = peers.start(peer, arm.policy, [f"http://{e}" for e in endpoints], work_dir, timeout=60)
+    try:
+        yield router.url
+    finally:
+        router.stop()
+
+
+def run_arm(
+    arm: Arm,
+    size: Size,
+    arrivals: Sequence[Arrival],
+    work_dir: Path,
+    backend: Backend = SIMULATOR,
+) -> ArmResult:
+    """Fresh replicas, ``arm``'s router in front, the workload through it; then stop all."""
     model = str(arrivals[0].body["model"])
-    endpoints = write_pods(pods, size, model)
-    args = simulator_args(size)
-    notes = []
-    if arm.router == SWITCHYARD:
-        routed = switchyard(work_dir, pods, arm.policy, args)
-    else:
-        routed = peer_router(work_dir, pods, endpoints, arm, args)
-    with routed as url:
+    notes: list[str] = []
+    with contextlib.ExitStack() as stack:
+        pods, endpoints = stack.enter_context(replicas(backend, work_dir, size, model))
+        if arm.router == SWITCHYARD:
+            routed = switchyard(work_dir, pods, arm.policy, backend, notes)
+        else:
+            routed = peer_router(work_dir, endpoints, arm)
+        url = stack.enter_context(routed)
         needs_render = arm == Arm(peers.VLLM_ROUTER.name, "cache_aware")
         if needs_render and not asyncio.run(renders(endpoints[0], model)):
             notes.append(
-                f"{arm.label}: the simulator does not answer POST /v1/completions/render "
+                f"{arm.label}: {'llama.cpp' if backend is LLAMACPP else 'the simulator'} does "
+                "not answer POST /v1/completions/render "
                 'with [{"token_ids": [...]}], which this router\'s cache_aware uses to '
                 "tokenize prompts; without it the router picks by load alone."
             )
         progress(f"live: {arm.label}: {len(arrivals)} requests through {url}")
-        outcomes, delta = asyncio.run(drive(url, endpoints, arrivals, size))
-    queries, hits = delta if delta is not None else (None, None)
-    return ArmResult(arm, outcomes, queries, hits, notes)
+        outcomes, delta = asyncio.run(drive(url, endpoints, arrivals, size, backend))
+    if delta is None:
+        return ArmResult(arm, outcomes, None, None, notes)
+    rate = delta[2] / delta[3] if len(delta) == 4 and delta[3] > 0 else None
+    return ArmResult(arm, outcomes, delta[0], delta[1], notes, rate)
 
 
 # --- the report ----------------------------------------------------------------------
 
 
-def arms(quick: bool) -> tuple[list[Arm], list[str]]:
+def arms(quick: bool, backend: Backend = SIMULATOR) -> tuple[list[Arm], list[str]]:
     """The arms to run, and a note for each peer that cannot run here (and why)."""
     chosen = [Arm(SWITCHYARD, p) for p in (("prefix-aware",) if quick else SWITCHYARD_POLICIES)]
     notes = []
@@ -466,7 +666,7 @@ def arms(quick: bool) -> tuple[list[Arm], list[str]]:
         notes.append(f"Quick size: only {runnable[0].name} of the installed peers runs.")
         runnable = runnable[:1]
     for peer in runnable:
-        policies = ("cache_aware",) if quick else peers.POLICIES
+        policies = ("cache_aware",) if quick else backend.peer_policies
         chosen += [Arm(peer.name, policy) for policy in policies]
     return chosen, notes
 
@@ -479,9 +679,10 @@ def _share(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.0%}"
 
 
-def _row(result: ArmResult, time_scale: float) -> list[object]:
+def _row(result: ArmResult, time_scale: float, real: bool = False) -> list[object]:
     ttft, gaps = result.ttfts(), result.gaps()
     spread = result.spread()
+    rate = [math.nan if result.prefill_rate is None else result.prefill_rate] if real else []
     return [
         result.arm.label,
         _ms(percentile(ttft, 50)),
@@ -496,6 +697,7 @@ def _row(result: ArmResult, time_scale: float) -> list[object]:
         f"{sum(1 for o in result.outcomes if o.error is None)}/{len(result.outcomes)}",
         result.errors,
         _ms(result.lag()),
+        *rate,
     ]
 
 
@@ -511,13 +713,65 @@ def _p90(result: ArmResult) -> float:
     return _ms(percentile(result.ttfts(), 90))
 
 
-def section(size: Size, results: Sequence[ArmResult], notes: list[str], quick: bool) -> Section:
+def _p50(result: ArmResult) -> float:
+    return _ms(percentile(result.ttfts(), 50))
+
+
+def _hit_rate(result: ArmResult) -> float:
+    return math.nan if result.hit_rate is None else 100 * result.hit_rate
+
+
+def llamacpp_targets(by_label: Mapping[str, ArmResult]) -> list[Target]:
+    """On real engines: prefix placement's median TTFT against round-robin's, and its hit
+    rate against the best peer's (a prefix-aware router should not cache less)."""
+    ours = by_label.get(f"{SWITCHYARD} prefix-aware")
+    if ours is None:
+        return []
+    targets = []
+    if (baseline := by_label.get(f"{SWITCHYARD} round-robin")) is not None:
+        targets.append(
+            Target(
+                "Switchyard prefix-aware TTFT p50 ≤ 0.2 × Switchyard round-robin's",
+                _p50(ours) / _p50(baseline),
+                0.2,
+            )
+        )
+    rated = [r for r in by_label.values() if r.arm.router != SWITCHYARD and r.hit_rate is not None]
+    if rated:
+        best = max(rated, key=_hit_rate)
+        targets.append(
+            Target(
+                f"Switchyard prefix-aware hit rate ≥ 0.9 × the best peer's ({best.arm.label})",
+                _hit_rate(ours),
+                0.9 * _hit_rate(best),
+                at_most=False,
+                unit="%",
+            )
+        )
+    return targets
+
+
+def section(
+    size: Size,
+    results: Sequence[ArmResult],
+    notes: list[str],
+    quick: bool,
+    backend: Backend = SIMULATOR,
+) -> Section:
     """The report: one table row per arm, a TTFT CDF, the targets, the raw numbers."""
     by_label = {r.arm.label: r for r in results}
     shape = size.shape
+    real = backend is LLAMACPP
+    servers = (
+        f"llama.cpp, Gemma 3 270M, 1 CPU thread, {LLAMACPP_SLOTS} slot and a "
+        f"{LLAMACPP_PROMPT_CACHE_MIB} MiB prompt cache each"
+        if real
+        else PROFILE
+    )
+    rate = f"{size.rate:g}/s" if real else f"{size.rate:g}/s modelled ({size.wall_rate:g}/s wall)"
     table = Table(
-        f"Shared prefix over HTTP: {size.replicas} replicas ({PROFILE}), {size.count} streamed "
-        f"requests at {size.rate:g}/s modelled ({size.wall_rate:g}/s wall)",
+        f"Shared prefix over HTTP: {size.replicas} replicas ({servers}), {size.count} streamed "
+        f"requests at {rate}",
         [
             "router / policy",
             "TTFT p50 ms",
@@ -525,40 +779,49 @@ def section(size: Size, results: Sequence[ArmResult], notes: list[str], quick: b
             "TTFT p99 ms",
             "ITL p50 ms",
             "E2E p90 ms",
-            "output tok/s (modelled)",
+            "output tok/s" if real else "output tok/s (modelled)",
             "prefix-cache hit rate",
             "on the group's main replica",
             "busiest replica / mean",
             "answered",
             "errors",
             "client lag p99 ms",
+            *(["engine prefill tok/s"] if real else []),
         ],
-        [_row(r, size.time_scale) for r in results],
+        [_row(r, size.time_scale, real) for r in results],
         note=(
-            f"Workload: {shape.groups} system prompts of {shape.prefix_tokens} tokens, "
-            f"{shape.users} users each, {shape.question_tokens}-token questions, "
-            f"{shape.max_tokens} output tokens, Poisson arrivals. Latencies are wall "
-            f"milliseconds at time scale {size.time_scale:g} (divide by {size.time_scale:g} "
-            f"for modelled time) over the last {size.count - size.warmup_count} requests (the "
-            f"first {size.warmup_count} warm the caches). Hit rate: prompt tokens found in the "
-            "replicas' prefix caches / prompt tokens looked up, over the same window."
+            (
+                f"Workload: {shape.groups} system prompts of {shape.prefix_tokens} words "
+                f"(about {9 * shape.prefix_tokens} of Gemma's tokens), {shape.users} users "
+                f"each, {shape.question_tokens}-word questions, {shape.max_tokens} output "
+                "tokens, Poisson arrivals. Latencies are wall milliseconds"
+                if real
+                else f"Workload: {shape.groups} system prompts of {shape.prefix_tokens} "
+                f"tokens, {shape.users} users each, {shape.question_tokens}-token questions, "
+                f"{shape.max_tokens} output tokens, Poisson arrivals. Latencies are wall "
+                f"milliseconds at time scale {size.time_scale:g} (divide by "
+                f"{size.time_scale:g} for modelled time)"
+            )
+            + f" over the last {size.count - size.warmup_count} requests (the "
+            f"first {size.warmup_count} warm the caches). Hit rate: prompt tokens served from "
+            "the replicas' caches / prompt tokens asked for, over the same window."
         ),
     )
     cdf = Plot(
-        "live-ttft-cdf",
+        "live-llamacpp-ttft-cdf" if real else "live-ttft-cdf",
         "Time to first token, shared prefix over HTTP (the CDF, axes swapped)",
         "share of requests",
         "TTFT, wall ms (log scale)",
         [Series(r.arm.label, *_quantiles(r.ttfts())) for r in results],
         logy=True,
     )
-    targets = []
+    targets = llamacpp_targets(by_label) if real else []
     ours = by_label.get(f"{SWITCHYARD} prefix-aware")
     peer_best = sorted(
         (r for r in results if r.arm.router != SWITCHYARD and r.arm.policy == "cache_aware"),
         key=_p90,
     )
-    if ours is not None and peer_best:
+    if ours is not None and peer_best and not real:
         best = peer_best[0]
         targets.append(
             Target(
@@ -570,7 +833,7 @@ def section(size: Size, results: Sequence[ArmResult], notes: list[str], quick: b
             )
         )
     baseline = by_label.get(f"{SWITCHYARD} round-robin")
-    if ours is not None and baseline is not None:
+    if ours is not None and baseline is not None and not real:
         targets.append(
             Target(
                 "Switchyard prefix-aware TTFT p90 ≤ Switchyard round-robin's",
@@ -581,16 +844,24 @@ def section(size: Size, results: Sequence[ArmResult], notes: list[str], quick: b
         )
     starved = [f"{r.arm.label} ({_ms(r.lag()):.0f} ms)" for r in results if r.lag() > LAG_LIMIT]
     step = PROFILES[PROFILE].step_overhead
-    notes = [
-        *notes,
-        *(note for r in results for note in r.notes),
-        f"Time scale {size.time_scale:g}: every modelled second of the simulator lasts "
+    timing = (
+        "Real time: each engine computes on one CPU thread; a miss prefills the whole "
+        "system prompt (seconds), a hit only the question, against about 10 ms that the "
+        "gateway's hops (Python, Envoy) add per request on this 2-core machine, where the "
+        "client, the routers and the engines share the CPU."
+        if real
+        else f"Time scale {size.time_scale:g}: every modelled second of the simulator lasts "
         f"{size.time_scale:g} wall seconds, so one engine step of the {PROFILE} profile "
         f"({step * 1000:.0f} ms modelled, at least) lasts {step * 1000 * size.time_scale:.0f} ms, "
         f"and a miss on a {shape.prefix_tokens}-"
         "token prefix far longer, against about 10 ms that the gateway's hops (Python, Envoy) "
         "add per request on this 2-core machine, where the client, the routers and the "
-        "simulators share the CPU.",
+        "simulators share the CPU."
+    )
+    notes = [
+        *notes,
+        *(note for r in results for note in r.notes),
+        timing,
         (
             f"The client fell behind its schedule by more than {_ms(LAG_LIMIT):.0f} ms (p99) "
             f"in {', '.join(starved)}: the CPU was busy elsewhere during those arms, and "
@@ -599,14 +870,26 @@ def section(size: Size, results: Sequence[ArmResult], notes: list[str], quick: b
             else f"The client sent 99% of the requests within {_ms(LAG_LIMIT):.0f} ms of their "
             "scheduled times in every arm."
         ),
-        "Each arm starts from fresh simulator processes (cold prefix caches) and the same "
-        "arrival schedule; peers run with their defaults (cache threshold 0.3, balance "
-        "thresholds 64 and 1.5).",
+        f"Each arm starts from fresh {'engine' if real else 'simulator'} processes (cold "
+        "prefix caches) and the same arrival schedule; peers run with their defaults (cache "
+        "threshold 0.3, balance thresholds 64 and 1.5).",
     ]
+    if real:
+        notes.append(
+            "llama.cpp names no replica in its answers: the placement columns count "
+            "Switchyard's own report (x-conformance-test-served-endpoint) and are n/a for "
+            "the peers. Engine prefill tok/s: prompt tokens the engines computed per second "
+            "they spent computing them (llamacpp:prompt_tokens_total / "
+            "llamacpp:prompt_seconds_total over the window). A short computation (a "
+            "question after a cached prompt) runs slower per token than a whole prompt, "
+            "so compare it between arms of similar hit rates: there it shows how much CPU "
+            "each arm had on a shared machine (arms run one after the other)."
+        )
     if quick:
         notes.append("Quick (smoke) size: the numbers mean nothing.")
     data = {
-        "profile": PROFILE,
+        "engine": backend.name,
+        "profile": "llamacpp-gemma-3-270m" if real else PROFILE,
         "size": {**asdict(size), "shape": asdict(shape)},
         "arms": [
             {
@@ -614,6 +897,7 @@ def section(size: Size, results: Sequence[ArmResult], notes: list[str], quick: b
                 "policy": r.arm.policy,
                 "queries": r.queries,
                 "hits": r.hits,
+                "prefill_rate": r.prefill_rate,
                 "errors": r.errors,
                 "outcomes": [asdict(o) for o in r.outcomes],
             }
@@ -621,9 +905,11 @@ def section(size: Size, results: Sequence[ArmResult], notes: list[str], quick: b
         ],
     }
     return Section(
-        key="live",
-        title="Live: the demo gateway beside vLLM's and SGLang's routers",
-        command="make bench-live",
+        key="live-llamacpp" if real else "live",
+        title="Live on real llama.cpp engines: the demo gateway beside vLLM's and SGLang's routers"
+        if real
+        else "Live: the demo gateway beside vLLM's and SGLang's routers",
+        command="make bench-live ENGINE=llamacpp" if real else "make bench-live",
         tables=[table],
         plots=[cdf],
         targets=targets,
@@ -634,15 +920,16 @@ def section(size: Size, results: Sequence[ArmResult], notes: list[str], quick: b
 
 def run(options: Options) -> Section:
     """Run every arm on the same workload and report them side by side."""
-    size = QUICK if options.quick else FULL
+    backend = BACKENDS[options.engine]
+    size = backend.size(options.quick)
     arrivals = shared_prefix(size.shape, size.rate, size.count, seed=options.seed)
-    chosen, notes = arms(options.quick)
+    chosen, notes = arms(options.quick, backend)
     results = []
     for n, arm in enumerate(chosen):
         work_dir = options.out / "live" / f"{n}-{arm.router}-{arm.policy}"
         try:
-            results.append(run_arm(arm, size, arrivals, work_dir))
+            results.append(run_arm(arm, size, arrivals, work_dir, backend))
         except RuntimeError as error:  # TopologyError, PeerError: a router that did not start
             notes.append(f"{arm.label} did not run: {error}")
             progress(f"live: {arm.label} failed: {error}")
-    return section(size, results, notes, options.quick)
+    return section(size, results, notes, options.quick, backend)

@@ -35,6 +35,8 @@ class Options:
     quick: bool = False
     """Smoke size: seconds, for the test suite. Numbers from a quick run mean nothing."""
     out: Path = Path("bench-results")
+    engine: str = "simulator"
+    """What serves the live part's model: ``simulator`` or ``llamacpp`` (real llama.cpp)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from types import FrameType
 
 from demo.topology import Topology, TopologyError
 from pods.file import PodFileError
+from pods.model import Pod
 
 DEFAULT_PODS = resources.files("demo") / "pods.yaml"
 
@@ -23,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m demo",
         description="Run Envoy, BBR, one LWEPP per pool and simulated model servers on "
-        "127.0.0.1, print example requests, and stop everything on Ctrl-C or SIGTERM.",
+        "127.0.0.1, print example requests, and stop everything on Ctrl-C or SIGTERM. "
+        "With --no-simulator, the gateway fronts the servers your pod file names instead.",
     )
     add = parser.add_argument
     add("--port", type=int, default=8080, help="gateway port (default: %(default)s)")
@@ -37,6 +39,13 @@ def _parser() -> argparse.ArgumentParser:
         help="run every pool's LWEPP with this EndpointPickerConfig (e.g. "
         "demo/configs/prefix-aware.yaml); requests sent with x-switchyard-explain: 1 "
         "then learn why they went where they went (x-switchyard-decision)",
+    )
+    add(
+        "--no-simulator",
+        action="store_true",
+        help="start no model server: the pods are your own servers, already running (vLLM, "
+        "SGLang, llama.cpp...); each is checked at start and probed for readiness while the "
+        "gateway runs",
     )
     add(
         "--fail-open",
@@ -79,9 +88,13 @@ def examples(topology: Topology) -> list[str]:
             "",
         ]
     lines += [
+        "# the models the gateway serves (OpenAI's list), and one of them",
+        f"curl -s {url}/v1/models",
+        f"curl -s {url}/v1/models/{topology.pools[0].models[0]}",
+        "",
         "# not JSON: BBR refuses it (400)",
         _curl(url, "/v1/completions", '{"model": '),
-        "# a model no pool serves: Envoy answers 404 and lists the models",
+        "# a model no pool serves: Envoy answers 404 (model_not_found, OpenAI-style JSON)",
         _curl(url, "/v1/completions", {"model": "gpt-9", "prompt": "hi"}),
     ]
     return lines
@@ -95,14 +108,23 @@ def banner(topology: Topology) -> str:
             f"  {pool.name}  {mode}  models {', '.join(pool.models)}  "
             f"replicas {', '.join(pool.endpoints)}  picker 127.0.0.1:{pool.picker_port}"
         )
+    if not topology.simulator:
+        out += ["", "Your servers (checked at start; probed for readiness every second):"]
+        out += [check.line() for check in topology.checks]
     out += ["", *examples(topology), ""]
-    out += [
-        "In the answers: x-sim-pod and x-sim-endpoint name the replica; x-sim-received-x-gateway-*",
-        "are the routing headers it received; x-conformance-test-served-endpoint is what the",
-        "picker heard back from Envoy about the endpoint that served.",
-        "",
-        "Logs (JSON lines):",
-    ]
+    if topology.simulator:
+        out += [
+            "In the answers: x-sim-pod and x-sim-endpoint name the replica; "
+            "x-sim-received-x-gateway-*",
+            "are the routing headers it received; x-conformance-test-served-endpoint is what the",
+            "picker heard back from Envoy about the endpoint that served.",
+        ]
+    else:
+        out += [
+            "In the answers: x-conformance-test-served-endpoint is the server that answered, as",
+            "Envoy reported it to the pool's picker. Errors, from any part, are OpenAI-style JSON.",
+        ]
+    out += ["", "Logs (JSON lines):"]
     for name, service in topology.services.items():
         metrics = service.listening.get("metrics_port")
         where = f"   metrics http://127.0.0.1:{metrics}/metrics" if metrics else ""
@@ -117,6 +139,14 @@ def banner(topology: Topology) -> str:
     return "\n".join(out)
 
 
+def server_change(pod: Pod, why: str | None) -> None:
+    """Say when a server of the pod file stops or starts answering (the readiness probe)."""
+    if why is None:
+        print(f"server {pod.name}: answers again; its pool's picker sends it requests", flush=True)
+    else:
+        print(f"server {pod.name}: {why}; its pool's picker leaves it out", flush=True)
+
+
 def _stop(_signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(0)  # unwinds through the Topology, which stops every service
 
@@ -127,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Ctrl-C raises KeyboardInterrupt even if SIGINT came in ignored (a background job).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     fail_open = args.fail_open if args.fail_open is not None else ([] if args.pods else ["b"])
+    if args.no_simulator and args.pods is None:
+        sys.exit("demo: --no-simulator needs --pods: the pod file naming your servers")
     with resources.as_file(DEFAULT_PODS) as default_pods:
         pods = args.pods or default_pods
         try:
@@ -137,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 admin_port=args.admin_port,
                 fail_open=fail_open,
                 picker_config=args.picker_config,
+                simulator=not args.no_simulator,
+                on_server_change=server_change,
             )
             print(f"Starting the gateway (logs in {args.work_dir}) ...", flush=True)
             with topology:

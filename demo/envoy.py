@@ -18,6 +18,13 @@ filter placed just before the router is the first to see the response.
    reads with the response headers: the GIE protocol's "the data plane
    reports the endpoint that actually served the request".
 
+Two kinds of answer come from the gateway itself, as OpenAI-style JSON
+errors or lists (``protos.exchange.error_body``): ``GET /v1/models`` and
+``/v1/models/{id}`` (the union of the models the pools serve, answered by
+Envoy without calling any service) and the 404s for a model no pool serves;
+and Envoy's own failures (a replica that refuses connections, a service that
+is down), rewritten by the HCM's ``local_reply_config``.
+
 The module aliases follow Envoy's type names (``cluster.Cluster`` is
 ``envoy.config.cluster.v3.Cluster``), so each object can be looked up in
 Envoy's API reference under the same name.
@@ -31,6 +38,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Final
+from urllib.parse import quote
 
 import betterproto2
 from envoy_data_plane.envoy.config.accesslog import v3 as accesslog
@@ -42,6 +50,7 @@ from envoy_data_plane.envoy.config.endpoint import v3 as endpoint
 from envoy_data_plane.envoy.config.listener import v3 as listener
 from envoy_data_plane.envoy.config.route import v3 as route
 from envoy_data_plane.envoy.extensions.access_loggers.file import v3 as file_log
+from envoy_data_plane.envoy.extensions.access_loggers.filters.cel import v3 as cel
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc import v3 as ext_proc
 from envoy_data_plane.envoy.extensions.filters.http.header_mutation import v3 as header_mutation
 from envoy_data_plane.envoy.extensions.filters.http.header_to_metadata import v3 as to_metadata
@@ -52,6 +61,8 @@ from envoy_data_plane.envoy.type import v3 as types
 from envoy_data_plane.envoy.type.matcher import v3 as matcher
 from envoy_data_plane.google.protobuf import Any as AnyMessage
 from envoy_data_plane.google.protobuf import Struct
+
+from protos.exchange import error_body
 
 MODEL_HEADER: Final = "x-gateway-model-name"
 """Set by BBR from the body's ``model``; the routes match on it (GIE's BBR guide)."""
@@ -67,6 +78,9 @@ HEALTH_SERVICE: Final = "inference-extension"
 
 ROUTE_TIMEOUT: Final = timedelta(seconds=300)
 """Whole-response timeout, as GIE's InferencePool HTTPRoute: room for long streams."""
+
+MODELS_PATH: Final = "/v1/models"
+"""OpenAI's model list (``GET``); ``/v1/models/{id}`` is one model's card."""
 
 MESSAGE_TIMEOUT: Final = timedelta(seconds=2)
 """How long Envoy waits for an ext_proc reply it times (Envoy's default is 200 ms).
@@ -97,7 +111,11 @@ class GatewayPool:
 
 @dataclass(frozen=True, slots=True)
 class Gateway:
-    """Everything the bootstrap depends on; port 0 lets the OS choose."""
+    """Everything the bootstrap depends on; port 0 lets the OS choose.
+
+    ``created``: the ``created`` time (Unix seconds) of the models ``/v1/models``
+    lists, as OpenAI's model objects carry one: when the gateway was configured.
+    """
 
     port: int
     admin_port: int
@@ -105,6 +123,7 @@ class Gateway:
     pools: tuple[GatewayPool, ...]
     host: str = "127.0.0.1"
     access_log: str | None = None
+    created: int = 0
 
 
 def _any(message: betterproto2.Message) -> AnyMessage:
@@ -418,22 +437,87 @@ def _pool_routes(pool: GatewayPool) -> list[route.Route]:
 
 
 def _not_found(
-    name: str, message: str, models: str, match: list[route.HeaderMatcher]
+    name: str,
+    message: str,
+    match: route.RouteMatch,
+    per_filter: dict[str, AnyMessage] | None = None,
 ) -> route.Route:
-    """A 404 the gateway answers itself, as JSON in the OpenAI error shape.
+    """A 404 the gateway answers itself: an OpenAI-style error, code ``model_not_found``.
 
     ``json_format`` escapes what the formatters insert (the client's model
     name), so the body is always valid JSON.
     """
-    body = {"error": {"type": "not_found", "message": message, "models": models}}
+    body = error_body(404, message, "model_not_found")
     return route.Route(
         name=name,
-        match=route.RouteMatch(prefix="/", headers=match),
+        match=match,
         direct_response=route.DirectResponseAction(
             status=404,
             body_format=core.SubstitutionFormatString(json_format=Struct.from_dict(body)),
         ),
+        typed_per_filter_config=per_filter or {},
     )
+
+
+def model_card(model: str, pool: GatewayPool, created: int) -> dict[str, object]:
+    """One model as OpenAI's ``/v1/models`` lists it; ``owned_by`` names the pool serving it."""
+    return {"id": model, "object": "model", "created": created, "owned_by": pool.name}
+
+
+def _json_answer(name: str, match: route.RouteMatch, body: object) -> route.Route:
+    """A fixed JSON answer (200) from Envoy itself, with BBR switched off on the route.
+
+    The body is a literal (``body``, not a format string), so no character of a
+    model name can be taken for a formatter. BBR is switched off because the
+    route is chosen by path before any filter runs, and nothing on it needs
+    the body read; a model list then answers even while BBR is down.
+    """
+    content_type = core.HeaderValueOption(
+        header=core.HeaderValue(key="content-type", value="application/json"),
+        append_action=core.HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+    return route.Route(
+        name=name,
+        match=match,
+        direct_response=route.DirectResponseAction(
+            status=200, body=core.DataSource(inline_string=json.dumps(body))
+        ),
+        response_headers_to_add=[content_type],
+        typed_per_filter_config=bbr_off(),
+    )
+
+
+def bbr_off() -> dict[str, AnyMessage]:
+    """A route's ``typed_per_filter_config`` that switches BBR off on it."""
+    return {"bbr": _any(ext_proc.ExtProcPerRoute(disabled=True))}
+
+
+def model_routes(pools: Sequence[GatewayPool], created: int) -> list[route.Route]:
+    """``GET /v1/models``: the union of the pools' models; ``/v1/models/{id}``: one of them.
+
+    What clients ask first (the OpenAI SDK's ``models.list()``, Open WebUI,
+    LiteLLM's discovery). The gateway knows exactly which models it routes,
+    the pools' routes, so it answers from them. An id with ``/`` in it (a
+    Hugging Face name) is matched as sent and percent-encoded; any other
+    ``/v1/models/...`` is a 404 naming the path.
+    """
+    cards = [model_card(model, pool, created) for pool in pools for model in pool.models]
+    routes = [
+        _json_answer(
+            "models", route.RouteMatch(path=MODELS_PATH), {"object": "list", "data": cards}
+        )
+    ]
+    for card in cards:
+        model = str(card["id"])
+        for path in dict.fromkeys((model, quote(model, safe=""))):
+            match = route.RouteMatch(path=f"{MODELS_PATH}/{path}")
+            routes.append(_json_answer(f"models/{path}", match, card))
+    unknown = (
+        f"no pool serves the model this path names, '%PATH(NQ)%' (GET {MODELS_PATH} lists them)"
+    )
+    match = route.RouteMatch(prefix=f"{MODELS_PATH}/")
+    routes.append(_not_found("models/unknown", unknown, match, bbr_off()))
+    return routes
 
 
 def served_endpoint_header() -> core.HeaderValueOption:
@@ -449,13 +533,17 @@ def served_endpoint_header() -> core.HeaderValueOption:
     )
 
 
-def route_config(pools: Sequence[GatewayPool]) -> route.RouteConfiguration:
-    """The pool routes by model, then the two 404s; Envoy takes the first route that matches."""
-    models = ", ".join(model for pool in pools for model in pool.models)
-    routes = [r for pool in pools for r in _pool_routes(pool)]
-    unknown = f"no pool serves model '%REQ({MODEL_HEADER})%'"
-    routes.append(_not_found("unknown-model", unknown, models, [_header(MODEL_HEADER)]))
-    routes.append(_not_found("no-model", "the request names no model", models, []))
+def route_config(pools: Sequence[GatewayPool], created: int = 0) -> route.RouteConfiguration:
+    """The model list, the pool routes by model, then the two 404s; Envoy takes the first
+    route that matches."""
+    routes = model_routes(pools, created)
+    routes += [r for pool in pools for r in _pool_routes(pool)]
+    served = f"GET {MODELS_PATH} lists the served ones"
+    unknown = f"no pool serves model '%REQ({MODEL_HEADER})%' ({served})"
+    by_model = route.RouteMatch(prefix="/", headers=[_header(MODEL_HEADER)])
+    routes.append(_not_found("unknown-model", unknown, by_model))
+    no_model = f"the request names no model ({served})"
+    routes.append(_not_found("no-model", no_model, route.RouteMatch(prefix="/")))
     gateway = route.VirtualHost(
         name="gateway",
         domains=["*"],
@@ -464,6 +552,75 @@ def route_config(pools: Sequence[GatewayPool]) -> route.RouteConfiguration:
         typed_per_filter_config=pickers_off(pools),
     )
     return route.RouteConfiguration(name="gateway", virtual_hosts=[gateway])
+
+
+# --- the gateway's own failures ------------------------------------------------------
+
+EXT_PROC_FAILED: Final = "response.code_details.startsWith('ext_proc_error')"
+"""CEL: the answer Envoy gives when an ext_proc service fails (a FailClose picker or
+BBR that is down or errs); Envoy's ext_proc filter names it in the response details."""
+
+
+def _server_status() -> accesslog.AccessLogFilter:
+    """Status 500 and above (the runtime key only names the threshold; nothing sets it)."""
+    threshold = core.RuntimeUInt32(default_value=500, runtime_key="gateway.server_error_status")
+    return accesslog.AccessLogFilter(
+        status_code_filter=accesslog.StatusCodeFilter(
+            comparison=accesslog.ComparisonFilter(
+                op=accesslog.ComparisonFilterOp.GE, value=threshold
+            )
+        )
+    )
+
+
+def _error_format(status: int, message: str, code: str) -> core.SubstitutionFormatString:
+    return core.SubstitutionFormatString(
+        json_format=Struct.from_dict(error_body(status, message, code))
+    )
+
+
+def local_replies() -> hcm.LocalReplyConfig:
+    """Envoy's own error answers, rewritten as OpenAI-style JSON errors (first match wins).
+
+    1. An ext_proc service failed (its ``failure_mode_allow`` is false): Envoy
+       would answer an empty 503. The message names the failure.
+    2. Envoy failed on its own (a response flag is set: the picked replica
+       refused the connection ``UF``, no healthy host ``UH``, a timeout
+       ``UT``...): its text in ``message``, the flag's long name in ``code``;
+       ``type`` by the status, as the services' refusals.
+
+    The services' ImmediateResponses (already JSON) and the routes' direct
+    answers carry no response flag and no ext_proc failure, so no mapper
+    touches them.
+    """
+    ext_proc_failed = accesslog.AccessLogFilter(
+        extension_filter=accesslog.ExtensionFilter(
+            name="envoy.access_loggers.extension_filters.cel",
+            typed_config=_any(cel.ExpressionFilter(expression=EXT_PROC_FAILED)),
+        )
+    )
+    flagged = accesslog.AccessLogFilter(response_flag_filter=accesslog.ResponseFlagFilter())
+    envoy_text, flag = "%LOCAL_REPLY_BODY%", "%RESPONSE_FLAGS_LONG%"
+    service_down = (
+        "a gateway service (BBR or the pool's endpoint picker) failed: %RESPONSE_CODE_DETAILS%"
+    )
+    return hcm.LocalReplyConfig(
+        mappers=[
+            hcm.ResponseMapper(
+                filter=ext_proc_failed,
+                body_format_override=_error_format(503, service_down, "ext_proc_error"),
+            ),
+            hcm.ResponseMapper(
+                filter=accesslog.AccessLogFilter(
+                    and_filter=accesslog.AndFilter(filters=[flagged, _server_status()])
+                ),
+                body_format_override=_error_format(503, envoy_text, flag),
+            ),
+            hcm.ResponseMapper(
+                filter=flagged, body_format_override=_error_format(400, envoy_text, flag)
+            ),
+        ]
+    )
 
 
 # --- the whole bootstrap ------------------------------------------------------------
@@ -492,8 +649,9 @@ def bootstrap(gateway: Gateway) -> dict[str, Any]:
     """The whole static configuration, as the JSON object ``envoy -c`` reads."""
     manager = hcm.HttpConnectionManager(
         stat_prefix="gateway",
-        route_config=route_config(gateway.pools),
+        route_config=route_config(gateway.pools, gateway.created),
         http_filters=http_filters(gateway.pools),
+        local_reply_config=local_replies(),
         access_log=[access_log(gateway.access_log)] if gateway.access_log else [],
     )
     network_filter = listener.Filter(

@@ -9,6 +9,12 @@ serves, and starts::
     bbr            the body-based router
     envoy          the gateway, configured by demo.envoy from the ports above
 
+With ``simulator=False`` the pods are servers already running (your own
+vLLM, SGLang or llama.cpp): no simulator starts; instead each server is
+checked once (``demo.servers.check_servers``, the result in ``checks``) and
+then probed for readiness while the gateway runs (``demo.servers.Readiness``),
+the pickers reading the pod file the probe writes.
+
 The first three kinds start together; Envoy starts once they are ready,
 because its bootstrap needs the ports they bound (port 0 anywhere means "any
 free port": each service reports its ports in its ``listening`` log line).
@@ -36,8 +42,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from demo.envoy import Gateway, GatewayPool, write_bootstrap
+from demo.servers import Readiness, ServerCheck, check_servers
 from pods.file import load_pods
-from pods.model import endpoints_of
+from pods.model import Pod, endpoints_of
 
 HOST: Final = "127.0.0.1"
 STOP_TIMEOUT: Final = 15.0
@@ -294,6 +301,9 @@ class Topology(Processes):
     ``picker_config``: an EndpointPickerConfig every pool's LWEPP runs with
     (``--config``); None: plain round-robin. ``picker_args``: more flags for
     some pools' pickers, by pool name; ``bbr_args``: more flags for BBR.
+    ``simulator``: False when the pods are servers already running (see the
+    module docstring); ``on_server_change(pod, why)`` then hears each
+    readiness change (``why`` None: ready again).
     """
 
     def __init__(
@@ -311,6 +321,8 @@ class Topology(Processes):
         picker_config: Path | None = None,
         picker_args: Mapping[str, Sequence[str]] | None = None,
         bbr_args: Sequence[str] = (),
+        simulator: bool = True,
+        on_server_change: Callable[[Pod, str | None], None] | None = None,
     ) -> None:
         self.work_dir = work_dir
         self._picker_args = dict(picker_args or {})
@@ -324,6 +336,11 @@ class Topology(Processes):
         self._log_level = log_level
         self._timeout = startup_timeout
         self._trace = trace
+        self.simulator = simulator
+        self.checks: list[ServerCheck] = []
+        """With ``simulator=False``: the start check of every server, in pod-file order."""
+        self.readiness: Readiness | None = None
+        self._on_server_change = on_server_change
 
     @property
     def url(self) -> str:
@@ -354,7 +371,10 @@ class Topology(Processes):
     def start(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         pods = str(self.pod_file)
-        self._python("simulator", "simulator", "--pods", pods, *self._simulator_args)
+        if self.simulator:
+            self._python("simulator", "simulator", "--pods", pods, *self._simulator_args)
+        else:
+            pods = str(self._own_servers())
         for pool in self.pools:
             self._ext_proc(
                 f"lwepp-{pool.name}",
@@ -381,6 +401,22 @@ class Topology(Processes):
             for pool in self.pools
         ]
         self._start_envoy()
+        if self.readiness is not None:
+            self.readiness.start()
+
+    def _own_servers(self) -> Path:
+        """Check the servers, and write the pickers' pod file with those that answer ready."""
+        pods = load_pods(self.pod_file)
+        self.checks = check_servers([pod for pod in pods if pod.ready])
+        unready: dict[str, str] = {}
+        for check in self.checks:
+            if not check.reachable:
+                unready.setdefault(check.pod, check.problems[0])
+        path = self.work_dir / "pods-ready.yaml"
+        changed = self._on_server_change or (lambda pod, why: None)
+        self.readiness = Readiness(pods, path, unready=unready, changed=changed)
+        self.readiness.write()
+        return path
 
     def _start_envoy(self) -> None:
         access_log = self.work_dir / "envoy-access.log"
@@ -392,6 +428,7 @@ class Topology(Processes):
             pools=tuple(self.pools),
             host=HOST,
             access_log=str(access_log),
+            created=int(time.time()),
         )
         bootstrap = write_bootstrap(gateway, self.work_dir / "envoy-bootstrap.json")
         # --file-flush-interval-msec: access log lines show up promptly.
@@ -421,5 +458,7 @@ class Topology(Processes):
             wait_for(envoy, "aware of the stop", noticed, self._timeout)
 
     def close(self) -> None:
-        """Stop everything: Envoy first (no new requests), then the rest together."""
+        """Stop everything: the readiness probe, Envoy (no new requests), then the rest."""
+        if self.readiness is not None:
+            self.readiness.close()
         stop_all(list(reversed(self.services.values())))  # the newest first

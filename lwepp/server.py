@@ -31,11 +31,12 @@ the filter/scorer pipeline. What it returns may carry a ``Followup``, which
 this service calls as the response passes (headers, body chunks, end); that
 is the whole seam.
 
-Refusals are ImmediateResponses with an HTTP status, made in one place
-(``refuse``): 503 when no endpoint may serve the request (the protocol's
-rule), 413 for a body over the cap, 431 when the routing headers would take
-the request's headers past Envoy's limits (Envoy would refuse the mutation
-and answer 500), 500 for a bug (logged with the request id).
+Refusals are ImmediateResponses with an HTTP status and an OpenAI-style
+JSON error body, made in one place (``refuse``): 503 when no endpoint may
+serve the request (the protocol's rule), 413 for a body over the cap, 431
+when the routing headers would take the request's headers past Envoy's
+limits (Envoy would refuse the mutation and answer 500), 500 for a bug
+(logged with the request id).
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ class EndpointPickerService:
             reason=refusal.reason,
             request_id=state.request_id,
         )
-        return extproc.immediate_response(refusal.status, refusal.message, refusal.headers)
+        return refusal.answer()
 
     # --- request side ----------------------------------------------------------
 

@@ -100,16 +100,20 @@ def _decode(document: Any) -> tuple[Pod, ...]:
     if not isinstance(entries, list):
         raise _Invalid("pods", "expected a list")
     pods = tuple(_pod(entry, f"pods[{i}]") for i, entry in enumerate(entries))
-    seen: set[tuple[str, int]] = set()
-    names: set[str] = set()
+    first: dict[tuple[str, int], int] = {}
+    names: dict[str, int] = {}
     for i, pod in enumerate(pods):
         if pod.name in names:
-            raise _Invalid(f"pods[{i}].name", f"duplicate pod name {pod.name!r}")
-        names.add(pod.name)
+            problem = f"duplicate pod name {pod.name!r} (first: pods[{names[pod.name]}])"
+            raise _Invalid(f"pods[{i}].name", problem)
+        names[pod.name] = i
         for port in pod.ports:
-            if (pod.address, port) in seen:
-                raise _Invalid(f"pods[{i}].ports", f"{pod.address}:{port} is listed twice")
-            seen.add((pod.address, port))
+            if (pod.address, port) in first:
+                where = f"first: pods[{first[(pod.address, port)]}]"
+                raise _Invalid(
+                    f"pods[{i}].ports", f"{pod.address}:{port} is listed twice ({where})"
+                )
+            first[(pod.address, port)] = i
     return pods
 
 

@@ -19,7 +19,10 @@ whether the response is passing through):
 ``Refusal`` is the one error that stops a request with an HTTP status. Raise
 it anywhere on the request path (a service, a plugin, a picking strategy);
 each service turns it into an Envoy ``ImmediateResponse`` in exactly one
-place, and the stream then ends normally.
+place (with ``Refusal.answer``), and the stream then ends normally. The
+answer's body is an OpenAI-style error object (``error_body``), the shape
+the gateway's own answers share, so a client's OpenAI SDK raises its
+matching exception whoever refused.
 
 Header changes are checked before they leave (``header_value_problem``,
 ``check_headers_fit``): Envoy refuses a mutation with a control character in
@@ -34,8 +37,10 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Final
 
+import orjson
+
 from protos import extproc
-from protos.extproc import BodyMode, Phase, ProcessingRequest
+from protos.extproc import BodyMode, Phase, ProcessingRequest, ProcessingResponse
 
 _FULL_DUPLEX: Final = int(BodyMode.FULL_DUPLEX_STREAMED)
 
@@ -99,6 +104,31 @@ def header_value_problem(value: str) -> str | None:
     return None
 
 
+JSON: Final = ("content-type", "application/json")
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error ``type`` for an HTTP status: its two broad kinds.
+
+    OpenAI's API answers a request the client got wrong (a bad body, an
+    unknown model) with ``invalid_request_error`` and its own failures with
+    ``server_error``; the SDKs choose the exception class by status alone.
+    """
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def error_body(status: int, message: str, code: str) -> dict[str, dict[str, str]]:
+    """An error as OpenAI's API words it: ``{"error": {"message", "type", "code"}}``.
+
+    ``message`` is for people; ``code`` is a short machine label (the
+    refusal's reason, ``model_not_found``...). The OpenAI SDKs read these
+    three fields into their exceptions (``.message``, ``.type``, ``.code``).
+    The gateway's Envoy builds its own answers from this too, with Envoy
+    format strings as values.
+    """
+    return {"error": {"message": message, "type": error_type(status), "code": code}}
+
+
 class Refusal(Exception):
     """Stop this request and answer the client with ``status`` instead of forwarding it.
 
@@ -123,6 +153,12 @@ class Refusal(Exception):
     def code(self) -> str:
         """GIE's name for the status: ``BadRequest``, ``ServiceUnavailable``, ..."""
         return CODES.get(self.status, str(self.status))
+
+    def answer(self) -> ProcessingResponse:
+        """This refusal as Envoy's ``ImmediateResponse``: the status, an OpenAI-style JSON
+        error (``error_body``, ``code`` the reason) and the refusal's own headers."""
+        body = orjson.dumps(error_body(self.status, self.message, self.reason))
+        return extproc.immediate_response(self.status, body, [JSON, *self.headers])
 
 
 def check_headers_fit(

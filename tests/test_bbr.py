@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
@@ -208,9 +209,14 @@ def unchanged(reply: ProcessingResponse) -> bool:
 
 
 def immediate(replies: Sequence[ProcessingResponse]) -> tuple[int, str]:
+    """The refusal's status and message, after checking it is an OpenAI-style JSON error."""
     assert kinds(replies)[-1] == "immediate_response"
     answer = replies[-1].immediate_response
-    return answer.status.code, answer.body.decode()
+    headers = [(h.header.key, h.header.raw_value) for h in answer.headers.set_headers]
+    assert ("content-type", b"application/json") in headers
+    error = json.loads(answer.body)["error"]
+    assert set(error) == {"message", "type", "code"}
+    return answer.status.code, error["message"]
 
 
 # --- the request path ----------------------------------------------------------------
@@ -297,10 +303,10 @@ def test_protocol_config_wins_over_the_flag() -> None:
 )
 @pytest.mark.parametrize("modes", [FDS, BUFFERED], ids=["full-duplex", "buffered"])
 def test_body_that_is_not_a_json_object_is_400(body: bytes, reason: str, modes: Any) -> None:
-    """A body that is not a JSON object is answered 400 with GIE's text."""
+    """A body that is not a JSON object is answered 400 with GIE's words for why."""
     status, text = immediate(talk(bbr(), *post(body, modes)))
     assert status == 400
-    assert text.startswith("inference error: BadRequest - failed to parse request body: ")
+    assert text.startswith("failed to parse request body: ")
     assert reason in text.lower()
 
 
@@ -436,7 +442,7 @@ def test_changing_the_shared_body_is_refused_and_answered_500(
         replies, code, after = asyncio.run(go())
     status, text = immediate(replies)
     assert (status, code) == (500, grpc.StatusCode.OK)
-    assert text.startswith("inference error: Internal - unexpected error: TypeError in request")
+    assert text.startswith("unexpected error: TypeError in request")
     errors = [entry for entry in logs if entry["log_level"] == "error"]
     assert [type(entry["exc_info"]) for entry in errors] == [TypeError, TypeError]
     assert kinds(after) == ["immediate_response"]  # served again (and refused again)
@@ -465,10 +471,10 @@ def test_chain_that_needs_no_parse_never_parses() -> None:
 
 
 def test_plugin_error_is_answered_with_its_status() -> None:
-    """A plugin's Refusal becomes an ImmediateResponse with its status and GIE-style text."""
+    """A plugin's Refusal becomes an ImmediateResponse with its status and message."""
     registry = CollectorRegistry()
     replies = talk(bbr(Refuses(), registry=registry), *post())
-    assert immediate(replies) == (429, "inference error: ResourceExhausted - too many tokens today")
+    assert immediate(replies) == (429, "too many tokens today")
     assert registry.get_sample_value("bbr_errors_total", {"reason": "ResourceExhausted"}) == 1
 
 
@@ -479,10 +485,7 @@ def test_unexpected_exception_is_logged_with_request_id_and_answered_500() -> No
         replies = talk(bbr(Crashes(), registry=registry), *post())
     status, text = immediate(replies)
     assert status == 500
-    assert (
-        text
-        == "inference error: Internal - unexpected error: RuntimeError in request plugin 'test-0' (type test-0)"
-    )
+    assert text == "unexpected error: RuntimeError in request plugin 'test-0' (type test-0)"
     errors = [entry for entry in logs if entry["log_level"] == "error"]
     assert len(errors) == 1
     assert errors[0]["request_id"] == "req-1"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,10 +85,15 @@ def mixed_calls(count: int, models: list[str]) -> list[Call]:
     return calls
 
 
+def lowered(headers: Mapping[str, str]) -> dict[str, str]:
+    """Header names as HTTP/2 and Envoy write them: lower case (aiohttp keeps the case sent)."""
+    return {name.lower(): value for name, value in headers.items()}
+
+
 async def send(session: aiohttp.ClientSession, url: str, path: str, data: bytes) -> Answer:
     headers = {"content-type": "application/json"}
     async with session.post(url + path, data=data, headers=headers) as response:
-        return Answer(response.status, dict(response.headers), await response.read())
+        return Answer(response.status, lowered(response.headers), await response.read())
 
 
 async def send_all(url: str, calls: list[tuple[str, bytes]]) -> list[Answer]:
@@ -145,10 +151,22 @@ def test_mixed_traffic_lands_in_the_right_pool_on_the_picked_endpoint(gateway: T
     assert served == {endpoint: 50 for pool in gateway.pools for endpoint in pool.endpoints}
 
 
+def openai_error(answer: Answer) -> dict[str, str]:
+    """The ``error`` object of an OpenAI-style JSON error answer (checked to be one)."""
+    assert answer.headers["content-type"] == "application/json"
+    error: dict[str, str] = answer.json()["error"]
+    assert set(error) == {"message", "type", "code"}
+    return error
+
+
 def test_bad_json_is_refused_by_bbr_with_400(gateway: Topology) -> None:
+    """BBR's refusal reaches the client as an OpenAI-style JSON error."""
     answer = post(gateway.url, "/v1/completions", b'{"model": "model-a", "prompt": ')
     assert answer.status == 400
     assert "x-sim-pod" not in answer.headers
+    error = openai_error(answer)
+    assert error["message"].startswith("failed to parse request body: ")
+    assert (error["type"], error["code"]) == ("invalid_request_error", "BadRequest")
 
 
 @pytest.mark.parametrize(
@@ -159,14 +177,44 @@ def test_bad_json_is_refused_by_bbr_with_400(gateway: Topology) -> None:
     ],
     ids=["unknown-model", "no-model"],
 )
-def test_requests_no_pool_serves_get_404_naming_the_models(
+def test_requests_no_pool_serves_get_404_model_not_found(
     gateway: Topology, body: dict[str, Any], message: str
 ) -> None:
+    """The gateway's own 404 names the model and points at the model list."""
     answer = post(gateway.url, "/v1/completions", body)
     assert answer.status == 404
-    error = answer.json()["error"]
-    assert error["message"] == message
-    assert error["models"] == "model-a, model-b"
+    error = openai_error(answer)
+    assert error["message"] == f"{message} (GET /v1/models lists the served ones)"
+    assert (error["type"], error["code"]) == ("invalid_request_error", "model_not_found")
+
+
+def get(url: str) -> Answer:
+    async def one() -> Answer:
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            return Answer(response.status, lowered(response.headers), await response.read())
+
+    return asyncio.run(one())
+
+
+def test_the_gateway_answers_the_model_list_and_each_model(gateway: Topology) -> None:
+    """GET /v1/models lists every pool's models in OpenAI's format; /v1/models/{id} is one
+    of them, and an id no pool serves is a 404 model_not_found."""
+    listing = get(gateway.url + "/v1/models?limit=5")
+    assert (listing.status, listing.headers["content-type"]) == (200, "application/json")
+    assert listing.json()["object"] == "list"
+    cards = listing.json()["data"]
+    assert [(c["id"], c["owned_by"], c["object"]) for c in cards] == [
+        ("model-a", "a", "model"),
+        ("model-b", "b", "model"),
+    ]
+    assert all(isinstance(c["created"], int) and c["created"] > 0 for c in cards)
+    one = get(gateway.url + "/v1/models/model-b")
+    assert (one.status, one.json()) == (200, cards[1])
+    missing = get(gateway.url + "/v1/models/gpt-9")
+    assert missing.status == 404
+    error = openai_error(missing)
+    assert error["code"] == "model_not_found"
+    assert "'/v1/models/gpt-9'" in error["message"]
 
 
 def test_fail_open_pool_serves_without_its_picker_fail_close_pool_does_not(
@@ -192,6 +240,8 @@ def test_fail_open_pool_serves_without_its_picker_fail_close_pool_does_not(
 
     gateway.stop("lwepp-a")
     answer = ask(a)
-    assert 500 <= answer.status < 600
+    assert answer.status == 503
     assert "x-sim-pod" not in answer.headers
+    error = openai_error(answer)  # Envoy's own answer, rewritten as OpenAI's JSON
+    assert (error["type"], error["code"]) == ("server_error", "ext_proc_error")
     assert ask(b).status == 200

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ GATEWAY = Gateway(
         ),
     ),
     access_log="/dev/null",
+    created=1700000000,
 )
 
 
@@ -161,6 +163,11 @@ def test_routes_by_model_with_fail_open_fallback_then_404s(config: dict[str, Any
     """Order matters: Envoy takes the first match, so the catch-alls come last."""
     table = routes(config)
     assert list(table) == [
+        "models",
+        "models/model-a",
+        "models/model-b",
+        "models/model-b-lora",
+        "models/unknown",
         "a/model-a",
         "b/model-b",
         "b/model-b/fail-open",
@@ -178,10 +185,83 @@ def test_routes_by_model_with_fail_open_fallback_then_404s(config: dict[str, Any
     assert table["b/model-b"]["route"]["cluster"] == "pool-b"
     assert headers_of(table["b/model-b/fail-open"]) == {"x-gateway-model-name": "model-b"}
     assert table["b/model-b/fail-open"]["route"]["cluster"] == "pool-b-fallback"
-    for name in ("unknown-model", "no-model"):
+    for name in ("unknown-model", "no-model", "models/unknown"):
         assert table[name]["direct_response"]["status"] == 404
-    body = table["unknown-model"]["direct_response"]["body_format"]["json_format"]
-    assert body["error"]["models"] == "model-a, model-b, model-b-lora"
+        body = table[name]["direct_response"]["body_format"]["json_format"]
+        assert set(body["error"]) == {"message", "type", "code"}
+        assert body["error"]["code"] == "model_not_found"
+        assert "GET /v1/models" in body["error"]["message"]
+
+
+def test_the_gateway_lists_the_pools_models_itself_with_bbr_off(config: dict[str, Any]) -> None:
+    """GET /v1/models is OpenAI's list of every pool's models, each owned by its pool, and
+    /v1/models/{id} one card: fixed JSON answered by Envoy, BBR switched off on those routes."""
+    table = routes(config)
+    listing = table["models"]
+    assert listing["match"] == {"path": "/v1/models"}
+    body = json.loads(listing["direct_response"]["body"]["inline_string"])
+    assert body == {
+        "object": "list",
+        "data": [
+            {"id": "model-a", "object": "model", "created": 1700000000, "owned_by": "a"},
+            {"id": "model-b", "object": "model", "created": 1700000000, "owned_by": "b"},
+            {"id": "model-b-lora", "object": "model", "created": 1700000000, "owned_by": "b"},
+        ],
+    }
+    card = table["models/model-b-lora"]
+    assert card["match"] == {"path": "/v1/models/model-b-lora"}
+    assert json.loads(card["direct_response"]["body"]["inline_string"]) == body["data"][2]
+    bbr_off = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+        "disabled": True,
+    }
+    for name in ("models", "models/model-a", "models/unknown"):
+        assert table[name]["typed_per_filter_config"] == {"bbr": bbr_off}
+    for name in ("models", "models/model-a"):
+        (header,) = table[name]["response_headers_to_add"]
+        assert header["header"] == {"key": "content-type", "value": "application/json"}
+    assert table["models/unknown"]["match"] == {"prefix": "/v1/models/"}
+
+
+def test_a_model_id_with_a_slash_is_matched_as_sent_and_percent_encoded() -> None:
+    """A Hugging Face id (org/name) is one card at /v1/models/org/name and at the path an
+    SDK that percent-encodes the id asks for, /v1/models/org%2Fname."""
+    gateway = Gateway(8080, 9901, 9004, (GatewayPool("h", ("meta/llama-3",), 9002),))
+    table = routes(bootstrap(gateway))
+    assert [name for name in table if name.startswith("models/")] == [
+        "models/meta/llama-3",
+        "models/meta%2Fllama-3",
+        "models/unknown",
+    ]
+    assert table["models/meta%2Fllama-3"]["match"] == {"path": "/v1/models/meta%2Fllama-3"}
+
+
+def test_envoy_own_failures_are_rewritten_as_openai_errors(config: dict[str, Any]) -> None:
+    """Local replies: an ext_proc service failing, then any reply with a response flag
+    (5xx first: server_error, then invalid_request_error), get an OpenAI-style JSON body;
+    the services' refusals (no flag) are left as they are."""
+    first, server, client = manager(config)["local_reply_config"]["mappers"]
+    cel = first["filter"]["extension_filter"]["typed_config"]
+    assert cel["expression"] == "response.code_details.startsWith('ext_proc_error')"
+    assert first["body_format_override"]["json_format"]["error"] == {
+        "message": "a gateway service (BBR or the pool's endpoint picker) failed: "
+        "%RESPONSE_CODE_DETAILS%",
+        "type": "server_error",
+        "code": "ext_proc_error",
+    }
+    flagged, status = server["filter"]["and_filter"]["filters"]
+    assert flagged == {"response_flag_filter": {}}
+    assert status["status_code_filter"]["comparison"]["op"] == "GE"
+    assert status["status_code_filter"]["comparison"]["value"]["default_value"] == 500
+    assert server["body_format_override"]["json_format"]["error"] == {
+        "message": "%LOCAL_REPLY_BODY%",
+        "type": "server_error",
+        "code": "%RESPONSE_FLAGS_LONG%",
+    }
+    assert client["filter"] == {"response_flag_filter": {}}
+    assert client["body_format_override"]["json_format"]["error"]["type"] == (
+        "invalid_request_error"
+    )
 
 
 def test_each_picker_is_off_except_on_its_own_pools_routes(config: dict[str, Any]) -> None:
@@ -192,8 +272,9 @@ def test_each_picker_is_off_except_on_its_own_pools_routes(config: dict[str, Any
     }
     assert host["typed_per_filter_config"] == {"lwepp-a": off, "lwepp-b": off}
     for name, route in routes(config).items():
-        enabled = set(route.get("typed_per_filter_config", {}))
-        expected = {f"lwepp-{name.split('/')[0]}"} if "/" in name else set()
+        enabled = set(route.get("typed_per_filter_config", {})) - {"bbr"}
+        pool = name.split("/")[0]
+        expected = {f"lwepp-{pool}"} if "/" in name and pool != "models" else set()
         assert enabled == expected, name
 
 

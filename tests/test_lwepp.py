@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
@@ -80,8 +81,14 @@ def assert_routes_to(reply: ProcessingResponse, endpoint: str) -> None:
 
 
 def immediate(reply: ProcessingResponse) -> tuple[int, str]:
+    """The refusal's status and message, after checking it is an OpenAI-style JSON error."""
     assert reply.WhichOneof("response") == "immediate_response"
-    return reply.immediate_response.status.code, reply.immediate_response.body.decode()
+    answer = reply.immediate_response
+    headers = [(h.header.key, h.header.raw_value) for h in answer.headers.set_headers]
+    assert ("content-type", b"application/json") in headers
+    error = json.loads(answer.body)["error"]
+    assert set(error) == {"message", "type", "code"}
+    return answer.status.code, error["message"]
 
 
 def test_headers_only_request_is_picked_at_once() -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -284,16 +285,90 @@ def test_bbr_is_wired_into_each_gateway() -> None:
     assert ext_proc["processingMode"]["request"]["body"] == "FullDuplexStreamed"
     fallback = one(eg, "HTTPRoute", "no-model")
     ref = fallback["spec"]["rules"][0]["filters"][0]["extensionRef"]
-    assert one(eg, ref["kind"], ref["name"])["spec"]["directResponse"]["statusCode"] == 404
+    direct = one(eg, ref["kind"], ref["name"])["spec"]["directResponse"]
+    assert direct["statusCode"] == 404
+    error = json.loads(direct["body"]["inline"])["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "model_not_found")
 
     namespace = kustomization(MANIFESTS)["namespace"]
-    [envoy_filter] = find(objects(MANIFESTS / "istio"), "EnvoyFilter")
+    envoy_filter = one(objects(MANIFESTS / "istio"), "EnvoyFilter", "bbr")
     value = envoy_filter["spec"]["configPatches"][0]["patch"]["value"]
     cluster = value["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
     assert cluster == f"outbound|{grpc_port['port']}||bbr.{namespace}.svc.cluster.local"
     assert value["typed_config"]["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
     selector = envoy_filter["spec"]["workloadSelector"]["labels"]
     assert selector == {"gateway.networking.k8s.io/gateway-name": "inference-gateway"}
+
+
+def served_models() -> dict[str, str]:
+    """Model → pool, as the base's HTTPRoutes route them."""
+    return {
+        rule["matches"][0]["headers"][0]["value"]: rule["backendRefs"][0]["name"]
+        for route in find(BASE, "HTTPRoute")
+        for rule in route["spec"]["rules"]
+    }
+
+
+def model_answers_eg() -> dict[tuple[str, str], tuple[int, Any]]:
+    """Envoy Gateway overlay: (path match type, value) → (status, parsed JSON body)."""
+    eg = objects(MANIFESTS / "envoy-gateway")
+    answers = {}
+    for rule in one(eg, "HTTPRoute", "models")["spec"]["rules"]:
+        [match] = rule["matches"]
+        ref = rule["filters"][0]["extensionRef"]
+        direct = one(eg, ref["kind"], ref["name"])["spec"]["directResponse"]
+        assert direct["contentType"] == "application/json"
+        body = json.loads(direct["body"]["inline"])
+        answers[(match["path"]["type"], match["path"]["value"])] = (direct["statusCode"], body)
+    return answers
+
+
+def model_answers_istio() -> dict[tuple[str, str], tuple[int, Any]]:
+    """Istio overlay: (Exact for path, PathPrefix for prefix, value) → (status, JSON body),
+    in the order the routes end up (INSERT_FIRST: the last patch comes first)."""
+    patches = one(objects(MANIFESTS / "istio"), "EnvoyFilter", "models")["spec"]["configPatches"]
+    answers = {}
+    for patch in reversed(patches):
+        assert patch["applyTo"] == "HTTP_ROUTE"
+        assert patch["patch"]["operation"] == "INSERT_FIRST"
+        route = patch["patch"]["value"]
+        [(kind, value)] = route["match"].items()
+        direct = route["direct_response"]
+        [header] = route["response_headers_to_add"]
+        assert header["header"] == {"key": "content-type", "value": "application/json"}
+        body = json.loads(direct["body"]["inline_string"])
+        key = ("Exact" if kind == "path" else "PathPrefix", value)
+        answers[key] = (direct["status"], body)
+    return answers
+
+
+@pytest.mark.parametrize(
+    "answers", [model_answers_eg, model_answers_istio], ids=["envoy-gateway", "istio"]
+)
+def test_each_gateway_lists_the_routed_models_as_openai_does(
+    answers: Callable[[], dict[tuple[str, str], tuple[int, Any]]],
+) -> None:
+    """GET /v1/models lists exactly the models the HTTPRoutes route, each owned by its pool;
+    /v1/models/{id} is that card; any other /v1/models/... is a 404 model_not_found: the
+    demo gateway's answers, in both overlays."""
+    found = answers()
+    models = served_models()
+    cards = [
+        {"id": model, "object": "model", "created": 0, "owned_by": pool}
+        for model, pool in models.items()
+    ]
+    assert list(found) == [
+        ("Exact", "/v1/models"),
+        *(("Exact", f"/v1/models/{model}") for model in models),
+        ("PathPrefix", "/v1/models/"),
+    ]
+    assert found[("Exact", "/v1/models")] == (200, {"object": "list", "data": cards})
+    for card in cards:
+        assert found[("Exact", f"/v1/models/{card['id']}")] == (200, card)
+    status, error = found[("PathPrefix", "/v1/models/")]
+    assert status == 404
+    assert set(error["error"]) == {"message", "type", "code"}
+    assert error["error"]["code"] == "model_not_found"
 
 
 def test_leader_election_component_patches_every_picker() -> None:

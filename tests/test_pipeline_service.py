@@ -228,7 +228,8 @@ def test_when_filters_leave_nobody_the_503_carries_the_explanation() -> None:
                 [request_headers({**POST, EXPLAIN_HEADER: "true"}, end_of_stream=True)]
             )
             assert reply.immediate_response.status.code == 503
-            (header,) = reply.immediate_response.headers.set_headers
+            content_type, header = reply.immediate_response.headers.set_headers
+            assert content_type.header.key == "content-type"
             assert header.header.key == DECISION_HEADER
             removed = json.loads(header.header.raw_value)["filters"][0]["removed"]
             assert removed == [A, B, B2, C]

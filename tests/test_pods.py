@@ -72,6 +72,17 @@ def test_parse_errors_name_the_field(text: str, message: str) -> None:
     assert message in str(error.value)
 
 
+MINE = """\
+pods:
+- name: llama-0
+  address: 10.0.0.7
+  ports: [8000]
+- name: llama-1
+  address: 10.0.0.8
+  ports: [8000]
+"""
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -91,6 +102,33 @@ def test_parse_errors_name_the_line(text: str, message: str) -> None:
     """A field that does not decode is named with its line (a missing one, its pod's line)."""
     with pytest.raises(PodFileError) as error:
         parse_pods(text, "pods.yaml")
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            MINE + "- name: llama-2\n  address: 10.0.0.7\n  ports: [8001, 8000]\n",
+            "mine.yaml:10: pods[2].ports: 10.0.0.7:8000 is listed twice (first: pods[0])",
+        ),
+        (
+            MINE.replace("10.0.0.8", "gpu-1.local"),
+            "mine.yaml:6: pods[1].address: expected an IP address, got 'gpu-1.local'",
+        ),
+        (
+            MINE.replace("llama-1", "llama-0"),
+            "mine.yaml:5: pods[1].name: duplicate pod name 'llama-0' (first: pods[0])",
+        ),
+        (MINE + "- [10.0.0.9, 8000]\n", "mine.yaml:8: pods[2]: expected a mapping"),
+    ],
+    ids=["server-twice", "not-an-ip", "name-twice", "not-a-mapping"],
+)
+def test_errors_give_the_line_of_the_offending_field(text: str, message: str) -> None:
+    """A server named twice, an address that is not an IP...: the error gives the file, the
+    line of the field (or of the entry) and the field, and where the first mention was."""
+    with pytest.raises(PodFileError) as error:
+        parse_pods(text, "mine.yaml")
     assert str(error.value) == message
 
 

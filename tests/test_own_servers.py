@@ -165,7 +165,7 @@ def test_the_command_reports_each_server_and_keeps_running(tmp_path: Path) -> No
         (None, "demo: --no-simulator needs --pods"),
         (
             "pods:\n- name: x\n  address: gpu-1.local\n  ports: [8000]\n",
-            "line 3: pods[0].address: expected an IP address, got 'gpu-1.local'",
+            "mine.yaml:3: pods[0].address: expected an IP address, got 'gpu-1.local'",
         ),
     ],
     ids=["no-pod-file", "not-an-ip"],

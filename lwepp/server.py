@@ -111,46 +111,36 @@ class PickerMetrics:
     CAP: Final = 1000
 
     def __init__(self, registry: CollectorRegistry, pool: str = "", namespace: str = "") -> None:
-        request = ["model_name", "target_model_name", "fairness_id", "priority"]
-        self.pool, self.namespace = pool, namespace
-        self.requests = Counter(
-            "llm_d_epp_request", "Total number of processed requests.", request, registry=registry
+        def counter(name: str, about: str, *labels: str) -> Counter:
+            return Counter(f"llm_d_epp_{name}", about, labels, registry=registry)
+
+        def gauge(name: str, about: str, *labels: str) -> Gauge:
+            return Gauge(
+                f"llm_d_epp_{name}", about, labels, registry=registry, multiprocess_mode="livemax"
+            )
+
+        request = ("model_name", "target_model_name", "fairness_id", "priority")
+        self.namespace = namespace
+        self.requests = counter("request", "Total number of processed requests.", *request)
+        self.errors = counter(
+            "request_error", "Total number of request errors.", *request, "error_code"
         )
-        self.errors = Counter(
-            "llm_d_epp_request_error",
-            "Total number of request errors.",
-            [*request, "error_code"],
-            registry=registry,
-        )
-        self.attempts = Counter(
-            "llm_d_epp_scheduler_attempts",
+        self.attempts = counter(
+            "scheduler_attempts",
             "Total number of scheduling attempts.",
-            ["status", "target_model_name", "endpoint_name", "namespace", "port"],
-            registry=registry,
+            *("status", "target_model_name", "endpoint_name", "namespace", "port"),
         )
-        self.ready = Gauge(
-            "llm_d_epp_ready_endpoints",
-            "The number of ready endpoints in the inference server pool.",
-            ["name"],
-            registry=registry,
-            multiprocess_mode="livemax",
-        ).labels(pool)
-        Gauge(
-            "llm_d_epp_info",
-            "General information of the current build.",
-            ["commit", "build_ref"],
-            registry=registry,
-            multiprocess_mode="livemax",
-        ).labels(*build_info()).set(1)
+        self.ready = gauge("ready_endpoints", "Ready endpoints in the pool.", "name").labels(pool)
+        gauge("info", "The current build.", "commit", "build_ref").labels(*build_info()).set(1)
         self._seen: dict[str, set[str]] = {"model": set(), "fairness": set()}
 
     def bounded(self, kind: str, value: str) -> str:
         """``value``, or ``other`` once ``CAP`` distinct values of its kind were counted."""
         seen = self._seen[kind]
-        if value in seen or len(seen) < self.CAP:
-            seen.add(value)
-            return value
-        return "other"
+        if value not in seen and len(seen) >= self.CAP:
+            return "other"
+        seen.add(value)
+        return value
 
     def labels(self, headers: Sequence[tuple[str, str]]) -> tuple[str, str, str, str]:
         """``(model_name, target_model_name, fairness_id, priority)`` of a request."""
@@ -165,12 +155,7 @@ class PickerMetrics:
 MODEL_HEADER: Final = "x-gateway-model-name"
 FAIRNESS_HEADER: Final = "x-llm-d-inference-fairness-id"
 DEFAULT_FAIRNESS: Final = "default-flow"
-ERROR_CODES: Final = {
-    400: "BadRequest",
-    404: "NotFound",
-    413: "ResourceExhausted",
-    503: "ServiceUnavailable",
-}
+ERROR_CODES: Final = {400: "BadRequest", 413: "ResourceExhausted", 503: "ServiceUnavailable"}
 """HTTP status → the llm-d router's error code names; any other status is ``Internal``."""
 
 

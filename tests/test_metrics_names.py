@@ -183,3 +183,19 @@ def test_each_plugin_call_is_timed_under_the_router_s_extension_point_and_type()
         ("PreRequest", "prefix-cache-scorer"): 1,
         ("ResponseComplete", "prefix-cache-scorer"): 0,
     }
+
+
+def test_client_chosen_label_values_are_capped_as_the_router_caps_them() -> None:
+    """Model names and fairness ids come from requests: past the 1,000th distinct value of
+    each, a new one is counted as ``other`` (known ones keep their own series)."""
+    metrics = PickerMetrics(CollectorRegistry())
+    for i in range(PickerMetrics.CAP):
+        assert metrics.bounded("model", f"m{i}") == f"m{i}"
+    assert metrics.bounded("model", "one-too-many") == "other"
+    assert metrics.bounded("model", "m7") == "m7"
+    assert metrics.bounded("fairness", "tenant-a") == "tenant-a"  # each kind has its own cap
+    labels = metrics.labels(
+        [("x-gateway-model-name", "m1"), ("x-llm-d-inference-fairness-id", "t")]
+    )
+    assert labels == ("m1", "m1", "t", "0")
+    assert metrics.labels([])[2] == "default-flow"

@@ -8,8 +8,11 @@ import contextlib
 import functools
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -167,18 +170,30 @@ def started(module: str, args: list[str], env: dict[str, str]) -> Iterator[subpr
         process.stderr.close()
 
 
-def events(process: subprocess.Popen[str], until: str) -> list[dict[str, Any]]:
-    """The log lines up to the first ``until`` event (all of them if the process exits first)."""
-    assert process.stderr is not None
-    seen = []
-    for line in process.stderr:
-        if line.startswith("{"):
-            seen.append(json.loads(line))
-            if seen[-1]["event"] == until:
-                break
-        else:
-            seen.append({"event": "text", "text": line})
-    return seen
+def events(process: subprocess.Popen[str], until: str, limit: float = 60.0) -> list[dict[str, Any]]:
+    """The log lines up to the first ``until`` event, or all of them if the process exits first;
+    failing if neither happens within ``limit`` seconds (a bound, not a timing)."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    seen: list[dict[str, Any]] = []
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"no {until!r} within {limit} s; logged: {seen}") from None
+        if line is None:
+            return seen
+        seen.append(json.loads(line) if line.startswith("{") else {"event": "text", "text": line})
+        if seen[-1]["event"] == until:
+            return seen
 
 
 def distinct(entries: dict[str, dict[str, Any]]) -> list[str]:

@@ -435,3 +435,25 @@ def test_lwepp_refuses_a_bad_configuration_at_start(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "picker.yaml:4: plugin 'nope' (nope): type: unknown" in result.stderr
+
+
+def test_the_router_s_deprecated_filter_names_load_with_a_warning(tmp_path: Path) -> None:
+    """``by-label-selector`` is label-selector-filter (the router's alias, deprecated in v0.9);
+    both it and ``by-label`` load, each with a warning naming what replaces it."""
+    config = load(
+        tmp_path,
+        """
+        plugins:
+        - type: by-label-selector
+          parameters: {matchLabels: {tier: gold}}
+        - type: by-label
+          parameters: {label: llm-d.ai/role, validValues: [decode]}
+        """,
+    )
+    filters = config.pipeline().filters
+    assert [type(f).__name__ for f in filters] == ["LabelSelectorFilter", "ByLabelFilter"]
+    assert [w.split(": ", 1)[1] for w in config.warnings] == [
+        "plugin 'by-label-selector' (by-label-selector): type: deprecated: use label-selector-filter",
+        "plugin 'by-label' (by-label): type: deprecated: use label-selector-filter, or "
+        "decode-filter/prefill-filter/encode-filter",
+    ]

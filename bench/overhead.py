@@ -9,11 +9,17 @@ case                    what sits between Envoy and the upstream
 plain                   nothing: Envoy round-robins over the upstream (the baseline)
 noop-picker             a do-nothing ext_proc server in the picker's processing mode
 lwepp                   LWEPP (round-robin), routing through the ORIGINAL_DST cluster
+lwepp-tls               the same LWEPP hop over TLS (its default, as GIE's lwepp's)
 noop-both               two do-nothing servers, in BBR's mode then the picker's
 bbr+lwepp               BBR then LWEPP: the demo's request path
 noop-bbr                a do-nothing server in BBR's processing mode
 bbr                     BBR alone
 ======================  ==============================================================
+
+The services run plaintext (``--secure-serving=false``) except in
+``lwepp-tls``, whose added latency over ``lwepp``'s is what TLS between Envoy
+and a picker costs (a second LWEPP process, on the same CPU, with its
+self-signed certificate; Envoy dials it as ``demo.envoy.upstream_tls``).
 
 Each service is judged against the do-nothing hop of the *same* processing
 mode, measured in the same run and the same rounds: what Envoy's ext_proc
@@ -127,13 +133,15 @@ class Case:
     bbr: str | None = None
     """Behind the ``bbr`` filter: ``"bbr"`` or ``"noop-bbr"``; None: no such filter."""
     picker: str | None = None
-    """Behind the ``lwepp-p`` filter: ``"lwepp"`` or ``"noop-picker"``; None: no such filter."""
+    """Behind the ``lwepp-p`` filter: ``"lwepp"``, ``"lwepp-tls"`` or ``"noop-picker"``; None:
+    no such filter."""
 
 
 CASES: Final = (
     Case("plain", "Envoy → upstream (plain proxy)"),
     Case("noop-picker", "+ do-nothing hop, picker's mode", picker="noop-picker"),
     Case("lwepp", "+ LWEPP", picker="lwepp"),
+    Case("lwepp-tls", "+ LWEPP over TLS", picker="lwepp-tls"),
     Case("noop-both", "+ two do-nothing hops", bbr="noop-bbr", picker="noop-picker"),
     Case("bbr+lwepp", "+ BBR + LWEPP", bbr="bbr", picker="lwepp"),
     Case("noop-bbr", "+ do-nothing hop, BBR's mode", bbr="noop-bbr"),
@@ -146,6 +154,9 @@ COMPARISONS: Final = (
     ("bbr+lwepp", "noop-both", 1.2, "BBR + LWEPP"),
 )
 """(service case, its do-nothing case, the target ratio of added latency, name)."""
+
+TLS_COMPARISON: Final = ("lwepp-tls", "lwepp", "LWEPP: TLS hop vs plaintext hop")
+"""(the TLS case, the same service in plaintext, name): reported as a ratio, no target."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,7 +304,8 @@ def _routes(case: Case) -> list[route.Route]:
     round-robin cluster over the same replicas (``fallback_cluster``, what a
     FailOpen pool uses while its picker is down).
     """
-    target = f"pool-{POOL.name}" if case.picker == "lwepp" else f"pool-{POOL.name}-fallback"
+    picks = case.picker in ("lwepp", "lwepp-tls")
+    target = f"pool-{POOL.name}" if picks else f"pool-{POOL.name}-fallback"
     direct = _json_answer(DIRECT_BODY)
     direct.match = route.RouteMatch(path="/direct")
     upstream = route.Route(
@@ -317,7 +329,8 @@ def bootstrap(case: Case, ports: dict[str, int], upstreams: Sequence[str]) -> di
         clusters.append(grpc_cluster("bbr", HOST, ports[case.bbr]))
     if case.picker is not None:
         filters.append(picker_filter(pool))
-        clusters.append(grpc_cluster(f"lwepp-{pool.name}", HOST, ports[case.picker]))
+        tls = case.picker == "lwepp-tls"
+        clusters.append(grpc_cluster(f"lwepp-{pool.name}", HOST, ports[case.picker], tls=tls))
     filters += [
         served_endpoint_filter(),
         hcm.HttpFilter(name="envoy.filters.http.router", typed_config=_any(router.Router())),
@@ -385,7 +398,8 @@ class Rig:
         self.upstreams = [f"{HOST}:{port}" for port in upstream_ports]
         python = sys.executable
         ports = ["--host", HOST, "--grpc-port", "0", "--grpc-health-port", "0"]
-        ports += ["--metrics-port", "0"]
+        ports += ["--metrics-port", "0", "--log-level", "info"]
+        plaintext = [*ports, "--secure-serving=false"]
         upstream_dir = self.work_dir / "upstream"
         upstream_dir.mkdir(exist_ok=True)
         path = upstream_dir / "envoy-bootstrap.json"
@@ -403,12 +417,15 @@ class Rig:
             ),
             "lwepp": self._spawn(
                 "lwepp",
-                [python, "-m", "lwepp", "--pods", str(pods), *ports, "--log-level", "info"],
+                [python, "-m", "lwepp", "--pods", str(pods), *plaintext],
                 self.placement.python,
             ),
-            "bbr": self._spawn(
-                "bbr", [python, "-m", "bbr", *ports, "--log-level", "info"], self.placement.python
+            "lwepp-tls": self._spawn(
+                "lwepp-tls",
+                [python, "-m", "lwepp", "--pods", str(pods), *ports],
+                self.placement.python,
             ),
+            "bbr": self._spawn("bbr", [python, "-m", "bbr", *plaintext], self.placement.python),
         }
         wait_envoy_ready(upstream, upstream_dir, self.timeout)
         for kind, service in servers.items():
@@ -552,7 +569,7 @@ def run(options: Options) -> Section:
     started = time.monotonic()
     rig = Rig(work_dir, placement)
     try:
-        progress("overhead: starting 4 ext_proc servers and 8 Envoys")
+        progress("overhead: starting 5 ext_proc servers and 9 Envoys")
         rig.start()
         with pinned(placement.gateway):
             for case in CASES:  # warm up: connections, first-stream costs
@@ -646,6 +663,14 @@ def section(
         base_rate = sustained(steps[noop])
         rate = sustained(steps[service]) / base_rate if base_rate else float("nan")
         ratio_rows.append([name, "sustained rate (service / do-nothing)", rate, None, None])
+    tls_case, plain_case, tls_name = TLS_COMPARISON
+    for c in (1, 8):
+        p50 = _added(latency, tls_case, c, "p50") / _added(latency, plain_case, c, "p50")
+        p99 = _added(latency, tls_case, c, "p99") / _added(latency, plain_case, c, "p99")
+        ratio_rows.append([tls_name, c, p50, p99, None])
+    base_rate = sustained(steps[plain_case])
+    rate = sustained(steps[tls_case]) / base_rate if base_rate else float("nan")
+    ratio_rows.append([tls_name, "sustained rate (TLS / plaintext)", rate, None, None])
     by_kind = {r.kind: r for r in per_core}
     base = by_kind["noop-rw"]
     stream_rows = [
@@ -702,7 +727,9 @@ def section(
         "its ceiling, shared with Envoy's CPU.",
         "Latency: closed loop, the cases interleaved in rounds; each figure is the median over "
         "rounds; 'added' is the case minus the plain proxy in the same round. Ratios are each "
-        "service's added latency over the do-nothing hop's of the same processing mode.",
+        "service's added latency over the do-nothing hop's of the same processing mode; the TLS "
+        "row is LWEPP over TLS (its default, a self-signed certificate) over the same LWEPP in "
+        "plaintext, which every other case uses.",
         f"Sustained: open loop, rates rising by {RATE_STEP - 1:.0%} a step; a case stops at its "
         f"first step with a failed request or p99 over {P99_BOUND * 1e3:.0f} ms (a case "
         "still passing at the last step sustains at least that rate; 0: it missed the first).",

@@ -203,7 +203,7 @@ class WorkersResult:
     streams: int
     seconds: float
     served: tuple[int, ...]
-    """Streams each worker counted (``lwepp_requests_total`` on its own metrics port)."""
+    """Streams each worker counted (``llm_d_epp_request_total`` on its own metrics page)."""
 
     @property
     def per_second(self) -> float:
@@ -225,6 +225,7 @@ def start_workers(pods: Path, workers: int) -> tuple[subprocess.Popen[str], list
             *(sys.executable, "-m", "lwepp", "--pods", str(pods), "--workers", str(workers)),
             *("--grpc-port", "0", "--grpc-health-port", "0", "--metrics-port", "0"),
             "--grace=2",
+            "--secure-serving=false",
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -243,13 +244,12 @@ def start_workers(pods: Path, workers: int) -> tuple[subprocess.Popen[str], list
 
 
 def requests_served(metrics_port: int) -> int:
-    """``lwepp_requests_total`` as one worker's metrics page reports it."""
+    """``llm_d_epp_request_total`` (every series) as one worker's metrics page reports it."""
     url = f"http://127.0.0.1:{metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as page:
-        for line in page.read().decode().splitlines():
-            if line.startswith("lwepp_requests_total "):
-                return int(float(line.split()[1]))
-    return 0
+        lines = page.read().decode().splitlines()
+    counted = [line for line in lines if line.startswith("llm_d_epp_request_total{")]
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in counted))
 
 
 def stop_workers(process: subprocess.Popen[str]) -> None:

@@ -41,9 +41,11 @@ FIELDS: Final = {
 SWITCHYARD: Final = (
     "{python} -m lwepp --pods {pods} --selector {selector} --host {host} "
     "--grpc-port {grpc_port} --grpc-health-port {health_port} --metrics-port {metrics_port} "
-    "--log-level info"
+    "--secure-serving=false --log-level info"
 )
-"""Switchyard's LWEPP, with the ports GIE's manifests give lwepp."""
+"""Switchyard's LWEPP, with the ports GIE's manifests give lwepp. Plaintext: this harness's
+gateway and picker client dial every picker under test in plaintext (GIE's gateways dial TLS;
+the demo and the end-to-end tests cover that hop)."""
 
 
 class TemplateError(ValueError):

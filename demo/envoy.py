@@ -56,6 +56,8 @@ from envoy_data_plane.envoy.extensions.filters.http.header_mutation import v3 as
 from envoy_data_plane.envoy.extensions.filters.http.header_to_metadata import v3 as to_metadata
 from envoy_data_plane.envoy.extensions.filters.http.router import v3 as router
 from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager import v3 as hcm
+from envoy_data_plane.envoy.extensions.transport_sockets.raw_buffer import v3 as raw_buffer
+from envoy_data_plane.envoy.extensions.transport_sockets.tls import v3 as tls_v3
 from envoy_data_plane.envoy.extensions.upstreams.http import v3 as upstream_http
 from envoy_data_plane.envoy.type import v3 as types
 from envoy_data_plane.envoy.type.matcher import v3 as matcher
@@ -124,6 +126,8 @@ class Gateway:
     host: str = "127.0.0.1"
     access_log: str | None = None
     created: int = 0
+    tls: bool = True
+    """Dial BBR and the pickers over TLS (they serve it by default, as GIE's lwepp)."""
 
 
 def _any(message: betterproto2.Message) -> AnyMessage:
@@ -159,9 +163,13 @@ def _static_cluster(name: str, endpoints: Sequence[endpoint.LbEndpoint]) -> clus
 
 
 def grpc_cluster(
-    name: str, host: str, port: int, health_port: int | None = None
+    name: str, host: str, port: int, health_port: int | None = None, *, tls: bool = False
 ) -> cluster.Cluster:
     """An ext_proc service: gRPC, hence HTTP/2 (Envoy speaks HTTP/1.1 upstream unless told).
+
+    With ``tls``, Envoy dials the service over TLS (``upstream_tls``), as gateways
+    dial GIE's pickers, which serve TLS by default; its health checks still go
+    to the plaintext health port (``plaintext_health``).
 
     With ``health_port``, Envoy asks the service's gRPC health endpoint (its
     own port, as GIE's picker serves it) every second. That is what makes
@@ -189,7 +197,50 @@ def grpc_cluster(
         result.common_lb_config = cluster.ClusterCommonLbConfig(
             healthy_panic_threshold=types.Percent(value=0)
         )
+    if tls:
+        result.transport_socket = upstream_tls()
+        if health_port:
+            plaintext_health(result)
     return result
+
+
+def upstream_tls() -> core.TransportSocket:
+    """TLS to the service, trusting whatever certificate it presents.
+
+    No ``validation_context``: the services make a self-signed certificate at
+    start that nothing could verify, and GIE's gateways dial its pickers the
+    same way (Istio's ``insecureSkipVerify``): the link is encrypted, not
+    authenticated. ALPN ``h2``: gRPC over TLS. With certificates of your own
+    (``--cert-path``), add a ``validation_context`` with their CA.
+    """
+    context = tls_v3.UpstreamTlsContext(
+        common_tls_context=tls_v3.CommonTlsContext(alpn_protocols=["h2"])
+    )
+    return core.TransportSocket(name="envoy.transport_sockets.tls", typed_config=_any(context))
+
+
+PLAINTEXT: Final = {"transport": "plaintext"}
+"""The match criteria that select a cluster's plaintext transport socket."""
+
+
+def plaintext_health(result: cluster.Cluster) -> None:
+    """Health-check a TLS cluster's hosts on their plaintext health port.
+
+    A health check connects with the cluster's transport socket unless its
+    ``transport_socket_match_criteria`` picks another from the cluster's
+    ``transport_socket_matches`` (Envoy's documented way to check a plaintext
+    port of a TLS service): the health port speaks no TLS, for kubelet's sake.
+    """
+    raw = core.TransportSocket(
+        name="envoy.transport_sockets.raw_buffer", typed_config=_any(raw_buffer.RawBuffer())
+    )
+    result.transport_socket_matches = [
+        cluster.ClusterTransportSocketMatch(
+            name="plaintext-health", match=Struct.from_dict(PLAINTEXT), transport_socket=raw
+        )
+    ]
+    for check in result.health_checks:
+        check.transport_socket_match_criteria = Struct.from_dict(PLAINTEXT)
 
 
 def http2_upstream() -> dict[str, AnyMessage]:
@@ -239,10 +290,13 @@ def fallback_cluster(pool: GatewayPool) -> cluster.Cluster:
 
 def clusters(gateway: Gateway) -> list[cluster.Cluster]:
     """BBR, and per pool: its picker, its picked endpoints, and for FailOpen its replicas."""
-    host = gateway.host
-    result = [grpc_cluster("bbr", host, gateway.bbr_port)]
+    host, tls = gateway.host, gateway.tls
+    result = [grpc_cluster("bbr", host, gateway.bbr_port, tls=tls)]
     for pool in gateway.pools:
-        result.append(grpc_cluster(f"lwepp-{pool.name}", host, pool.picker_port, pool.health_port))
+        picker = grpc_cluster(
+            f"lwepp-{pool.name}", host, pool.picker_port, pool.health_port, tls=tls
+        )
+        result.append(picker)
         result.append(picked_endpoint_cluster(pool))
         if pool.fail_open:
             result.append(fallback_cluster(pool))

@@ -65,6 +65,19 @@ SERVICES: Final = {
 _DROPPED: Final = ("dev/", "var/cache/apt/", "var/lib/apt/lists/", "var/log/", "run/")
 
 
+def commit() -> str:
+    """The commit the images are built from (their ``*_info`` metrics report it), or unknown."""
+    try:
+        return subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def commit_epoch() -> int:
     try:
         out = subprocess.run(
@@ -164,6 +177,7 @@ def _read(tar: tarfile.TarFile, name: str) -> str:
 def build(out: Path, suite: str, mirror: str, epoch: int, base_tar: Path | None = None) -> None:
     """Write the OCI layout of all three images to ``out`` (replaced if present)."""
     shutil.rmtree(out, ignore_errors=True)
+    revision = commit()
     with tempfile.TemporaryDirectory(prefix="switchyard-image-") as scratch:
         work = Path(scratch)
         if base_tar is None:
@@ -179,7 +193,7 @@ def build(out: Path, suite: str, mirror: str, epoch: int, base_tar: Path | None 
             config = ImageConfig(
                 entrypoint=(PYTHON, *entrypoint),
                 user=USER,
-                env=ENV,
+                env=(*ENV, f"SWITCHYARD_COMMIT={revision}"),
                 exposed_ports=ports,
                 labels={
                     "org.opencontainers.image.title": f"switchyard-{name}",

@@ -1,13 +1,24 @@
-"""Command line: ``python -m lwepp --pods pods.yaml --selector pool=a`` or ``--pool-name NAME``."""
+"""Command line: ``python -m lwepp --pods pods.yaml --selector pool=a``, ``--pool-name NAME`` or
+``--endpoint-selector SELECTOR --endpoint-target-ports PORTS``.
+
+It takes the flags GIE's lwepp, GIE's conformance manifests and the llm-d
+router's chart pass to a picker, as they write them: the renamed ones as
+aliases (``--config-file``, ``--ha-enable-leader-election``), the ones
+Switchyard has no use for in ``IGNORED`` (accepted, and named in a warning at
+start when their value asks for something it does not do).
+``tests/data/upstream/serving-args.yaml`` holds those manifests' argument
+lists; a test runs this CLI with each.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import os
 import sys
-from collections.abc import Sequence
-from typing import Any, TextIO
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Final, TextIO
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -15,34 +26,104 @@ from prometheus_client import CollectorRegistry
 from lwepp import config as picker_config
 from lwepp.leader import LeaderElector, LeaseTimings
 from lwepp.picking import Pool, RoundRobin, Strategy
-from lwepp.pipeline import DecisionLog
+from lwepp.pipeline import DecisionLog, Pipeline
 from lwepp.server import EndpointPickerService, PickerMetrics
 from pods.file import FileSource, PodFileError, load_pods
 from pods.kubeapi import KubeconfigError, load_kubeconfig
 from pods.kubernetes import DEFAULT_GROUP, InferencePoolSource
-from pods.model import PodSource, parse_selector
-from protos.cli import Parser, add_serving_flags, ports_of, serving_problem
+from pods.model import PodSource
+from pods.selector import LabelSelector, SelectorError
+from protos.cli import (
+    COMMON_IGNORED,
+    Ignored,
+    Parser,
+    add_ignored_flags,
+    add_serving_flags,
+    duration,
+    grpc_options,
+    ignored_warnings,
+    log_level,
+    ports_of,
+    server_tls,
+    serving_problem,
+)
 from protos.logs import configure_logging
 from protos.server import EXT_PROC_SERVICE, Health, Ports, run_workers, serve
+from protos.tls import ServerTLS, TLSError, shared_tls
 
 log = structlog.get_logger()
 
 HEALTH_SERVICES = ("", "inference-extension", "liveness", "readiness", EXT_PROC_SERVICE)
 """GIE's lwepp reports ``inference-extension``; the protocol document lists the others."""
 
+LIVENESS: Final = "liveness"
+"""Under leader election, the one name a standby reports SERVING (the llm-d router's rule:
+``""``, ``readiness`` and the ext_proc service follow the lease)."""
 
-def selector(text: str) -> dict[str, str]:
+IGNORED: Final = (
+    *COMMON_IGNORED,
+    Ignored(
+        "--refresh-metrics-interval",
+        "duration",
+        "metrics-data-source's refreshIntervalSeconds parameter sets the scrape interval",
+    ),
+    Ignored(
+        "--metrics-staleness-threshold",
+        "duration",
+        "scorers take their own maxAgeSeconds; pool gauges use measurements under 2 s old",
+    ),
+    Ignored("--metrics-client-ca-file", "value", "/metrics is plain HTTP"),
+    Ignored("--metrics-cert-dir", "value", "/metrics is plain HTTP"),
+    Ignored(
+        "--enable-grpc-stream-metrics",
+        "bool",
+        "no per-stream gRPC metrics; see llm_d_epp_request_total",
+        quiet=False,
+    ),
+    Ignored(
+        "--emit-endpoint-scores",
+        "bool",
+        "scores are explained on request (x-switchyard-explain: 1), in x-switchyard-decision",
+        quiet=False,
+    ),
+    Ignored(
+        "--disable-endpoint-subset-filter",
+        "bool",
+        "the gateway's endpoint subset is always honoured, as the protocol requires",
+        quiet=False,
+    ),
+    Ignored(
+        "--allow-experimental-plugins",
+        "bool",
+        "every built-in plugin is available; none is gated as experimental",
+        quiet=False,
+    ),
+)
+"""The llm-d router's flags that change nothing here, and why."""
+
+
+def label_selector(text: str) -> LabelSelector:
     try:
-        return parse_selector(text)
-    except ValueError as error:
+        return LabelSelector.parse(text)
+    except SelectorError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def pipeline_config(path: str) -> picker_config.PickerConfig:
-    try:
-        return picker_config.load_config(path)
-    except picker_config.ConfigErrors as error:
-        raise argparse.ArgumentTypeError(f"\n{error}") from None
+def target_ports(text: str) -> tuple[int, ...]:
+    """``8000,8001``: 1 to 8 ports (the llm-d router's limit), duplicates dropped."""
+    ports: list[int] = []
+    for item in text.split(","):
+        try:
+            number = int(item.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not a port number") from None
+        if not 1 <= number <= 65535:
+            raise argparse.ArgumentTypeError(f"{number} is not a port (1-65535)")
+        if number not in ports:
+            ports.append(number)
+    if not 1 <= len(ports) <= 8:
+        raise argparse.ArgumentTypeError("expected 1 to 8 ports")
+    return tuple(ports)
 
 
 class CheckConfig(argparse.Action):
@@ -63,88 +144,122 @@ def build_parser() -> argparse.ArgumentParser:
         "each request, the model-server endpoint to send it to (round-robin, or the filters "
         "and scorers of --config).",
     )
-    where = parser.add_mutually_exclusive_group(required=True)
+    pods = parser.add_argument_group("the pool")
+    where = pods.add_mutually_exclusive_group(required=True)
     where.add_argument(
         "--pods",
         help="YAML pod file listing the model-server pods (name, address, ports, labels, "
         "ready); re-read when it changes, keeping the last good list on a broken edit",
     )
-    parser.add_argument(
+    pods.add_argument(
         "--selector",
-        type=selector,
-        default={},
-        help="labels a pod must carry to be in this picker's pool, as key=value[,key=value] "
-        "(like an InferencePool's spec.selector.matchLabels); default: every pod",
+        type=label_selector,
+        default=LabelSelector(),
+        help="labels a pod must carry to be in this picker's pool, as a Kubernetes label "
+        "selector (pool=a,tier in (gold,silver),!canary); default: every pod",
     )
     where.add_argument(
         "--pool-name",
         help="the InferencePool to serve, read from the Kubernetes API with its pods "
         "(instead of --pods): its selector and targetPorts decide the endpoints",
     )
-    parser.add_argument(
-        "--pool-namespace",
-        help="the InferencePool's namespace (default: this pod's namespace from its service "
-        "account, or the kubeconfig context's, else 'default')",
+    where.add_argument(
+        "--endpoint-selector",
+        type=label_selector,
+        help="serve the pods this label selector matches, read from the Kubernetes API, with no "
+        "InferencePool (the llm-d router's standalone mode); needs --endpoint-target-ports",
     )
-    parser.add_argument(
+    pods.add_argument(
+        "--endpoint-target-ports",
+        type=target_ports,
+        metavar="PORTS",
+        help="with --endpoint-selector: the pods' ports to serve, comma separated (1 to 8); "
+        "with --pool-name ignored (the pool's targetPorts decide, as in GIE's lwepp)",
+    )
+    pods.add_argument(
+        "--pool-namespace",
+        help="the namespace of the InferencePool or of the selected pods (default: $NAMESPACE, "
+        "else this pod's namespace from its service account, or the kubeconfig context's, else "
+        "'default')",
+    )
+    pods.add_argument(
         "--pool-group",
         default=DEFAULT_GROUP,
         help="API group of the InferencePool (default %(default)s)",
     )
-    parser.add_argument(
+    pods.add_argument(
         "--kubeconfig",
-        help="kubeconfig file for --pool-name (default: the in-cluster service account, "
-        "from KUBERNETES_SERVICE_HOST/PORT and the mounted token)",
+        help="kubeconfig file for the Kubernetes API (default: $KUBECONFIG, else the "
+        "in-cluster service account, from KUBERNETES_SERVICE_HOST/PORT and the mounted token)",
     )
-    parser.add_argument(
+    pods.add_argument(
+        "--pods-interval",
+        type=float,
+        default=1.0,
+        help="seconds between checks of the pod file for changes",
+    )
+
+    ha = parser.add_argument_group("leader election")
+    ha.add_argument(
         "--leader-elect",
+        "--ha-enable-leader-election",
+        dest="leader_elect",
         action="store_true",
-        help="with --pool-name: only the replica holding a Lease serves; standbys report "
-        "NOT_SERVING on the readiness health services (liveness and '' stay SERVING)",
+        help="with the Kubernetes API: only the replica holding a Lease serves; standbys report "
+        "NOT_SERVING on every health service but 'liveness' (the llm-d router's rule)",
     )
-    parser.add_argument(
+    ha.add_argument(
         "--leader-elect-lease-name",
         help="the Lease, in the pool's namespace (default: lwepp-<pool-name>)",
     )
-    parser.add_argument(
+    ha.add_argument(
         "--leader-elect-lease-duration",
-        type=float,
+        type=duration,
         default=15.0,
         help="seconds a standby waits for a silent leader's lease to expire (default 15)",
     )
-    parser.add_argument(
+    ha.add_argument(
         "--leader-elect-renew-deadline",
-        type=float,
+        type=duration,
         default=10.0,
         help="seconds a leader keeps failing to renew before it stands down (default 10)",
     )
-    parser.add_argument(
+    ha.add_argument(
         "--leader-elect-retry-period",
-        type=float,
+        type=duration,
         default=2.0,
         help="seconds between tries to acquire or renew the lease (default 2)",
     )
-    parser.add_argument(
+
+    picking = parser.add_argument_group("picking")
+    configs = picking.add_mutually_exclusive_group()
+    configs.add_argument(
         "--config",
-        type=pipeline_config,
+        "--config-file",
+        dest="config",
         metavar="FILE",
         help="an EndpointPickerConfig (the llm-d router's YAML format): filters, scorers, a "
         "picker and data sources instead of plain round-robin (format: lwepp/config.py)",
     )
-    parser.add_argument(
+    configs.add_argument(
+        "--config-text",
+        metavar="YAML",
+        help="the EndpointPickerConfig itself, in lieu of a file",
+    )
+    picking.add_argument(
         "--check-config",
         action=CheckConfig,
         metavar="FILE",
         help="check a configuration file, print the pipeline it makes (or its errors), and exit",
     )
-    parser.add_argument(
+    picking.add_argument(
         "--explain",
         choices=["header", "all", "off"],
         default="header",
         help="with --config: explain decisions in the response header x-switchyard-decision "
         "when a request asks (x-switchyard-explain: 1), for every request, or never",
     )
-    parser.add_argument(
+    picking.add_argument(
         "--debug-decisions",
         type=int,
         default=100,
@@ -152,24 +267,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --config: how many explained decisions and fallbacks "
         "GET /debug/decisions on the metrics port keeps",
     )
-    parser.add_argument(
+    picking.add_argument(
         "--disable-test-selection-header",
         action="store_true",
         help="ignore GIE's conformance header test-epp-endpoint-selection, with which any "
         "client can choose the replicas of the pool that may serve it (honoured by default, "
         "as GIE's lwepp does; turn it off in production)",
     )
-    parser.add_argument(
-        "--pods-interval",
-        type=float,
-        default=1.0,
-        help="seconds between checks of the pod file for changes",
+    picking.add_argument(
+        "--refresh-prometheus-metrics-interval",
+        type=duration,
+        default=5.0,
+        metavar="DURATION",
+        help="how often the pool gauges (ready endpoints, with --config the pool's averages) "
+        "are recomputed (default 5s, as the llm-d router)",
     )
     add_serving_flags(parser, Ports("127.0.0.1", 9002, 9003, 9090))
+    add_ignored_flags(parser, IGNORED)
     return parser
 
 
-def workers_problem(args: argparse.Namespace) -> str | None:
+def load_picker_config(args: argparse.Namespace) -> picker_config.PickerConfig | None:
+    """The ``--config`` file or the ``--config-text``; raises ``ConfigErrors``."""
+    if args.config is not None:
+        return picker_config.load_config(args.config)
+    if args.config_text is not None:
+        return picker_config.load_text(args.config_text)
+    return None
+
+
+def workers_problem(
+    args: argparse.Namespace, config: picker_config.PickerConfig | None
+) -> str | None:
     """Why ``--workers`` above 1 cannot run with these flags, or None.
 
     Workers share nothing but the ports. Stateless picking (round-robin,
@@ -182,42 +311,97 @@ def workers_problem(args: argparse.Namespace) -> str | None:
         return None
     if args.leader_elect:
         return "--workers with --leader-elect: each worker would campaign for the Lease alone"
-    if args.config is not None and (learning := args.config.learning):
+    if config is not None and (learning := config.learning):
         return (
-            f"--workers {args.workers} with {args.config.path}: plugin(s) "
+            f"--workers {args.workers} with {config.path}: plugin(s) "
             f"{', '.join(learning)} learn from the requests served, and each worker "
             "would learn only its own share; run one worker per replica instead"
         )
     return None
 
 
+def warnings(args: argparse.Namespace) -> list[str]:
+    """The start-up warnings the flags call for: ignored flags and values."""
+    found = ignored_warnings(args, IGNORED)
+    if args.endpoint_target_ports is not None and args.endpoint_selector is None:
+        found.append(
+            "--endpoint-target-ports: ignored: "
+            + ("the pool's targetPorts decide" if args.pool_name else "the pod file lists ports")
+        )
+    return found
+
+
+def namespace_of(args: argparse.Namespace, fallback: str) -> str:
+    """``--pool-namespace``, else ``$NAMESPACE`` (the llm-d router's chart sets it from the
+    pod), else ``fallback`` (the service account's or the kubeconfig context's)."""
+    return str(args.pool_namespace or os.environ.get("NAMESPACE") or fallback)
+
+
 def pod_source(args: argparse.Namespace) -> tuple[PodSource, LeaderElector | None]:
-    """The pod list the flags name (a file, or an InferencePool) and the optional elector.
+    """The pod list the flags name (a file, an InferencePool or a selector) and the elector.
 
     Raises ``PodFileError``, ``KubeconfigError`` or ``ValueError`` with a message
     naming the file, variable or flag at fault.
     """
     if args.pods is not None:
         if args.leader_elect:
-            raise ValueError("--leader-elect needs --pool-name (the Lease lives in the cluster)")
+            raise ValueError("--leader-elect needs the Kubernetes API (the Lease lives there)")
         load_pods(args.pods)  # fail fast on a broken file at start-up
-        source = FileSource(args.pods, interval=args.pods_interval)
-        source.reload()
-        return source, None
+        pod_file = FileSource(args.pods, interval=args.pods_interval)
+        pod_file.reload()
+        return pod_file, None
     if args.selector:
-        raise ValueError("--selector is for --pods; an InferencePool brings its own selector")
+        raise ValueError("--selector is for --pods; use --endpoint-selector with the API")
     config = load_kubeconfig(args.kubeconfig)
-    namespace = args.pool_namespace or config.namespace
-    pool = InferencePoolSource(config, args.pool_name, namespace, group=args.pool_group)
+    namespace = namespace_of(args, config.namespace)
+    if args.endpoint_selector is not None:
+        if args.endpoint_target_ports is None:
+            raise ValueError("--endpoint-selector needs --endpoint-target-ports (1 to 8 ports)")
+        source: PodSource = InferencePoolSource.without_pool(
+            config, namespace, args.endpoint_selector, args.endpoint_target_ports
+        )
+    else:
+        source = InferencePoolSource(config, args.pool_name, namespace, group=args.pool_group)
     if not args.leader_elect:
-        return pool, None
+        return source, None
     timings = LeaseTimings(
         args.leader_elect_lease_duration,
         args.leader_elect_renew_deadline,
         args.leader_elect_retry_period,
     )
-    lease = args.leader_elect_lease_name or f"lwepp-{args.pool_name}"
-    return pool, LeaderElector(config, namespace, lease, timings=timings)
+    lease = args.leader_elect_lease_name or f"lwepp-{args.pool_name or 'endpoint-selector'}"
+    return source, LeaderElector(config, namespace, lease, timings=timings)
+
+
+def pool_label(args: argparse.Namespace) -> str:
+    """The pool's name in the metrics' ``name`` label."""
+    if args.pool_name:
+        return str(args.pool_name)
+    return str(args.endpoint_selector or args.selector or os.path.basename(args.pods))
+
+
+def health_of(source: PodSource, elector: LeaderElector | None) -> Health:
+    """Every name follows readiness (the pool read); with an elector, the lease too, except
+    ``liveness``, which a standby keeps SERVING so that it is not restarted."""
+    if elector is None:
+        return Health(HEALTH_SERVICES, ready=lambda: source.synced)
+    return Health(
+        [name for name in HEALTH_SERVICES if name != LIVENESS],
+        ready=lambda: source.synced and elector.is_leader,
+        live=(LIVENESS,),
+    )
+
+
+async def refresh_metrics(
+    every: float, metrics: PickerMetrics, pool: Pool, pipeline: Pipeline | None
+) -> None:
+    """Recompute the pool gauges now and every ``every`` seconds (the router's
+    ``--refresh-prometheus-metrics-interval``): one value per scrape, in every worker."""
+    while True:
+        metrics.refresh(pool.endpoints)
+        if pipeline is not None:
+            pipeline.refresh_metrics(pool.endpoints)
+        await asyncio.sleep(every)
 
 
 async def run(
@@ -225,69 +409,80 @@ async def run(
     trace: TextIO | None,
     source: PodSource,
     elector: LeaderElector | None = None,
+    config: picker_config.PickerConfig | None = None,
+    tls: ServerTLS | None = None,
 ) -> None:
     pool = Pool(source, args.selector)
     registry = CollectorRegistry()
     strategy: Strategy = RoundRobin()
-    jobs, pages = [], {}
-    if args.config is not None:
-        for warning in args.config.warnings:
+    pipeline: Pipeline | None = None
+    jobs: list[Callable[[], Coroutine[Any, Any, None]]] = []
+    pages: dict[str, Callable[[], bytes]] = {}
+    if config is not None:
+        for warning in config.warnings:
             log.warning("configuration", detail=warning)
-        pipeline = args.config.pipeline(
+        pipeline = config.pipeline(
             registry=registry,
             explain=args.explain,
             decisions=DecisionLog(args.debug_decisions),
+            pool=pool_label(args),
         )
         strategy, jobs, pages = (
             pipeline,
             pipeline.background(lambda: pool.endpoints),
             pipeline.debug_pages(),
         )
+    namespace = getattr(source, "namespace", "")
+    metrics = PickerMetrics(registry, pool_label(args), namespace)
     service = EndpointPickerService(
         pool,
         strategy,
-        PickerMetrics(registry),
+        metrics,
         args.max_body_bytes,
         test_selection=not args.disable_test_selection_header,
     )
-    health = Health(HEALTH_SERVICES, ready=lambda: source.synced)
-    if elector is not None:
-        # A standby is alive but not ready: only readiness names follow the lease.
-        live = ("", "liveness")
-        health = Health(
-            [name for name in HEALTH_SERVICES if name not in live],
-            ready=lambda: source.synced and elector.is_leader,
-            live=live,
-        )
+    every = args.refresh_prometheus_metrics_interval
+    jobs.append(lambda: refresh_metrics(every, metrics, pool, pipeline))
     await serve(
         "lwepp",
         service,
         ports_of(args),
-        health,
+        health_of(source, elector),
         registry,
         background=[source.run, *jobs] if elector is None else [source.run, elector.run, *jobs],
         json_routes=pages,
         grace=args.grace,
         trace=trace,
+        tls=tls,
+        drain=args.drain_timeout,
+        grpc_options=grpc_options(args),
+        health_on_ext_proc=bool(args.health_checking),
     )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if problem := serving_problem(args) or workers_problem(args):
+    try:
+        config = load_picker_config(args)
+    except picker_config.ConfigErrors as error:
+        parser.error(f"argument --config:\n{error}")
+    if problem := serving_problem(args) or workers_problem(args, config):
         parser.error(problem)
-    configure_logging(args.log_level)
+    configure_logging(log_level(args), args.zap_encoder)
+    for warning in warnings(args):
+        log.warning("flag", detail=warning)
     try:
         source, elector = pod_source(args)
-    except (PodFileError, KubeconfigError, ValueError) as error:
+        tls = server_tls(args)
+    except (PodFileError, KubeconfigError, ValueError, TLSError) as error:
         sys.exit(f"lwepp: {error}")
     if args.workers > 1:
         flags = list(sys.argv[1:] if argv is None else argv)
-        sys.exit(run_workers("lwepp", flags, args.workers, ports_of(args)))
+        sys.exit(run_workers("lwepp", flags, args.workers, ports_of(args), shared_tls(tls)))
     with contextlib.ExitStack() as files:
         trace = files.enter_context(open(args.trace_messages, "a")) if args.trace_messages else None
-        asyncio.run(run(args, trace, source, elector))
+        asyncio.run(run(args, trace, source, elector, config, tls))
 
 
 if __name__ == "__main__":

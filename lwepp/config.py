@@ -1,8 +1,9 @@
 """The picker's configuration file: the llm-d router's ``EndpointPickerConfig``, decoded strictly.
 
-A file written for the router carries over, for the plugins Switchyard has::
+A file written for the router (v0.10, and its HEAD's ``llm-d.ai/v1``) carries
+over, for the plugins Switchyard has::
 
-    apiVersion: llm-d.ai/v1alpha1      # (inference.networking.x-k8s.io/v1alpha1: deprecated)
+    apiVersion: llm-d.ai/v1alpha1      # or llm-d.ai/v1 (inference.networking.x-k8s.io/...: old)
     kind: EndpointPickerConfig
     plugins:
     - type: queue-scorer               # built-in (lwepp.plugins.REGISTRY), or pkg.module.Class
@@ -21,8 +22,18 @@ them (with no profile, one named ``default`` lists every plugin, as the
 router does); every other plugin (data sources, plugins that are only hooks)
 runs unlisted. Each stage runs its plugins in one order: the profile's, then
 the unlisted ones in file order. A profile without a picker gets
-``max-score-picker``. Data sources run in the background; the router's
-``dataLayer`` wiring is not needed.
+``max-score-picker``. Data sources run in the background.
+
+**The router's defaults, as it applies them.** When a running plugin reads
+an attribute no configured data source produces and ``metrics-data-source``
+does, one is added (the router's ``dataLayer.injectDefaults``, true unless set
+false; then it is an error instead). The router's producer and extractor
+types whose work a built-in does whole here (``lwepp.plugins.FOLDED``) are
+built for their parameters and handed to it: ``approx-prefix-cache-producer``
+to the ``prefix-cache-scorer`` naming it in ``prefixMatchInfoProducerName``
+(by default, the one named ``approx-prefix-cache-producer``),
+``core-metrics-extractor`` to the ``metrics-data-source`` that
+``dataLayer.sources`` pairs it with (or the only one, or the added one).
 
 **User plugins.** A ``type`` with a dot is a dotted path, imported when the
 file is loaded, and called as ``factory(name, params)`` (``plugin.Params``):
@@ -31,17 +42,28 @@ a class, a function, or a classmethod named in the path
 
 **Strict.** An unknown field, an unknown type, a parameter the plugin does
 not read, a dangling ``pluginRef``, a duplicate name, a negative weight, a
-second profile or picker, or an attribute a plugin reads that no configured
-data source produces is an error naming the file and line, the plugin and the
-field. Every error is reported, not just the first.
+second profile or picker, an unknown feature gate, or an attribute a plugin
+reads that nothing produces is an error naming the file and line, the plugin
+and the field. Every error is reported, not just the first.
 
-**Decoded but ignored, with a warning:** ``featureGates`` (only the
-router's gate names), ``dataLayer``, ``flowControl``, ``saturationDetector``
-and ``parser`` (each a mapping; any ``pluginRef`` in them must name a
-configured plugin), and plugins of type ``single-profile-handler``. Refusing
-them would stop router files from carrying over for features that do not
-change where Switchyard sends a request; silently dropping them would hide
-that they have no effect here.
+**Router features Switchyard does not implement** (``UNSUPPORTED``: several
+profiles per request for disaggregated serving, the precise prefix cache,
+admission control, ...) refuse the file in one message naming the feature and
+the plugins that need it, and nothing that follows from them (their
+``pluginRef``s, the profiles of a profile handler) is reported again.
+
+**Decoded but ignored, with a warning:** the ``featureGates`` that change
+nothing here (``flowControl=true``, ``haPopulateNonLeaderDatastore=false``;
+``name``, ``name=true`` and ``name=false`` are read as the router reads them),
+the sections ``dataLayer`` (but ``injectDefaults`` and ``sources``, which
+pair extractors), ``flowControl``, ``requestHandler`` and the deprecated
+``saturationDetector`` and ``parser`` (their fields checked, every
+``pluginRef`` in them must name a configured plugin), and plugin types
+without an effect on where a request goes here (``IGNORED_TYPES``: the
+single-profile handler, request parsers, flow-control policies and
+saturation detectors). Refusing them would stop router files from carrying
+over for features that do not change where Switchyard sends a request;
+dropping them silently would hide that they have no effect here.
 """
 
 from __future__ import annotations
@@ -56,39 +78,143 @@ from typing import Any, Final
 import yaml
 
 from lwepp.pipeline import ROLES, Pipeline
-from lwepp.plugins import REGISTRY
-from plugin import ConfigError, Factory, Params, Role, build, needs_body
+from lwepp.plugins import ALIASES, DEPRECATED, FOLDED, REGISTRY
+from lwepp.plugins.metrics_source import CoreMetricsExtractor, MetricsDataSource
+from lwepp.plugins.prefix import DEFAULT_PRODUCER, ApproxPrefixCacheProducer, PrefixCacheScorer
+from plugin import Built, ConfigError, Factory, Params, Role, build, needs_body
 
 API_VERSION: Final = "llm-d.ai/v1alpha1"
+API_VERSIONS: Final = (API_VERSION, "llm-d.ai/v1")
 DEPRECATED_API_VERSION: Final = "inference.networking.x-k8s.io/v1alpha1"
 KIND: Final = "EndpointPickerConfig"
 
-FEATURE_GATES: Final = frozenset({"flowControl", "enableLegacyMetrics", "dataLayer"})
-"""The router's registered gates; any other name is an error there, and here."""
-
-IGNORED_SECTIONS: Final = {
-    "featureGates": "Switchyard has no feature gates",
-    "dataLayer": "data sources listed under plugins run without it",
-    "flowControl": "Switchyard has no flow control (requests are never queued or shed)",
-    "saturationDetector": "Switchyard has no saturation detector",
-    "parser": "Switchyard parses OpenAI bodies itself",
+FEATURE_GATES: Final = {
+    "flowControl": (False, "Switchyard has no flow control (requests are never queued or shed)"),
+    "haPopulateNonLeaderDatastore": (
+        True,
+        "a standby picker always watches its pods (--leader-elect), as the gate's default",
+    ),
 }
+"""The router's registered gates (v0.10): their default, and why a different value changes
+nothing here. Any other name is an error there, and here."""
+
+REMOVED_GATES: Final = {
+    "enableLegacyMetrics": "removed from the router before v0.10; legacy metrics are gone",
+    "dataLayer": "removed from the router before v0.10; the data layer is always on",
+}
+
+SECTIONS: Final = {
+    "dataLayer": (
+        {
+            "injectDefaults", "sources", "discovery", "peerDiscovery", "crossReplica",
+            "crossReplicaSyncerPluginRef", "crossReplicaSyncInterval", "crossReplicaPublishTimeout",
+        },
+        "data sources listed under plugins run without it (sources pair extractors)",
+    ),
+    "flowControl": (
+        {
+            "maxBytes", "maxRequests", "defaultRequestTTL", "noEndpointRequestTTL",
+            "defaultPriorityBand", "defaultNegativePriorityBand", "priorityBands",
+            "usageLimitPolicyPluginRef", "saturationDetector", "enableEviction",
+        },
+        "Switchyard has no flow control (requests are never queued or shed)",
+    ),
+    "requestHandler": (
+        {"parsers", "propagatePriority"},
+        "Switchyard parses OpenAI bodies itself (lwepp/body.py)",
+    ),
+    "saturationDetector": (
+        {"pluginRef"},
+        "deprecated, use flowControl.saturationDetector; Switchyard has no saturation detector",
+    ),
+    "parser": ({"pluginRef"}, "deprecated, use requestHandler.parsers; Switchyard parses OpenAI "
+               "bodies itself"),
+}  # fmt: skip
+"""Top-level sections decoded and ignored: their fields (v1alpha1's and v1's), and why."""
+
+_FLOW: Final = "Switchyard has no flow control or saturation detection"
+_PARSE: Final = "Switchyard parses OpenAI bodies itself (lwepp/body.py)"
 IGNORED_TYPES: Final = {
     "single-profile-handler": "Switchyard runs its one scheduling profile directly",
-}
-HINTS: Final = {
-    "core-metrics-extractor": "metrics-data-source extracts its own metrics: move "
-    "defaultEngine and engineConfigs to its parameters",
-    "approx-prefix-cache-producer": "prefix-cache-scorer keeps its own index: move the "
-    "parameters to it",
-}
-"""Router plugin types Switchyard folds into others, and where their parameters go."""
+    "models-data-extractor": "models-data-source reads the model lists itself",
+    "models-responder": "the gateway answers GET /v1/models (manifests/envoy-gateway/models.yaml, "
+    "the demo); a picker sends it on to one endpoint",
+    **dict.fromkeys(
+        ("openai-parser", "anthropic-parser", "vllmhttp-parser", "vllmgrpc-parser",
+         "vertexai-parser", "passthrough-parser"),
+        _PARSE,
+    ),
+    **dict.fromkeys(
+        ("utilization-detector", "concurrency-detector", "global-strict-fairness-policy",
+         "round-robin-fairness-policy", "program-aware-fairness", "fcfs-ordering-policy",
+         "edf-ordering-policy", "slo-deadline-ordering-policy", "static-usage-limit-policy",
+         "soft-reflective-ceiling-policy", "priority-holdback-policy",
+         "sheddable-eviction-filter", "priority-then-time-eviction-order-policy"),
+        _FLOW,
+    ),
+}  # fmt: skip
+"""Router plugin types accepted without effect: none changes where a request goes here."""
+
+UNSUPPORTED: Final = {
+    "several scheduling profiles per request (prefill/decode and encode disaggregation)": (
+        "disagg-profile-handler", "pd-profile-handler", "prefill-header-handler",
+        "disagg-headers-handler", "header-profile-handler", "prefix-based-pd-decider",
+        "always-disagg-pd-decider", "always-disagg-multimodal-decider", "topology-extractor",
+        "topology-affinity-filter", "topology-affinity-scorer",
+        "disaggregatedset-rollout-screener",
+    ),
+    "a data-parallel profile handler (list each rank's port as an endpoint instead)": (
+        "data-parallel-profile-handler",
+    ),
+    "prompts tokenized by the model's tokenizer, and the precise prefix cache fed by the "
+    "engines' KV-cache events (prefix-cache-scorer estimates from the prompt text instead)": (
+        "precise-prefix-cache-producer", "precise-prefix-cache-scorer", "token-producer",
+        "tokenizer", "endpoint-notification-source", "k8s-notification-source",
+    ),
+    "multimodal embedding-cache affinity": (
+        "mm-embeddings-cache-producer", "mm-embeddings-cache-scorer",
+    ),
+    "burst co-location of prompt-sharing requests": ("burst-prefix-cache-producer",),
+    "load counted in flight or in tokens": (
+        "load-aware-scorer", "active-request-scorer", "token-load-scorer",
+        "running-requests-size-scorer", "inflight-load-producer", "context-length-aware",
+    ),
+    "cold-request spreading": ("no-hit-lru-scorer",),
+    "endpoint attributes beyond the metrics source (DCGM GPU telemetry, attribute filters)": (
+        "dcgm-data-source", "dcgm-extractor", "endpoint-attribute-filter",
+        "endpoint-attribute-scorer", "utilization-filter",
+    ),
+    "admission control (requests refused under saturation or for their SLO)": (
+        "probabilistic-admitter", "latency-slo-admitter", "slo-headroom-tier-filter",
+    ),
+    "predicted-latency routing": ("predicted-latency-producer", "latency-scorer"),
+    "session affinity by header filter": (
+        "session-affinity-filter", "session-id-producer", "prefix-cache-affinity-filter",
+    ),
+    "endpoint discovery plugins (give --pods, --pool-name or --endpoint-selector)": (
+        "file-discovery", "multicluster-file-discovery",
+    ),
+    "state shared between picker replicas": ("local-syncer", "cross-replica-publisher"),
+    "multi-cluster routing": (
+        "multicluster-metrics-data-source", "multicluster-metrics-extractor",
+        "multicluster-session-affinity-filter", "multicluster-queue-scorer",
+        "multicluster-kv-cache-utilization-scorer", "multicluster-prefix-cache-scorer",
+        "multicluster-approx-prefix-cache-producer",
+    ),
+}  # fmt: skip
+"""Router features Switchyard does not implement, and the plugin types that need them."""
+
+FEATURE_OF: Final = {kind: feature for feature, kinds in UNSUPPORTED.items() for kind in kinds}
 
 PROFILED: Final = frozenset({Role.FILTER, Role.SCORE, Role.PICK})
 """The roles that run only where a scheduling profile lists the plugin."""
 
 LEARNING: Final = frozenset(ROLES[ROLES.index(Role.PICKED) :])
 """The roles that learn from the requests served (picked and response hooks)."""
+
+_REF_KEY: Final = re.compile(r"(pluginRef|.+PluginRef|.+PolicyRef)$")
+"""Section fields that name a plugin: ``pluginRef``, ``usageLimitPolicyPluginRef``,
+``fairnessPolicyRef``..."""
 
 
 class ConfigErrors(ConfigError):
@@ -126,7 +252,8 @@ class PickerConfig:
 
     def pipeline(self, **options: Any) -> Pipeline:
         """The pipeline this file describes (``options``: ``Pipeline``'s keyword arguments)."""
-        return Pipeline(self.running, weights=self.weights, **options)
+        types = {p.name: p.type for p in self.plugins}
+        return Pipeline(self.running, weights=self.weights, types=types, **options)
 
     @property
     def learning(self) -> list[str]:
@@ -144,11 +271,17 @@ class PickerConfig:
 
 def load_config(path: str | Path, registry: Mapping[str, Factory] = REGISTRY) -> PickerConfig:
     """Read, check and build the configuration in ``path``; raise ``ConfigErrors`` listing all."""
-    where = str(path)
     try:
         text = Path(path).read_text()
     except OSError as error:
-        raise ConfigErrors([f"{where}: cannot read: {error.strerror or error}"]) from None
+        raise ConfigErrors([f"{path}: cannot read: {error.strerror or error}"]) from None
+    return load_text(text, str(path), registry)
+
+
+def load_text(
+    text: str, where: str = "--config-text", registry: Mapping[str, Factory] = REGISTRY
+) -> PickerConfig:
+    """Check and build the configuration ``text`` (messages name ``where``); as ``load_config``."""
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
@@ -185,6 +318,8 @@ class _Decoder:
     registry: Mapping[str, Factory]
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    _extractors: list[Configured] = field(default_factory=list)
+    """Extractors no configured source took: an added metrics source takes them."""
 
     # --- messages ---
 
@@ -231,31 +366,46 @@ class _Decoder:
             doc = Params(data, "", path="")
             api_version = doc.get("apiVersion", str, "")
             kind = doc.get("kind", str, "")
+            gates = doc.get("featureGates", list, [])
             entries, profiles = doc.entries("plugins"), doc.entries("schedulingProfiles")
-            sections = {name: doc.get(name, object, None) for name in IGNORED_SECTIONS}
+            sections = {name: doc.get(name, dict, None) for name in SECTIONS}
             doc.done()
         except ConfigError as error:
             self.error(_keys(error.field or ""), str(error))
             return None
         if api_version == DEPRECATED_API_VERSION:
-            self.warn(["apiVersion"], f"apiVersion: deprecated: use {API_VERSION}")
-        elif api_version != API_VERSION:
-            self.error(["apiVersion"], f"apiVersion: expected {API_VERSION}, got {api_version!r}")
+            self.warn(["apiVersion"], f"apiVersion: deprecated: use {API_VERSIONS[-1]}")
+        elif api_version not in API_VERSIONS:
+            expected = " or ".join(API_VERSIONS)
+            self.error(["apiVersion"], f"apiVersion: expected {expected}, got {api_version!r}")
         if kind != KIND:
             self.error(["kind"], f"kind: expected {KIND}, got {kind!r}")
+        self.feature_gates(gates)
         plugins: list[Configured] = []
+        folded: dict[str, Configured] = {}
+        named: dict[str, str] = {}  # every plugin name in the file → its path
+        needing: dict[str, list[str]] = {}  # unsupported feature → "type (line n)"
         for entry in entries:
             with self.checking():
-                if (plugin := self.plugin(entry, plugins)) is not None:
-                    plugins.append(plugin)
+                made = self.plugin(entry, named, needing)
+                if made is not None and made.type in FOLDED:
+                    folded[made.name] = made
+                elif made is not None:
+                    plugins.append(made)
+        skipped = {n for n, p in named.items() if n not in {c.name for c in plugins}}
+        if needing:
+            features = "; ".join(f"{f} ({', '.join(kinds)})" for f, kinds in needing.items())
+            self.error([], f"needs what Switchyard does not implement: {features}")
+        self.sections(sections, named)
         by_name = {p.name: p for p in plugins}
-        self.ignored_sections(sections, by_name)
-        profile = self.profile(profiles, by_name)
+        self.fold(folded, by_name, sections.get("dataLayer"), skipped)
+        profile = self.profile(profiles, by_name, skipped, bool(needing))
         if profile is None:
             return None
         name, listed, weights = profile
         running = self.running(plugins, name, listed)
-        self.check_attributes(plugins, running)
+        self.defaults(plugins, running, folded, sections.get("dataLayer"))
+        self.check_attributes(running)
         return PickerConfig(
             self.path,
             api_version,
@@ -266,8 +416,33 @@ class _Decoder:
             tuple(self.warnings),
         )
 
-    def plugin(self, entry: Params, built: Sequence[Configured]) -> Configured | None:
-        """One ``plugins`` entry, built (None: ignored, with a warning)."""
+    def feature_gates(self, gates: Sequence[Any]) -> None:
+        """``name``, ``name=true`` or ``name=false``, as the router reads them; its names only."""
+        for index, gate in enumerate(gates):
+            at: list[str | int] = ["featureGates", index]
+            if not isinstance(gate, str):
+                self.error(at, f"featureGates[{index}]: expected a string, got {gate!r}")
+                continue
+            name, sep, text = gate.partition("=")
+            value = True
+            if sep:
+                value = text.strip().lower() in ("1", "t", "true")
+                if text.strip().lower() not in ("1", "t", "true", "0", "f", "false"):
+                    self.error(at, f"featureGates: {gate!r}: expected {name}=true or {name}=false")
+                    continue
+            if name in REMOVED_GATES:
+                self.error(at, f"featureGates: {name!r}: {REMOVED_GATES[name]}")
+            elif name not in FEATURE_GATES:
+                known = ", ".join(FEATURE_GATES)
+                self.error(at, f"featureGates: unknown gate {name!r} (known: {known})")
+            elif value != FEATURE_GATES[name][0]:
+                self.warn(at, f"featureGates: {name}={str(value).lower()}: ignored: "
+                          f"{FEATURE_GATES[name][1]}")  # fmt: skip
+
+    def plugin(
+        self, entry: Params, named: dict[str, str], needing: dict[str, list[str]]
+    ) -> Configured | None:
+        """One ``plugins`` entry, built (None: ignored with a warning, or not implemented)."""
         kind = entry.require("type", str)
         name = entry.get("name", str, kind)
         parameters = entry.get("parameters", object, None)
@@ -275,47 +450,123 @@ class _Decoder:
         subject = f"plugin {name!r} ({kind})"
         if not kind or not name:
             raise entry.error("type" if not kind else "name", "must not be empty")
-        if same := [p for p in built if p.name == name]:
+        if name in named:
             raise ConfigError(
-                f"{subject}: name: duplicate (also {same[0].path})", entry.path_of("name")
+                f"{subject}: name: duplicate (also {named[name]})", entry.path_of("name")
             )
-        if kind in IGNORED_TYPES:
-            self.warn(_keys(entry.path_of("type")), f"{subject}: ignored: {IGNORED_TYPES[kind]}")
+        named[name] = entry.path
+        at = _keys(entry.path_of("type"))
+        if kind in FEATURE_OF:
+            needing.setdefault(FEATURE_OF[kind], []).append(f"{kind} (line {self.line(at)})")
             return None
-        if kind in HINTS:
-            raise ConfigError(f"{subject}: type: unknown ({HINTS[kind]})", entry.path_of("type"))
+        if kind in IGNORED_TYPES:
+            self.warn(at, f"{subject}: ignored: {IGNORED_TYPES[kind]}")
+            return None
+        if kind in DEPRECATED:
+            self.warn(at, f"{subject}: type: deprecated: {DEPRECATED[kind]}")
+        registry = {**self.registry, **{k: factory for k, (factory, _) in FOLDED.items()}}
         try:
-            made = build(kind, name, parameters, self.registry, ROLES)
+            if kind in FOLDED:
+                made = _make(FOLDED[kind][0], kind, name, parameters)
+            else:
+                made = build(ALIASES.get(kind, kind), name, parameters, registry, ROLES)
         except ConfigError as error:  # point at the field in the document: plugins[i].<field>
             raise ConfigError(str(error), entry.path_of(error.field or "type")) from None
         return Configured(name, kind, made.plugin, made.roles, entry.path)
 
-    def ignored_sections(self, sections: Mapping[str, Any], by_name: Mapping[str, Any]) -> None:
+    def sections(self, sections: Mapping[str, Any], named: Mapping[str, str]) -> None:
+        """The top-level sections: known fields only; every plugin reference names a plugin."""
         for section, value in sections.items():
             if value is None:
                 continue
-            if section == "featureGates":
-                if not isinstance(value, list) or not all(isinstance(g, str) for g in value):
-                    self.error([section], f"{section}: expected a list of names")
-                    continue
-                for gate in sorted(set(value) - FEATURE_GATES):
-                    known = ", ".join(sorted(FEATURE_GATES))
-                    self.error([section], f"{section}: unknown gate {gate!r} (known: {known})")
-            elif not isinstance(value, Mapping):
-                self.error([section], f"{section}: expected a mapping")
-                continue
+            fields, why = SECTIONS[section]
+            for unknown in sorted(set(value) - fields):
+                known = ", ".join(sorted(fields))
+                self.error(
+                    [section, unknown], f"{section}: unknown field {unknown!r} (known: {known})"
+                )
             for keys, ref in _plugin_refs(value, [section]):
-                if ref not in by_name:
-                    self.error(keys, f"{section}: pluginRef {ref!r} names no plugin")
-            self.warn([section], f"{section}: decoded and ignored: {IGNORED_SECTIONS[section]}")
+                if ref not in named:
+                    where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in keys)
+                    self.error(keys, f"{where[1:]}: {ref!r} names no plugin")
+            if section == "dataLayer" and set(value) <= {"injectDefaults", "sources"}:
+                continue  # what the file says there, Switchyard does (``fold``, ``defaults``)
+            self.warn([section], f"{section}: decoded and ignored: {why}")
+
+    def fold(
+        self,
+        folded: Mapping[str, Configured],
+        by_name: Mapping[str, Configured],
+        data_layer: Mapping[str, Any] | None,
+        skipped: set[str],
+    ) -> None:
+        """Hand each producer's and extractor's parameters to the built-in that does its work."""
+        used: set[str] = set()
+        for p in by_name.values():
+            if not isinstance(p.plugin, PrefixCacheScorer):
+                continue
+            producer = folded.get(p.plugin.producer)
+            if producer is not None:
+                if p.plugin.own_settings:
+                    self.error(
+                        _keys(p.path),
+                        f"plugin {p.name!r} ({p.type}): parameters: "
+                        f"{', '.join(p.plugin.own_settings)} belong to its producer "
+                        f"{producer.name!r}: set them there only",
+                    )
+                assert isinstance(producer.plugin, ApproxPrefixCacheProducer)
+                p.plugin.use(producer.plugin.settings)
+                used.add(producer.name)
+            elif p.plugin.producer not in skipped and p.plugin.producer != DEFAULT_PRODUCER:
+                self.error(
+                    _keys(f"{p.path}.parameters.prefixMatchInfoProducerName"),
+                    f"plugin {p.name!r} ({p.type}): prefixMatchInfoProducerName: "
+                    f"{p.plugin.producer!r} names no approx-prefix-cache-producer",
+                )
+        pairs = {
+            str(e.get("pluginRef")): str(s.get("pluginRef"))
+            for s in (data_layer or {}).get("sources") or []
+            if isinstance(s, Mapping)
+            for e in s.get("extractors") or []
+            if isinstance(e, Mapping)
+        }
+        sources = [p for p in by_name.values() if isinstance(p.plugin, MetricsDataSource)]
+        for extractor in folded.values():
+            if not isinstance(extractor.plugin, CoreMetricsExtractor):
+                continue
+            source = by_name.get(pairs.get(extractor.name, ""))
+            if source is None and len(sources) == 1:
+                source = sources[0]
+            if source is None or not isinstance(source.plugin, MetricsDataSource):
+                continue  # no source to serve: ``defaults`` adds one and hands it these
+            if source.plugin.own_settings:
+                self.error(
+                    _keys(source.path),
+                    f"plugin {source.name!r} ({source.type}): parameters: "
+                    f"{', '.join(source.plugin.own_settings)} belong to its extractor "
+                    f"{extractor.name!r}: set them there only",
+                )
+            source.plugin.use(extractor.plugin.engines)
+            used.add(extractor.name)
+        for name, p in folded.items():
+            if name not in used and isinstance(p.plugin, ApproxPrefixCacheProducer):
+                self.warn(_keys(p.path), f"plugin {name!r} ({p.type}): no prefix-cache-scorer "
+                          "names it: it does nothing")  # fmt: skip
+        self._extractors = [e for n, e in folded.items() if n not in used]
 
     def profile(
-        self, profiles: Sequence[Params], by_name: Mapping[str, Configured]
+        self,
+        profiles: Sequence[Params],
+        by_name: Mapping[str, Configured],
+        skipped: set[str],
+        unsupported: bool,
     ) -> tuple[str, list[Configured], dict[str, float]] | None:
         """The one profile: its name, its plugins in order, and the weights it gives."""
         if not profiles:  # as the router: a "default" profile of every plugin, in file order
             return "default", list(by_name.values()), {}
         if len(profiles) > 1:
+            if unsupported:
+                return None  # the profile handler that would choose among them is reported
             names = ", ".join(repr(p.get("name", object, None)) for p in profiles)
             self.error(
                 ["schedulingProfiles", 1],
@@ -339,6 +590,8 @@ class _Decoder:
                 ref = entry.require("pluginRef", str)
                 weight = entry.get("weight", float, 1.0, at_least=0)
                 entry.done()
+                if ref in skipped:
+                    continue  # ignored with a warning, or reported as not implemented
                 where = f"profile {name!r}, plugin {ref!r}: pluginRef"
                 configured = by_name.get(ref)
                 problem = (
@@ -380,9 +633,40 @@ class _Decoder:
             )
         return running
 
-    def check_attributes(
-        self, plugins: Sequence[Configured], running: Sequence[Configured]
+    def defaults(
+        self,
+        plugins: list[Configured],
+        running: list[Configured],
+        folded: Mapping[str, Configured],
+        data_layer: Mapping[str, Any] | None,
     ) -> None:
+        """Add the metrics source the router would inject, when a running plugin needs it."""
+        if (data_layer or {}).get("injectDefaults") is False:
+            return
+        produced = frozenset().union(
+            *(p.plugin.produces for p in running if Role.SOURCE in p.roles)
+        )
+        wanted = frozenset().union(*(getattr(p.plugin, "reads", frozenset()) for p in running))
+        missing = wanted - produced
+        if not missing or not missing <= MetricsDataSource.produces:
+            return
+        name = "metrics-data-source"
+        made = build(name, name, None, self.registry, ROLES)
+        for extractor in self._extractors:
+            assert isinstance(extractor.plugin, CoreMetricsExtractor)
+            made.plugin.use(extractor.plugin.engines)
+        added = Configured(name, name, made.plugin, made.roles, "dataLayer")
+        plugins.append(added)
+        running.append(added)
+        readers = sorted(p.name for p in running if missing & getattr(p.plugin, "reads", set()))
+        self.warn(
+            ["dataLayer"],
+            f"added {name}: {', '.join(readers)} read{'s' if len(readers) == 1 else ''} "
+            f"{', '.join(sorted(missing))} (the router's default data source; "
+            "dataLayer.injectDefaults: false refuses instead)",
+        )
+
+    def check_attributes(self, running: Sequence[Configured]) -> None:
         """Every attribute a running plugin reads must come from a configured data source."""
         produced = frozenset().union(
             *(p.plugin.produces for p in running if Role.SOURCE in p.roles)
@@ -402,11 +686,25 @@ class _Decoder:
                 )
 
 
+def _make(factory: Factory, kind: str, name: str, parameters: Any) -> Built:
+    """A folded type's object, built as ``plugin.build`` builds plugins (strict parameters)."""
+    where = f"plugin {name!r} ({kind})"
+    params = Params(parameters, where)
+    try:
+        made = factory(name, params)
+        params.done()
+    except ConfigError:
+        raise
+    except Exception as error:
+        raise ConfigError(f"{where}: cannot be built: {type(error).__name__}: {error}") from error
+    return Built(made, ())
+
+
 def _plugin_refs(value: Any, keys: list[str | int]) -> Iterator[tuple[list[str | int], Any]]:
-    """Every ``pluginRef`` in a nested section, with its path."""
+    """Every plugin reference in a nested section (``_REF_KEY``), with its path."""
     if isinstance(value, Mapping):
         for key, item in value.items():
-            if key == "pluginRef":
+            if isinstance(key, str) and _REF_KEY.fullmatch(key) and isinstance(item, str):
                 yield [*keys, key], item
             else:
                 yield from _plugin_refs(item, [*keys, key])

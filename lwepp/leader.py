@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import os
 import socket
 import time
 import uuid
@@ -67,8 +68,9 @@ def micro_time(moment: datetime.datetime) -> str:
 
 
 def default_identity() -> str:
-    """The pod name (the hostname in a pod) plus a random suffix, as client-go's examples."""
-    return f"{socket.gethostname()}_{uuid.uuid4()}"
+    """The pod name plus a random suffix, as client-go's examples: ``POD_NAME`` (which the llm-d
+    router's chart sets from the pod), else the hostname (the pod name, in a pod)."""
+    return f"{os.environ.get('POD_NAME') or socket.gethostname()}_{uuid.uuid4()}"
 
 
 class LeaderElector:

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final, NamedTuple, Protocol
 
 from pods.model import Endpoint, Pod, PodSource, endpoints_of
+from pods.selector import LabelSelector
 
 SUBSET_NAMESPACE: Final = "envoy.lb.subset_hint"
 SUBSET_KEY: Final = "x-gateway-destination-endpoint-subset"
@@ -105,14 +106,17 @@ class RoundRobin:
 class Pool:
     """The endpoints of one pool: the pods of a source that match a label selector.
 
-    Like an InferencePool's ``spec.selector.matchLabels``: each port of each
-    ready matching pod is one endpoint. The tuple is rebuilt only when the
-    source replaces its pod list, not on every request.
+    Like an InferencePool's ``spec.selector.matchLabels`` (or a full label
+    selector, ``pods.selector``): each port of each ready matching pod is one
+    endpoint. The tuple is rebuilt only when the source replaces its pod list,
+    not on every request.
     """
 
-    def __init__(self, source: PodSource, selector: Mapping[str, str]) -> None:
+    def __init__(self, source: PodSource, selector: Mapping[str, str] | LabelSelector) -> None:
         self.source = source
-        self.selector = dict(selector)
+        self.selector = (
+            selector if isinstance(selector, LabelSelector) else LabelSelector.from_labels(selector)
+        )
         self._seen: tuple[Pod, ...] | None = None
         self._endpoints: tuple[Endpoint, ...] = ()
 

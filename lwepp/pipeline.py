@@ -24,11 +24,22 @@ alone, exactly as ``RoundRobin`` does. With no scorers the default picker
 A plugin that raises, or breaks its contract (a filter returning a stranger,
 a scorer returning the wrong number of scores, a picker choosing a
 non-candidate), never loses the request: the error is logged naming the
-plugin and stage, counted in ``lwepp_plugin_errors_total{plugin,stage}``,
+plugin and stage, counted in ``llm_d_epp_plugin_errors_total{plugin,stage}``,
 and the request goes round-robin over the candidates it started with. Two
 exceptions: a failing picked hook leaves the pick standing (it was sound, and
 other hooks have already learned it), and a failing response hook is skipped
 (the response is on its way).
+
+Metrics, with the llm-d router's names (``registry``): each plugin call's time
+in ``llm_d_epp_plugin_duration_seconds{extension_point,plugin_type,plugin_name}``
+(the router's extension points: DataProducer for prepare, Filter, Scorer,
+Picker, PreRequest for picked, ResponseReceived, ResponseStreaming,
+ResponseComplete), and, set by ``refresh_metrics``, the pool's mean and
+standard deviation of the attributes the data sources measured:
+``llm_d_epp_average_kv_cache_utilization``, ``_average_queue_size``,
+``_average_running_requests`` and the ``std_dev_`` three, labelled with the
+pool's ``name``. ``llm_d_epp_plugin_errors_total{plugin,stage}`` is
+Switchyard's own (the router has no such count).
 
 Explaining: a request with ``x-switchyard-explain: 1`` (or every request,
 with ``explain="all"``) gets ``x-switchyard-decision`` on its response:
@@ -43,6 +54,8 @@ from __future__ import annotations
 import collections
 import functools
 import json
+import math
+import statistics
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,7 +64,7 @@ from typing import Any, Final, Literal
 
 import orjson
 import structlog
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from lwepp.attributes import (
     NO_ATTRIBUTES,
@@ -102,6 +115,32 @@ ExplainMode = Literal["header", "all", "off"]
 
 _YES: Final = frozenset({"1", "true", "yes", "on"})
 NO_SCORES: Final[Mapping[str, float]] = MappingProxyType({})
+
+EXTENSION_POINTS: Final = {
+    Role.PREPARE: "DataProducer",
+    Role.FILTER: "Filter",
+    Role.SCORE: "Scorer",
+    Role.PICK: "Picker",
+    Role.PICKED: "PreRequest",
+    Role.RESPONSE_HEADERS: "ResponseReceived",
+    Role.RESPONSE_CHUNK: "ResponseStreaming",
+    Role.RESPONSE_COMPLETE: "ResponseComplete",
+}
+"""Each request-path stage as the llm-d router names it in ``plugin_duration_seconds``."""
+
+DURATION_BUCKETS: Final = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+"""The router's buckets for ``llm_d_epp_plugin_duration_seconds``."""
+
+POOL_ATTRIBUTES: Final = {
+    "kv_cache_usage": "kv_cache_utilization",
+    "queue_depth": "queue_size",
+    "running_requests": "running_requests",
+}
+"""Endpoint attributes summarised per pool → the router's gauge names for them."""
+
+FRESH_SECONDS: Final = 2.0
+"""Measurements older than this are left out of the pool's averages (the router's
+``--metrics-staleness-threshold`` default)."""
 
 
 class PluginFailure(Exception):
@@ -179,6 +218,8 @@ class Pipeline:
         registry: CollectorRegistry | None = None,
         explain: ExplainMode = "header",
         decisions: DecisionLog | None = None,
+        types: Mapping[str, str] | None = None,
+        pool: str = "",
     ) -> None:
         self.plugins: tuple[Any, ...] = tuple(plugins)
         self.stages: dict[Role, tuple[Any, ...]] = {
@@ -210,12 +251,42 @@ class Pipeline:
         )
         self.store = store or AttributeStore()
         self.clock = clock
+        registry = registry or CollectorRegistry()
         self.plugin_errors = Counter(
-            "lwepp_plugin_errors",
+            "llm_d_epp_plugin_errors",
             "plugin failures by plugin and stage (request side: answered round-robin instead)",
             ["plugin", "stage"],
-            registry=registry or CollectorRegistry(),
+            registry=registry,
         )
+        durations = Histogram(
+            "llm_d_epp_plugin_duration_seconds",
+            "Plugin processing latency distribution in seconds for each extension point, "
+            "plugin type and plugin name.",
+            ["extension_point", "plugin_type", "plugin_name"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+        types = types or {}
+        self.timers: dict[tuple[Role, str], Any] = {
+            (role, p.name): durations.labels(
+                EXTENSION_POINTS[role], types.get(p.name, type(p).__name__), p.name
+            )
+            for role, plugins in self.stages.items()
+            if role in EXTENSION_POINTS
+            for p in plugins
+        }
+        """Each plugin's ``plugin_duration_seconds`` child, per stage: bound once."""
+        self.pool_gauges = {
+            (kind, attribute): Gauge(
+                f"llm_d_epp_{kind}_{name}",
+                f"The {kind.replace('_', ' ')} of {attribute} across the pool's endpoints.",
+                ["name"],
+                registry=registry,
+                multiprocess_mode="livemax",
+            ).labels(pool)
+            for attribute, name in POOL_ATTRIBUTES.items()
+            for kind in ("average", "std_dev")
+        }
         self.explain = explain
         self.decisions = decisions or DecisionLog()
         self._fallback = RoundRobin()
@@ -274,10 +345,12 @@ class Pipeline:
                 record.fell_back(failure, chosen)
             return Decision(chosen, request, record.data if record else None, failure)
         for hook in self.picked:
+            started = time.perf_counter()
             try:
                 hook.picked(request, chosen)
             except Exception as error:
                 self.failed(PluginFailure.of(hook, Role.PICKED, error), request)
+            self.timed(Role.PICKED, hook, started)
         return Decision(chosen, request, record.data if record else None)
 
     def _choose(
@@ -288,12 +361,15 @@ class Pipeline:
         candidates: Sequence[Candidate] = given.candidates
 
         for hook in self.prepare:
+            started = time.perf_counter()
             try:
                 hook.prepare(request)
             except Exception as error:
                 raise PluginFailure.of(hook, Role.PREPARE, error) from error
+            self.timed(Role.PREPARE, hook, started)
 
         for step in self.filters:
+            started = time.perf_counter()
             try:
                 kept = list(step.filter(request, candidates, now))
                 ids = {id(c) for c in candidates}
@@ -301,6 +377,7 @@ class Pipeline:
                     raise ValueError("returned a candidate it was not given")
             except Exception as error:
                 raise PluginFailure.of(step, Role.FILTER, error) from error
+            self.timed(Role.FILTER, step, started)
             if record is not None:
                 record.filtered(step.name, candidates, kept)
             candidates = kept
@@ -311,6 +388,7 @@ class Pipeline:
         totals = [0.0] * len(candidates)
         raw: list[dict[str, float]] = [{} for _ in candidates] if self.scorers else []
         for scorer, weight in self.scorers:
+            started = time.perf_counter()
             try:
                 scores = scorer.score(request, candidates, now)
                 if len(scores) != len(candidates):
@@ -321,6 +399,7 @@ class Pipeline:
                     totals[i] += weight * score
             except Exception as error:
                 raise PluginFailure.of(scorer, Role.SCORE, error) from error
+            self.timed(Role.SCORE, scorer, started)
         if unfiltered and not self.scorers:
             scored: Sequence[Scored] = given.unscored
         else:
@@ -331,6 +410,7 @@ class Pipeline:
         if record is not None:
             record.scored(self.scorers, scored, self.reads, now)
 
+        started = time.perf_counter()
         try:
             chosen = tuple(self.picker.pick(request, scored))
             allowed = given.hostports if unfiltered else {c.endpoint.hostport for c in candidates}
@@ -339,6 +419,7 @@ class Pipeline:
                     raise ValueError(f"chose {endpoint.hostport}, which is not a candidate")
         except Exception as error:
             raise PluginFailure.of(self.picker, Role.PICK, error) from error
+        self.timed(Role.PICK, self.picker, started)
         if record is not None:
             record.picked(self.picker.name, chosen)
         return chosen
@@ -363,6 +444,30 @@ class Pipeline:
                 tuple(Scored(c, 0.0, NO_SCORES) for c in candidates),
             )
         return last
+
+    def timed(self, role: Role, plugin: Plugin, started: float) -> None:
+        """Record one call's time in the plugin's ``plugin_duration_seconds`` of that stage."""
+        self.timers[role, plugin.name].observe(time.perf_counter() - started)
+
+    def refresh_metrics(self, endpoints: Sequence[Endpoint]) -> None:
+        """Set the pool gauges from the attributes measured within ``FRESH_SECONDS``.
+
+        A pool with no fresh measurement of an attribute reports 0 for it, as
+        the router does for a pool whose pods have no fresh metrics.
+        """
+        snapshot, now = self.store.snapshot, self.clock()
+        for attribute in POOL_ATTRIBUTES:
+            values = []
+            for endpoint in endpoints:
+                measured = snapshot.get(endpoint.hostport, NO_ATTRIBUTES).get(attribute)
+                if measured is not None and now - measured.at <= FRESH_SECONDS:
+                    value = measured.value
+                    if isinstance(value, int | float) and math.isfinite(value):
+                        values.append(float(value))
+            mean = statistics.fmean(values) if values else 0.0
+            spread = statistics.pstdev(values) if values else 0.0
+            self.pool_gauges["average", attribute].set(mean)
+            self.pool_gauges["std_dev", attribute].set(spread)
 
     def failed(self, failure: PluginFailure, request: LLMRequest) -> None:
         """Count and log a plugin's failure, naming the plugin, the stage and the request."""
@@ -426,6 +531,7 @@ class Followup:
         self.served = served
         request, added = self.decision.request, list[tuple[str, str]]()
         for hook in self.pipeline.on_headers:
+            started = time.perf_counter()
             try:
                 pairs = hook.response_headers(request, served, headers).items()
                 for name, value in pairs:  # Envoy would fail the whole response on one
@@ -434,6 +540,7 @@ class Followup:
                 added += pairs
             except Exception as error:
                 self._failed(hook, Role.RESPONSE_HEADERS, error)
+            self.pipeline.timed(Role.RESPONSE_HEADERS, hook, started)
         if self.pipeline.on_complete:
             self.event_stream = "text/event-stream" in headers.get("content-type", "")
             self.body = bytearray()
@@ -444,10 +551,12 @@ class Followup:
     def chunk(self, chunk: bytes) -> None:
         """A piece of the response body: to every chunk hook, and kept for its usage."""
         for hook in self.pipeline.on_chunk:
+            started = time.perf_counter()
             try:
                 hook.response_chunk(self.decision.request, chunk)
             except Exception as error:
                 self._failed(hook, Role.RESPONSE_CHUNK, error)
+            self.pipeline.timed(Role.RESPONSE_CHUNK, hook, started)
         if self.body is not None:
             self.body += chunk
             if self.event_stream:
@@ -460,10 +569,12 @@ class Followup:
         body, self.body = self.body, None
         usage = response_usage(bytes(body), self.event_stream) if body else None
         for hook in self.pipeline.on_complete:
+            started = time.perf_counter()
             try:
                 hook.response_complete(self.decision.request, self.served, usage)
             except Exception as error:
                 self._failed(hook, Role.RESPONSE_COMPLETE, error)
+            self.pipeline.timed(Role.RESPONSE_COMPLETE, hook, started)
 
     def _failed(self, hook: Plugin, stage: Role, error: Exception) -> None:
         self.pipeline.failed(PluginFailure.of(hook, stage, error), self.decision.request)

@@ -69,7 +69,7 @@ from protos.exchange import (
     header_value_problem,
 )
 from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse
-from protos.server import Stream
+from protos.server import Stream, build_info
 
 log = structlog.get_logger()
 
@@ -94,17 +94,84 @@ class PickState(Exchange):
 
 
 class PickerMetrics:
-    """The picker's Prometheus metrics, in a registry of its own."""
+    """The picker's Prometheus metrics, with the llm-d router's names and labels.
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter("lwepp_requests", "ext_proc streams handled", registry=registry)
-        self.picks = Counter(
-            "lwepp_picks", "requests sent to each endpoint", ["endpoint"], registry=registry
+    What its dashboards query (``docs/metrics.md`` of llm-d-router v0.10), on a
+    registry of the caller's:
+
+    - ``llm_d_epp_request_total{model_name,target_model_name,fairness_id,priority}``:
+      requests routed. The model is the request's ``x-gateway-model-name``
+      (BBR's; Switchyard rewrites no model, so both names agree), the fairness
+      id the ``x-llm-d-inference-fairness-id`` header (else ``default-flow``),
+      the priority 0 (no InferenceObjective is read). A model or fairness id
+      past the 1,000th distinct one counts as ``other``, as in the router;
+    - ``llm_d_epp_request_error_total{...,error_code}``: requests refused, by
+      the router's code names (``ServiceUnavailable``, ``ResourceExhausted``...);
+    - ``llm_d_epp_scheduler_attempts_total{status,target_model_name,endpoint_name,namespace,port}``:
+      picks, with the pod and port of a success;
+    - ``llm_d_epp_ready_endpoints{name}``: endpoints in pool ``name``, set by
+      ``refresh`` (a background job, as the router's
+      ``--refresh-prometheus-metrics-interval``);
+    - ``llm_d_epp_info{commit,build_ref}``: 1.
+
+    Gauges say how ``--workers`` combine them (``multiprocess_mode``): the
+    workers read the same pool, so the largest value of the live ones.
+    """
+
+    CAP: Final = 1000
+
+    def __init__(self, registry: CollectorRegistry, pool: str = "", namespace: str = "") -> None:
+        def counter(name: str, about: str, *labels: str) -> Counter:
+            return Counter(f"llm_d_epp_{name}", about, labels, registry=registry)
+
+        def gauge(name: str, about: str, *labels: str) -> Gauge:
+            return Gauge(
+                f"llm_d_epp_{name}", about, labels, registry=registry, multiprocess_mode="livemax"
+            )
+
+        request = ("model_name", "target_model_name", "fairness_id", "priority")
+        self.namespace = namespace
+        self.requests = counter("request", "Total number of processed requests.", *request)
+        self.errors = counter(
+            "request_error", "Total number of request errors.", *request, "error_code"
         )
-        self.errors = Counter(
-            "lwepp_errors", "requests refused or failed, by reason", ["reason"], registry=registry
+        self.attempts = counter(
+            "scheduler_attempts",
+            "Total number of scheduling attempts.",
+            *("status", "target_model_name", "endpoint_name", "namespace", "port"),
         )
-        self.endpoints = Gauge("lwepp_endpoints", "endpoints in the pool now", registry=registry)
+        self.ready = gauge("ready_endpoints", "Ready endpoints in the pool.", "name").labels(pool)
+        gauge("info", "The current build.", "commit", "build_ref").labels(*build_info()).set(1)
+        self._seen: dict[str, set[str]] = {"model": set(), "fairness": set()}
+
+    def bounded(self, kind: str, value: str) -> str:
+        """``value``, or ``other`` once ``CAP`` distinct values of its kind were counted."""
+        seen = self._seen[kind]
+        if value not in seen and len(seen) >= self.CAP:
+            return "other"
+        seen.add(value)
+        return value
+
+    def labels(self, headers: Sequence[tuple[str, str]]) -> tuple[str, str, str, str]:
+        """``(model_name, target_model_name, fairness_id, priority)`` of a request."""
+        model = self.bounded("model", extproc.first_header(headers, MODEL_HEADER) or "")
+        fairness = extproc.first_header(headers, FAIRNESS_HEADER) or DEFAULT_FAIRNESS
+        return model, model, self.bounded("fairness", fairness), "0"
+
+    def refresh(self, endpoints: Sequence[Endpoint]) -> None:
+        self.ready.set(len(endpoints))
+
+
+MODEL_HEADER: Final = "x-gateway-model-name"
+FAIRNESS_HEADER: Final = "x-llm-d-inference-fairness-id"
+DEFAULT_FAIRNESS: Final = "default-flow"
+ERROR_CODES: Final = {
+    400: "BadRequest",
+    413: "ResourceExhausted",
+    431: "BadRequest",
+    503: "ServiceUnavailable",
+}
+"""HTTP status → the llm-d router's error code names; any other status is ``Internal``."""
 
 
 class EndpointPickerService:
@@ -127,17 +194,16 @@ class EndpointPickerService:
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.test_selection = test_selection
-        metrics.endpoints.set_function(lambda: len(pool.endpoints))
         # Speed, behind three names: a reply depends on the endpoint (or the report)
         # alone, and building its Struct is the costliest step of a stream, so each is
-        # built once and reused; so is each endpoint's counter. Bounded: pods come and go.
+        # built once and reused; so are the counters' children. Bounded: pods come and go.
         self.routing_reply = functools.lru_cache(maxsize=4096)(routing_reply)
         self.served_reply = functools.lru_cache(maxsize=4096)(served_endpoint_reply)
-        self.pick_counter = functools.lru_cache(maxsize=4096)(metrics.picks.labels)
+        self.request_counter = functools.lru_cache(maxsize=4096)(metrics.requests.labels)
+        self.attempt_counter = functools.lru_cache(maxsize=4096)(metrics.attempts.labels)
 
     async def __call__(self, stream: Stream) -> None:
         state = PickState(self.max_body_bytes)
-        self.metrics.requests.inc()
         while (message := await stream.recv()) is not None:
             try:
                 match extproc.kind(message):
@@ -174,7 +240,10 @@ class EndpointPickerService:
 
     def refuse(self, state: PickState, refusal: Refusal) -> ProcessingResponse:
         """The one place a refusal becomes an HTTP answer (an ``ImmediateResponse``)."""
-        self.metrics.errors.labels(refusal.reason).inc()
+        labels = self.metrics.labels(state.request.headers)
+        self.metrics.errors.labels(*labels, ERROR_CODES.get(refusal.status, "Internal")).inc()
+        if refusal.status == 503:  # no endpoint could be picked: a failed scheduling attempt
+            self.metrics.attempts.labels("failure", labels[1], "", "", "").inc()
         log.info(
             "request refused",
             status=refusal.status,
@@ -249,13 +318,17 @@ class EndpointPickerService:
         if not chosen.endpoints:
             raise Refusal(503, "no endpoint accepted the request", reason="no_pick")
         state.followup = chosen.followup
-        first = chosen.endpoints[0].hostport
+        primary = chosen.endpoints[0]
         if len(chosen.endpoints) == 1:
-            endpoint = first
+            endpoint = primary.hostport
         else:
             endpoint = ",".join(e.hostport for e in chosen.endpoints)
         check_headers_fit("request", state.request.headers, routing_headers(endpoint))
-        self.pick_counter(first).inc()
+        labels = self.metrics.labels(state.request.headers)
+        self.request_counter(*labels).inc()
+        self.attempt_counter(
+            "success", labels[1], primary.pod, self.metrics.namespace, str(primary.port)
+        ).inc()
         return self.routing_reply(endpoint)
 
     # --- response side ----------------------------------------------------------

@@ -268,9 +268,21 @@ class _ExecCredential:
         return self._token
 
 
-def load_kubeconfig(kubeconfig: str | None = None) -> ClusterConfig:
-    """A kubeconfig file when given, else the in-cluster service account."""
-    return kubeconfig_config(kubeconfig) if kubeconfig else in_cluster_config()
+def load_kubeconfig(
+    kubeconfig: str | None = None, environ: Mapping[str, str] = os.environ
+) -> ClusterConfig:
+    """A kubeconfig file when given, else ``$KUBECONFIG``'s, else the in-cluster service account.
+
+    controller-runtime's order (``ctrl.GetConfig``, which GIE's lwepp and the
+    llm-d router use), short of its last resort, ``~/.kube/config``: a picker
+    should not quietly reach whatever cluster a home directory points at. Of
+    several files in ``$KUBECONFIG`` the first is read (client-go merges them).
+    """
+    if kubeconfig:
+        return kubeconfig_config(kubeconfig)
+    if first := environ.get("KUBECONFIG", "").split(os.pathsep)[0]:
+        return kubeconfig_config(first)
+    return in_cluster_config(environ)
 
 
 @dataclass(frozen=True, slots=True)

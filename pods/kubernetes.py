@@ -19,6 +19,11 @@ Follows GIE's lwepp (``pkg/lwepp/controller``, ``datastore``):
   empty value leaves it no endpoint.
 - A deleted pool empties the list.
 
+Without a pool (the llm-d router's ``--endpoint-selector`` with
+``--endpoint-target-ports``), the same watch runs with a fixed label selector
+(any selector syntax, ``pods.selector``) and fixed target ports:
+``InferencePoolSource.without_pool``.
+
 The list is published as a tuple of ``Pod`` (ready pods only, ports = active
 target ports), replaced whole on every change.
 """
@@ -35,6 +40,7 @@ import structlog
 
 from pods.kubeapi import Backoff, ClusterConfig, KubeApi, Object, reflect
 from pods.model import Pod, is_ip
+from pods.selector import LabelSelector
 
 log = structlog.get_logger()
 
@@ -51,7 +57,7 @@ class PoolSpecError(ValueError):
 class PoolSpec:
     """What the picker needs from an InferencePool."""
 
-    selector: Mapping[str, str]
+    selector: LabelSelector
     ports: tuple[int, ...]
     picker: str = ""
     """``endpointPickerRef`` as ``name:port`` (for logs: the gateway, not us, calls it)."""
@@ -74,7 +80,8 @@ def pool_spec(pool: Mapping[str, Any]) -> PoolSpec:
         raise PoolSpecError("spec.targetPorts: required, at least one port")
     ref = spec.get("endpointPickerRef") or {}
     picker = f"{ref.get('name', '')}:{(ref.get('port') or {}).get('number', '')}" if ref else ""
-    return PoolSpec({str(k): str(v) for k, v in labels.items()}, tuple(ports), picker)
+    selector = LabelSelector.from_labels({str(k): str(v) for k, v in labels.items()})
+    return PoolSpec(selector, tuple(ports), picker)
 
 
 def is_ready(pod: Mapping[str, Any]) -> bool:
@@ -115,7 +122,7 @@ def to_pod(obj: Mapping[str, Any], spec: PoolSpec) -> Pod | None:
     address = (obj.get("status") or {}).get("podIP")
     if not is_ready(obj) or not isinstance(address, str) or not is_ip(address):
         return None
-    if any(labels.get(key) != value for key, value in spec.selector.items()):
+    if not spec.selector.matches(labels):
         return None
     ports = active_ports(obj, spec.ports)
     if not ports:
@@ -185,6 +192,22 @@ class InferencePoolSource:
         self._synced = False
         self._held = _Pods(self)
         self._rewatch = asyncio.Event()
+        self._fixed = False
+
+    @classmethod
+    def without_pool(
+        cls,
+        config: ClusterConfig,
+        namespace: str,
+        selector: LabelSelector,
+        ports: tuple[int, ...],
+        **options: Any,
+    ) -> InferencePoolSource:
+        """The pods ``selector`` matches in ``namespace``, on ``ports``: no InferencePool read."""
+        source = cls(config, "", namespace, **options)
+        source._fixed = True
+        source.set_pool(None, PoolSpec(selector, ports))
+        return source
 
     @property
     def pods(self) -> tuple[Pod, ...]:
@@ -194,9 +217,8 @@ class InferencePoolSource:
     def synced(self) -> bool:
         return self._synced
 
-    def set_pool(self, obj: Object | None) -> None:
-        """A new state of the pool (None: deleted or absent)."""
-        spec: PoolSpec | None = None
+    def set_pool(self, obj: Object | None, spec: PoolSpec | None = None) -> None:
+        """A new state of the pool (None: deleted or absent), or a ``spec`` given whole."""
         if obj is not None:
             try:
                 spec = pool_spec(obj)
@@ -211,7 +233,7 @@ class InferencePoolSource:
             "inference pool",
             pool=self.name,
             namespace=self.namespace,
-            selector=dict(spec.selector) if spec else None,
+            selector=str(spec.selector) if spec else None,
             target_ports=list(spec.ports) if spec else None,
             endpoint_picker=spec.picker if spec else None,
         )
@@ -237,16 +259,17 @@ class InferencePoolSource:
         """Watch the pool; (re)start the pod watch whenever the pool's selector changes."""
         async with KubeApi(self.config) as api, asyncio.TaskGroup() as tasks:
             pool_params = {"fieldSelector": f"metadata.name={self.name}"}
-            tasks.create_task(
-                reflect(
-                    api,
-                    self.pool_path,
-                    pool_params,
-                    _Pool(self),
-                    self._backoff(),
-                    self._watch_timeout,
+            if not self._fixed:
+                tasks.create_task(
+                    reflect(
+                        api,
+                        self.pool_path,
+                        pool_params,
+                        _Pool(self),
+                        self._backoff(),
+                        self._watch_timeout,
+                    )
                 )
-            )
             pod_task: asyncio.Task[None] | None = None
             while True:
                 await self._rewatch.wait()
@@ -261,7 +284,7 @@ class InferencePoolSource:
                 self._held = _Pods(self) if self.spec is None else self._held
                 self._held.listed = False
                 if self.spec is not None:
-                    selector = ",".join(f"{k}={v}" for k, v in sorted(self.spec.selector.items()))
+                    selector = str(self.spec.selector)
                     pod_task = tasks.create_task(
                         reflect(
                             api,

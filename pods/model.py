@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
+from pods.selector import LabelSelector
+
 
 def _frozen(labels: Mapping[str, str]) -> Mapping[str, str]:
     return MappingProxyType(dict(labels))
@@ -35,8 +37,11 @@ class Pod:
     def __post_init__(self) -> None:
         object.__setattr__(self, "labels", _frozen(self.labels))
 
-    def matches(self, selector: Mapping[str, str]) -> bool:
-        """True when every ``key: value`` of ``selector`` is among the labels."""
+    def matches(self, selector: Mapping[str, str] | LabelSelector) -> bool:
+        """True when the labels satisfy ``selector``: a ``LabelSelector``, or ``key: value``
+        pairs that must all be among the labels."""
+        if isinstance(selector, LabelSelector):
+            return selector.matches(self.labels)
         return all(self.labels.get(key) == value for key, value in selector.items())
 
 
@@ -62,7 +67,9 @@ def join_host_port(address: str, port: int | str) -> str:
     return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
-def endpoints_of(pods: tuple[Pod, ...], selector: Mapping[str, str]) -> tuple[Endpoint, ...]:
+def endpoints_of(
+    pods: tuple[Pod, ...], selector: Mapping[str, str] | LabelSelector
+) -> tuple[Endpoint, ...]:
     """Every port of every ready pod whose labels match ``selector``, in file order."""
     return tuple(
         Endpoint(pod.name, pod.address, port, pod.labels)

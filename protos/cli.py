@@ -1,22 +1,42 @@
 """The serving flags both services take, defined and checked once.
 
 ``python -m lwepp`` and ``python -m bbr`` listen the same way (an ext_proc
-port, a gRPC health port, a metrics port), run as N workers the same way,
-drain the same way on SIGTERM and cap held bodies the same way; only their
-default ports differ. ``add_serving_flags`` adds those flags to a service's
-parser, ``serving_problem`` says what is wrong with their values, and
-``Parser`` prints one line per error (the flag and what is wrong), exit 2.
+port, a gRPC health port, a metrics port), serve TLS the same way, run as N
+workers the same way, drain the same way on SIGTERM and cap held bodies the
+same way; only their default ports differ. ``add_serving_flags`` adds those
+flags to a service's parser, ``serving_problem`` says what is wrong with their
+values, and ``Parser`` prints one line per error (the flag and what is wrong),
+exit 2.
+
+**The originals' spelling.** Deployments written for GIE's lwepp, the llm-d
+router or the payload processor pass Go flags (``pflag``): ``--secure-serving=false``,
+``--drain-timeout=30s``, ``--v=3``, ``--zap-encoder json``. Switchyard takes
+them as written: booleans as ``--flag``, ``--flag=true`` or ``--flag=false``
+(Go's spellings of true and false), durations as Go writes them (``500ms``,
+``1m30s``) or as plain seconds, sizes as Kubernetes quantities (``10MiB``).
+A flag Switchyard has no use for is listed in its service's table of
+``Ignored`` flags: accepted, and named in one warning line at start when its
+value asks for something Switchyard does not do.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, NoReturn
 
 from protos.exchange import MAX_BODY_BYTES
 from protos.server import Ports
+from protos.tls import ServerTLS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+ENCODERS: Final = ("json", "console")
+
+TLS_VERSIONS: Final = ("VersionTLS10", "VersionTLS11", "VersionTLS12", "VersionTLS13")
+"""``--tls-min-version`` values, Go's names (the llm-d router's flag)."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -24,6 +44,9 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# --- values, as Go's flag packages read them ---------------------------------------------
 
 
 def port(text: str) -> int:
@@ -37,9 +60,157 @@ def port(text: str) -> int:
     return number
 
 
+_TRUE: Final = frozenset({"1", "t", "T", "TRUE", "true", "True"})
+_FALSE: Final = frozenset({"0", "f", "F", "FALSE", "false", "False"})
+
+
+def go_bool(text: str) -> bool:
+    """A boolean as Go's ``strconv.ParseBool`` reads it: 1, t, true, True, TRUE; 0, f, false..."""
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true or false)")
+
+
+_DURATION_PART: Final = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_UNIT_SECONDS: Final = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "µs": 1e-6,
+    "μs": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+}
+
+
+def duration(text: str) -> float:
+    """Seconds, from Go's ``time.ParseDuration`` syntax (``30s``, ``1m30s``, ``250ms``) or a
+    plain number of seconds. Never negative."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        parts = _DURATION_PART.findall(text)
+        if not parts or "".join(number + unit for number, unit in parts) != text:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a duration (e.g. 30s, 1m30s, 500ms, or seconds)"
+            ) from None
+        seconds = sum(float(number) * _UNIT_SECONDS[unit] for number, unit in parts)
+    if not (seconds >= 0 and math.isfinite(seconds)):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be 0 or more")
+    return seconds
+
+
+_SUFFIXES: Final = {
+    "": 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+}
+
+
+def byte_size(text: str) -> int:
+    """Bytes, from a Kubernetes quantity (``4194304``, ``10Mi``, ``25M``); a trailing ``B`` is
+    dropped first (``10MiB``), as the llm-d router does."""
+    number = text.strip()
+    if len(number) > 1 and number[-1] in "Bb":
+        number = number[:-1]
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|k|M|G)?", number)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 10MiB, 25MB, 4194304)")
+    size = float(match.group(1)) * _SUFFIXES[match.group(2) or ""]
+    if size != int(size) or size > 2**31 - 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of bytes, below 2 GiB")
+    return int(size)
+
+
+def add_bool(group: Any, name: str, default: bool | None, help: str) -> None:
+    """A Go-style boolean flag: ``--name`` alone is true, ``--name=false`` is false."""
+    group.add_argument(
+        name, nargs="?", const=True, default=default, type=go_bool, metavar="BOOL", help=help
+    )
+
+
+# --- flags accepted and ignored --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Ignored:
+    """A flag an original takes that Switchyard accepts without acting on it.
+
+    ``kind`` is ``"bool"``, ``"duration"`` or ``"value"``. ``why`` says what
+    Switchyard does instead. ``quiet``: the value that asks for nothing
+    Switchyard lacks (``--tracing=false``), which is accepted without a word;
+    any other value draws one warning at start. None: every value warns.
+    """
+
+    flag: str
+    kind: str
+    why: str
+    quiet: object = None
+
+
+COMMON_IGNORED: Final = (
+    Ignored("--tracing", "bool", "Switchyard emits no traces", quiet=False),
+    Ignored(
+        "--metrics-endpoint-auth",
+        "bool",
+        "/metrics is served without authentication; keep the metrics port inside the cluster",
+        quiet=False,
+    ),
+    Ignored("--enable-pprof", "bool", "Python has no pprof handlers", quiet=False),
+    Ignored("--zap-devel", "bool", "logging is set by --zap-encoder and -v", quiet=False),
+    Ignored("--zap-stacktrace-level", "value", "errors are logged with their traceback"),
+    Ignored("--zap-time-encoding", "value", "timestamps are ISO 8601, UTC"),
+    Ignored(
+        "--tls-min-version",
+        "value",
+        "grpc serves TLS 1.2 and 1.3 and takes no minimum from Python",
+    ),
+    Ignored("--tls-cipher-suites", "value", "grpc's default cipher suites are served"),
+)
+"""Flags every original service takes; each service's table starts with these."""
+
+
+def add_ignored_flags(parser: argparse.ArgumentParser, table: Sequence[Ignored]) -> None:
+    """The table's flags, in a help group of their own, each defaulting to "not given"."""
+    group = parser.add_argument_group("accepted for compatibility, and ignored")
+    types: dict[str, Callable[[str], Any]] = {"bool": go_bool, "duration": duration, "value": str}
+    for entry in table:
+        extra: dict[str, Any] = {"nargs": "?", "const": True} if entry.kind == "bool" else {}
+        group.add_argument(
+            entry.flag,
+            type=types[entry.kind],
+            default=None,
+            metavar=entry.kind.upper() if entry.kind != "value" else "VALUE",
+            help=f"ignored: {entry.why}",
+            **extra,
+        )
+
+
+def ignored_warnings(args: argparse.Namespace, table: Sequence[Ignored]) -> list[str]:
+    """One line per ignored flag whose value asks for something Switchyard does not do."""
+    warnings = []
+    for entry in table:
+        value = getattr(args, entry.flag.lstrip("-").replace("-", "_"))
+        if value is None or (entry.quiet is not None and value == entry.quiet):
+            continue
+        shown = str(value).lower() if entry.kind == "bool" else value
+        warnings.append(f"{entry.flag}={shown}: ignored: {entry.why}")
+    return warnings
+
+
+# --- the serving flags -----------------------------------------------------------------------
+
+
 def add_serving_flags(parser: argparse.ArgumentParser, defaults: Ports) -> None:
-    """``--host``, the three ports, ``--workers``, ``--grace``, ``--max-body-bytes``,
-    ``--trace-messages`` and ``--log-level``; ``defaults`` gives the host and ports."""
+    """The ports and host, ``--workers``, the shutdown, the body cap, TLS, gRPC limits and
+    logging; ``defaults`` gives the host and ports."""
     serving = parser.add_argument_group("serving")
     serving.add_argument(
         "--host", default=defaults.host, help="address to listen on (default %(default)s)"
@@ -54,7 +225,8 @@ def add_serving_flags(parser: argparse.ArgumentParser, defaults: Ports) -> None:
         "--grpc-health-port",
         type=port,
         default=defaults.health,
-        help="gRPC health service port; SERVING once the service is ready (default %(default)s)",
+        help="gRPC health service port (plaintext, for kubelet's probes); SERVING once the "
+        "service is ready (default %(default)s)",
     )
     serving.add_argument(
         "--metrics-port",
@@ -62,20 +234,37 @@ def add_serving_flags(parser: argparse.ArgumentParser, defaults: Ports) -> None:
         default=defaults.metrics,
         help="HTTP port serving Prometheus /metrics (default %(default)s)",
     )
+    add_bool(
+        serving,
+        "--health-checking",
+        False,
+        "also answer the gRPC health service on the ext_proc port (GIE's flag; default false)",
+    )
     serving.add_argument(
         "--workers",
         type=int,
         default=1,
         metavar="N",
         help="serve from N processes on the same ext_proc and health ports (SO_REUSEPORT "
-        "spreads Envoy's connections over them, one core each); worker i serves its own "
-        "/metrics on --metrics-port + i, and keeps its own state (default 1)",
+        "spreads Envoy's connections over them, one core each); /metrics on --metrics-port "
+        "sums them; each keeps its own state (default 1)",
+    )
+    serving.add_argument(
+        "--drain-timeout",
+        type=duration,
+        default=0.0,
+        metavar="DURATION",
+        help="after SIGTERM, keep accepting streams this long with readiness NOT_SERVING, so "
+        "load balancers take the replica out first (the llm-d router's flag, whose default is "
+        "30s; default here 0: stop accepting at once)",
     )
     serving.add_argument(
         "--grace",
-        type=float,
+        type=duration,
         default=10.0,
-        help="seconds in-flight streams get to finish after SIGTERM (default %(default)s)",
+        metavar="DURATION",
+        help="seconds in-flight streams get to finish once new ones are refused "
+        "(default %(default)s)",
     )
     serving.add_argument(
         "--max-body-bytes",
@@ -85,21 +274,113 @@ def add_serving_flags(parser: argparse.ArgumentParser, defaults: Ports) -> None:
         "(default %(default)s, 10 MiB)",
     )
     serving.add_argument(
+        "--grpc-max-recv-msg-size",
+        type=byte_size,
+        metavar="SIZE",
+        help="largest ext_proc message accepted from Envoy (e.g. 10MiB; default gRPC's 4 MiB)",
+    )
+    serving.add_argument(
+        "--grpc-max-send-msg-size",
+        type=byte_size,
+        metavar="SIZE",
+        help="largest ext_proc message sent to Envoy (default: unlimited)",
+    )
+    serving.add_argument(
         "--trace-messages",
         metavar="FILE",
         help="append every ext_proc message, both ways, to FILE in protobuf text format "
         "(for learning and debugging; slow)",
     )
-    serving.add_argument(
+
+    tls = parser.add_argument_group("TLS on the ext_proc port (as GIE's lwepp, the llm-d router)")
+    add_bool(
+        tls,
+        "--secure-serving",
+        True,
+        "serve the ext_proc port over TLS (default true): with --cert-path's pair, else a "
+        "self-signed certificate made at start; --secure-serving=false serves plaintext",
+    )
+    tls.add_argument(
+        "--cert-path",
+        metavar="DIR",
+        help="directory holding tls.crt and tls.key (a mounted kubernetes.io/tls Secret)",
+    )
+    add_bool(
+        tls,
+        "--enable-cert-reload",
+        False,
+        "serve a changed tls.crt/tls.key to new connections without a restart (default false)",
+    )
+
+    logs = parser.add_argument_group("logging (JSON lines on stderr)")
+    logs.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
-        default="info",
-        help="lowest level logged; each request logs at debug only (default %(default)s)",
+        help="lowest level logged; each request logs at debug only (default info, or as -v "
+        "and --zap-log-level say)",
+    )
+    logs.add_argument(
+        "-v",
+        "--v",
+        dest="verbosity",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the originals' verbosity: 4 or more logs at debug, as their DEBUG level",
+    )
+    logs.add_argument(
+        "--zap-log-level",
+        metavar="LEVEL",
+        help="debug, info or error, or a verbosity number (as -v)",
+    )
+    logs.add_argument(
+        "--zap-encoder",
+        choices=ENCODERS,
+        default="json",
+        help="json (default): one JSON object per line; console: for people",
     )
 
 
 def ports_of(args: argparse.Namespace) -> Ports:
     return Ports(args.host, args.grpc_port, args.grpc_health_port, args.metrics_port)
+
+
+DEBUG_VERBOSITY: Final = 4
+"""The originals' ``logutil.DEBUG``: ``-v 4`` and above log debug lines."""
+
+
+def log_level(args: argparse.Namespace) -> str:
+    """``--log-level``, else what ``--zap-log-level`` or ``-v`` asks for, else info."""
+    if args.log_level is not None:
+        return str(args.log_level)
+    zap = args.zap_log_level
+    if zap is not None:
+        if zap.isdigit():
+            return "debug" if int(zap) >= DEBUG_VERBOSITY else "info"
+        return {"debug": "debug", "info": "info", "warn": "warning", "error": "error"}.get(
+            zap.lower(),
+            "error",  # dpanic, panic, fatal: only errors
+        )
+    if args.verbosity is not None and args.verbosity >= DEBUG_VERBOSITY:
+        return "debug"
+    return "info"
+
+
+def grpc_options(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """The ext_proc server's gRPC message size limits, when set."""
+    options = []
+    if args.grpc_max_recv_msg_size is not None:
+        options.append(("grpc.max_receive_message_length", args.grpc_max_recv_msg_size))
+    if args.grpc_max_send_msg_size is not None:
+        options.append(("grpc.max_send_message_length", args.grpc_max_send_msg_size))
+    return options
+
+
+def server_tls(args: argparse.Namespace) -> ServerTLS | None:
+    """What the ext_proc port serves, or None for plaintext. Raises ``protos.tls.TLSError``."""
+    if not args.secure_serving:
+        return None
+    return ServerTLS.configure(args.cert_path, bool(args.enable_cert_reload))
 
 
 def serving_problem(args: argparse.Namespace) -> str | None:
@@ -111,10 +392,14 @@ def serving_problem(args: argparse.Namespace) -> str | None:
         return "--grpc-port, --grpc-health-port and --metrics-port must differ"
     if args.max_body_bytes < 1:
         return "argument --max-body-bytes: must be at least 1"
-    if not args.grace >= 0:
-        return "argument --grace: must be a number of seconds, 0 or more"
     if args.workers < 1:
         return "argument --workers: must be at least 1"
     if args.workers > 1 and args.trace_messages:
         return "argument --workers: trace one process (--workers 1) with --trace-messages"
+    if args.cert_path is not None and not args.secure_serving:
+        return "argument --cert-path: needs --secure-serving (it is what TLS serves)"
+    if args.enable_cert_reload and args.cert_path is None:
+        return "argument --enable-cert-reload: needs --cert-path (a self-signed pair never changes)"
+    if args.tls_min_version is not None and args.tls_min_version not in TLS_VERSIONS:
+        return f"argument --tls-min-version: expected one of {', '.join(TLS_VERSIONS)}"
     return None

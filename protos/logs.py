@@ -12,15 +12,21 @@ import sys
 import structlog
 
 
-def configure_logging(level: str = "info") -> None:
-    """JSON log lines on stderr: one object per event, with level and timestamp."""
+def configure_logging(level: str = "info", encoder: str = "json") -> None:
+    """Log lines on stderr, one per event, with level and timestamp: JSON objects, or with
+    ``encoder="console"`` aligned text for people (the originals' ``--zap-encoder``)."""
+    renderer: structlog.typing.Processor = (
+        structlog.dev.ConsoleRenderer(colors=False)
+        if encoder == "console"
+        else structlog.processors.JSONRenderer()
+    )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
+            *([] if encoder == "console" else [structlog.processors.format_exc_info]),
+            renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]

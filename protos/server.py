@@ -9,20 +9,26 @@ background tasks a service needs, and takes them down in order on SIGTERM.
 One Python process serves one core: the event loop runs the handlers one at
 a time. ``run_workers`` runs N copies of a service (``--workers N``) on the
 same ext_proc and health ports, which Linux spreads over them by connection
-(``SO_REUSEPORT``); each worker keeps its own state and its own metrics port.
+(``SO_REUSEPORT``); each worker keeps its own state, and the supervisor serves
+their metrics, summed, on the one metrics port (prometheus_client's
+multiprocess mode).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
+import importlib.metadata
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,13 +39,17 @@ import structlog
 from aiohttp import web
 from google.protobuf import text_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest, multiprocess, start_http_server
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from protos.extproc import ProcessingRequest, ProcessingResponse
+from protos.tls import ServerTLS
 
 WORKER_ENV: Final = "SWITCHYARD_WORKER"
 """Set by ``run_workers`` in each worker's environment: ``<index>/<count>``."""
+
+MULTIPROCESS_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus_client's switch to multiprocess mode: where each process writes its samples."""
 
 EXT_PROC_SERVICE: Final = "envoy.service.ext_proc.v3.ExternalProcessor"
 """The gRPC service name Envoy calls; also a health service name the GIE protocol lists."""
@@ -188,6 +198,16 @@ class Health:
             await asyncio.sleep(interval)
 
 
+def build_info() -> tuple[str, str]:
+    """``(commit, build_ref)`` for the services' ``*_info`` metrics: the commit an image was
+    built from (``SWITCHYARD_COMMIT``, which the image builds set) and the package version."""
+    try:
+        version = importlib.metadata.version("switchyard")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return os.environ.get("SWITCHYARD_COMMIT", "unknown"), version
+
+
 JsonRoutes = Mapping[str, Callable[[], bytes]]
 """Extra GET paths on the metrics port, each answering the JSON its function returns."""
 
@@ -259,15 +279,27 @@ async def serve(
     stop: asyncio.Event | None = None,
     on_listening: Callable[[Ports], Awaitable[None] | None] | None = None,
     json_routes: JsonRoutes | None = None,
+    tls: ServerTLS | None = None,
+    drain: float = 0.0,
+    grpc_options: Sequence[tuple[str, Any]] = (),
+    health_on_ext_proc: bool = False,
 ) -> None:
     """Run a service until SIGTERM/SIGINT, or, when ``stop`` is given, until it is set.
 
     ``json_routes`` adds debug pages beside ``/metrics`` (LWEPP's ``/debug/decisions``);
     ``/debug/runtime`` (memory, file descriptors, asyncio tasks) is always there.
+    ``tls``: serve the ext_proc port over TLS (``protos.tls``); the health port
+    stays plaintext, for kubelet's probes. ``grpc_options`` go to the ext_proc
+    server (message size limits). ``health_on_ext_proc`` also answers the
+    health service on the ext_proc port (GIE's ``--health-checking``).
 
-    Order of shutdown: health goes NOT_SERVING, the ext_proc server stops
-    accepting new streams and gives in-flight streams ``grace`` seconds to
-    finish, then background tasks are cancelled and the side servers close.
+    Order of shutdown: health goes NOT_SERVING (the ``live`` names stay
+    SERVING), the ext_proc server keeps accepting streams for ``drain``
+    seconds while load balancers take the replica out (the llm-d router's
+    ``--drain-timeout``; a second signal, or ``stop`` set again, ends the
+    drain early), then stops accepting new streams and gives in-flight
+    streams ``grace`` seconds to finish; then background tasks are cancelled
+    and the side servers close.
     """
     if stop is None:
         stop = asyncio.Event()
@@ -278,9 +310,15 @@ async def serve(
     # SO_REUSEPORT (grpc's default on Linux, spelled out): the workers of
     # ``run_workers`` bind the same ext_proc and health ports.
     options = [("grpc.so_reuseport", 1)]
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(options=[*options, *grpc_options])
     server.add_generic_rpc_handlers((ext_proc_handler(handler, trace),))
-    grpc_port = server.add_insecure_port(f"{ports.host}:{ports.grpc}")
+    address = f"{ports.host}:{ports.grpc}"
+    if tls is None:
+        grpc_port = server.add_insecure_port(address)
+    else:
+        grpc_port = server.add_secure_port(address, tls.credentials())
+    if health_on_ext_proc:
+        health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)
 
     health_server = grpc.aio.server(options=options)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, health_server)
@@ -291,7 +329,8 @@ async def serve(
     await health_server.start()
     await server.start()
     tasks = [asyncio.create_task(job()) for job in background]
-    tasks.append(asyncio.create_task(health_state.watch_ready()))
+    watcher = asyncio.create_task(health_state.watch_ready())
+    tasks.append(watcher)
 
     bound = Ports(ports.host, grpc_port, health_port, _bound_port(metrics))
     worker = os.environ.get(WORKER_ENV)
@@ -302,6 +341,7 @@ async def serve(
         grpc_port=bound.grpc,
         health_port=bound.health,
         metrics_port=bound.metrics,
+        tls=tls is not None,
         pid=os.getpid(),
         **({"worker": worker} if worker else {}),
     )
@@ -311,6 +351,13 @@ async def serve(
             await result
     try:
         await stop.wait()
+        if drain > 0:
+            log.info("draining", service=name, drain_seconds=drain)
+            watcher.cancel()  # readiness no longer follows ready(): it is over
+            await health_state.set_all(False, health_state.names)
+            stop.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), drain)
     finally:
         log.info("stopping", service=name, grace_seconds=grace)
         await health_state.set_all(False)
@@ -350,36 +397,60 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def worker_argv(args: Sequence[str], index: int, ports: Ports) -> list[str]:
+def worker_argv(args: Sequence[str], ports: Ports) -> list[str]:
     """A worker's flags: the supervisor's, then its ports and ``--workers 1`` (the last wins).
 
-    The ext_proc and health ports are the shared ones; the metrics port is
-    the worker's own, ``--metrics-port + index`` (each worker counts only the
-    streams it served: Prometheus adds them up), or any free one for 0.
+    The ext_proc and health ports are the shared ones. Each worker serves its
+    own metrics page on a free port (its debug pages are there too); the
+    supervisor serves all their samples together on ``--metrics-port``.
     """
-    metrics = ports.metrics + index if ports.metrics else 0
     return [
         *args,
         *("--grpc-port", str(ports.grpc), "--grpc-health-port", str(ports.health)),
-        *("--metrics-port", str(metrics), "--workers", "1"),
+        *("--metrics-port", "0", "--workers", "1"),
     ]
 
 
-def run_workers(module: str, args: Sequence[str], workers: int, ports: Ports) -> int:
+def serve_worker_metrics(directory: str, ports: Ports) -> Any:
+    """The one metrics page of N workers: every worker's samples, read from ``directory``.
+
+    Workers started with ``PROMETHEUS_MULTIPROC_DIR`` write each sample to a
+    file there; counters and histograms are summed over the workers, gauges
+    declare how to combine (``multiprocess_mode``, e.g. the largest of the live
+    workers). Served from a thread of the supervisor, which otherwise only
+    waits for its workers. Returns the HTTP server (``shutdown()`` stops it).
+    """
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
+    server, _thread = start_http_server(ports.metrics, ports.host, registry)
+    log.info("serving metrics", metrics_port=server.server_port, pid=os.getpid())
+    return server
+
+
+def run_workers(
+    module: str,
+    args: Sequence[str],
+    workers: int,
+    ports: Ports,
+    environ: Mapping[str, str] | None = None,
+) -> int:
     """Run ``python -m module`` ``workers`` times on the same ports; return an exit status.
 
     The workers share the ext_proc port and the gRPC health port (any worker
     can answer a probe: each reports its own state, and they start and stop
-    together). SIGTERM or SIGINT here is passed to every worker, which drains
-    as a single process does; the supervisor returns once all have exited.
-    Should one worker exit by itself, the others are stopped too and the
-    status is 1: a replica serving on fewer cores than asked should be
-    restarted whole (by Kubernetes, say), not limp on.
+    together), and one metrics page (``serve_worker_metrics``); ``environ``
+    is added to their environment. SIGTERM or SIGINT here is passed to every
+    worker, which drains as a single process does; the supervisor returns
+    once all have exited. Should one worker exit by itself, the others are
+    stopped too and the status is 1: a replica serving on fewer cores than
+    asked should be restarted whole (by Kubernetes, say), not limp on.
     """
     holders = [_reserve(ports.host, ports.grpc), _reserve(ports.host, ports.health)]
     shared = Ports(
         ports.host, holders[0].getsockname()[1], holders[1].getsockname()[1], ports.metrics
     )
+    samples = tempfile.mkdtemp(prefix="switchyard-metrics-")
+    metrics_server = serve_worker_metrics(samples, shared)
     stopping = False
     running: dict[int, subprocess.Popen[bytes]] = {}
 
@@ -393,8 +464,13 @@ def run_workers(module: str, args: Sequence[str], workers: int, ports: Ports) ->
     try:
         for index in range(workers):
             child = subprocess.Popen(
-                [sys.executable, "-m", module, *worker_argv(args, index, shared)],
-                env={**os.environ, WORKER_ENV: f"{index}/{workers}"},
+                [sys.executable, "-m", module, *worker_argv(args, shared)],
+                env={
+                    **os.environ,
+                    **(environ or {}),
+                    WORKER_ENV: f"{index}/{workers}",
+                    MULTIPROCESS_ENV: samples,
+                },
                 preexec_fn=_die_with_parent,
             )
             running[child.pid] = child
@@ -405,6 +481,7 @@ def run_workers(module: str, args: Sequence[str], workers: int, ports: Ports) ->
                 continue
             child = running.pop(pid)
             child.returncode = os.waitstatus_to_exitcode(code)
+            multiprocess.mark_process_dead(pid, samples)  # type: ignore[no-untyped-call]
             if not stopping:
                 log.error("worker exited", pid=pid, status=child.returncode)
                 status = 1
@@ -418,3 +495,6 @@ def run_workers(module: str, args: Sequence[str], workers: int, ports: Ports) ->
             child.wait()
         for holder in holders:
             holder.close()
+        metrics_server.shutdown()
+        metrics_server.server_close()
+        shutil.rmtree(samples, ignore_errors=True)

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 import grpc
+from cryptography import x509
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client import CollectorRegistry
 
 from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse, struct
 from protos.server import EXT_PROC_SERVICE, Handler, Health, JsonRoutes, Ports, serve
+from protos.tls import ServerTLS
 
 Headers = Mapping[str, str] | Sequence[tuple[str, str]]
 
@@ -119,11 +122,37 @@ class ClientStream:
         return await self._call.code()
 
 
-class ExtProcClient:
-    """A gRPC channel to a service's ext_proc port."""
+def pinned_credentials(target: str) -> tuple[Any, list[tuple[str, str]]]:
+    """Channel credentials that trust exactly the certificate ``target`` presents now.
 
-    def __init__(self, target: str) -> None:
-        self._channel = grpc.aio.insecure_channel(target)
+    What a gateway that does not verify the picker's self-signed certificate
+    gets, for a client (grpc's) that always verifies: the certificate is read
+    from a plain TLS handshake first and then trusted alone, under the name it
+    carries (``localhost`` in Switchyard's self-signed ones). Use it only
+    where the first answer can be trusted: in tests, on loopback.
+    """
+    host, _, port = target.rpartition(":")
+    pem = ssl.get_server_certificate((host.strip("[]"), int(port)))
+    certificate = x509.load_pem_x509_certificate(pem.encode())
+    try:
+        names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+        name = names.value.get_values_for_type(x509.DNSName)[0]
+    except (x509.ExtensionNotFound, IndexError):
+        name = host
+    credentials = grpc.ssl_channel_credentials(root_certificates=pem.encode())
+    return credentials, [("grpc.ssl_target_name_override", name)]
+
+
+class ExtProcClient:
+    """A gRPC channel to a service's ext_proc port; with ``tls``, over TLS to the certificate
+    the service presents (``pinned_credentials``)."""
+
+    def __init__(self, target: str, *, tls: bool = False) -> None:
+        if tls:
+            credentials, options = pinned_credentials(target)
+            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(target)
         self._process = self._channel.stream_stream(
             f"/{EXT_PROC_SERVICE}/Process",
             request_serializer=ProcessingRequest.SerializeToString,
@@ -169,6 +198,7 @@ async def running(
     background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
     grace: float = 2.0,
     json_routes: JsonRoutes | None = None,
+    tls: ServerTLS | None = None,
 ) -> AsyncIterator[Ports]:
     """Serve ``handler`` in this event loop on free 127.0.0.1 ports; stop on exit."""
     stop = asyncio.Event()
@@ -185,6 +215,7 @@ async def running(
             stop=stop,
             on_listening=listening.set_result,
             json_routes=json_routes,
+            tls=tls,
         )
     )
     waiting: list[asyncio.Future[Any]] = [task, listening]

@@ -34,6 +34,8 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from pods.selector import LabelSelector
+
 Object = dict[str, Any]
 T = TypeVar("T")
 
@@ -85,11 +87,11 @@ def status(code: int, reason: str, message: str) -> Object:
     }
 
 
-def matches(obj: Object | None, labels: dict[str, str], fields: dict[str, str]) -> bool:
+def matches(obj: Object | None, labels: LabelSelector, fields: dict[str, str]) -> bool:
+    """The API server's selection: a label selector in any syntax, field equality."""
     if obj is None:
         return False
-    have = obj["metadata"].get("labels") or {}
-    if any(have.get(k) != v for k, v in labels.items()):
+    if not labels.matches(obj["metadata"].get("labels") or {}):
         return False
     return all(obj["metadata"].get(k.removeprefix("metadata.")) == v for k, v in fields.items())
 
@@ -110,7 +112,7 @@ class _Change:
 @dataclass
 class _Watch:
     collection: str
-    labels: dict[str, str]
+    labels: LabelSelector
     fields: dict[str, str]
     bookmarks: bool
     kind: str
@@ -275,7 +277,7 @@ class FakeKube:
             if query.get("watch") in ("1", "true"):
                 return await self._watch(request, collection, match["res"], query)
             labels, fields = (
-                _selector(query.get("labelSelector")),
+                LabelSelector.parse(query.get("labelSelector", "")),
                 _selector(query.get("fieldSelector")),
             )
             items = [o for o in store.values() if matches(o, labels, fields)]
@@ -324,7 +326,7 @@ class FakeKube:
             return response
         watch = _Watch(
             collection,
-            _selector(query.get("labelSelector")),
+            LabelSelector.parse(query.get("labelSelector", "")),
             _selector(query.get("fieldSelector")),
             query.get("allowWatchBookmarks") == "true",
             resource.rstrip("s").capitalize(),

@@ -11,10 +11,14 @@ from typing import Any
 
 
 @contextlib.contextmanager
-def service(module: str, *args: str) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
+def service(
+    module: str, *args: str, tls: bool = False
+) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
     """``python -m module`` on free ports; yields the process and its ``listening`` log line.
 
-    The process is killed on exit if the test has not already stopped it.
+    The ext_proc port is plaintext unless ``tls`` (the services' own default,
+    which the TLS tests and the end-to-end tests keep). The process is killed
+    on exit if the test has not already stopped it.
     """
     process = subprocess.Popen(
         [
@@ -25,6 +29,7 @@ def service(module: str, *args: str) -> Iterator[tuple[subprocess.Popen[str], di
             "--grpc-health-port=0",
             "--metrics-port=0",
             "--grace=5",
+            *([] if tls else ["--secure-serving=false"]),
             *args,
         ],
         stderr=subprocess.PIPE,

@@ -777,7 +777,7 @@ def test_help_explains_every_flag() -> None:
         (["--grpc-port", "70000"], "argument --grpc-port: 70000 is not a port"),
         (["--metrics-port", "9004"], "must differ"),
         (["--max-body-bytes", "0"], "argument --max-body-bytes: must be at least 1"),
-        (["--grace", "-1"], "argument --grace: must be a number of seconds"),
+        (["--grace", "-1"], "argument --grace: '-1': must be 0 or more"),
         (["--log-level", "loud"], "argument --log-level: invalid choice"),
     ],
     ids=[

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -22,17 +23,24 @@ def test_overhead_smoke_run_measures_every_case_and_every_request_succeeds(
     assert [len(t.rows) for t in section.tables] == [
         len(overhead.CASES),
         len(overhead.CASES),
-        3 * len(overhead.COMPARISONS),
+        3 * len(overhead.COMPARISONS) + 3,  # and the TLS hop's: two concurrencies, the rate
         3,
         2,
     ]
+    [tls_rows] = [
+        [r for r in t.rows if r[0] == overhead.TLS_COMPARISON[2]] for t in section.tables[2:3]
+    ]
+    assert [row[1] for row in tls_rows] == [1, 8, "sustained rate (TLS / plaintext)"]
+    assert all(
+        math.isfinite(float(str(row[2]))) for row in tls_rows[:2]
+    )  # measured, whatever its value
     assert len(section.targets) == 2 * len(overhead.COMPARISONS) + 2
     latency = section.data["latency"]
     assert set(latency) == {case.key for case in overhead.CASES}
-    for by_concurrency in latency.values():
+    for key, by_concurrency in latency.items():
         for runs in by_concurrency.values():
             assert runs
-            assert all(run["requests"] > 0 and run["failed"] == 0 for run in runs)
+            assert all(run["requests"] > 0 and run["failed"] == 0 for run in runs), (key, runs)
     for steps in section.data["sweep"].values():
         assert steps  # every case ran at least the first rate
         assert all(run["failed"] == 0 for _, run in steps)
@@ -40,6 +48,7 @@ def test_overhead_smoke_run_measures_every_case_and_every_request_succeeds(
     assert [w["workers"] for w in section.data["workers"]] == [1, 2]
     assert len(section.data["workers"][1]["served"]) == 2
     assert not (tmp_path / "overhead-run" / "lwepp.log").read_text().count('"error"')
+    assert '"tls": true' in (tmp_path / "overhead-run" / "lwepp-tls.log").read_text()
 
 
 @pytest.mark.parametrize(

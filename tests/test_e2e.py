@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.request
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -157,6 +158,26 @@ def openai_error(answer: Answer) -> dict[str, str]:
     error: dict[str, str] = answer.json()["error"]
     assert set(error) == {"message", "type", "code"}
     return error
+
+
+def envoy_stats(gateway: Topology) -> dict[str, int]:
+    """Envoy's counters, from its admin page (``/stats?format=json``)."""
+    with urllib.request.urlopen(f"{gateway.admin_url}/stats?format=json", timeout=5) as page:
+        stats = json.load(page)["stats"]
+    return {s["name"]: s["value"] for s in stats if isinstance(s.get("value"), int)}
+
+
+def test_envoy_reaches_bbr_and_the_pickers_over_tls(gateway: Topology) -> None:
+    """Each service serves TLS (its default), and Envoy's connections to it completed TLS
+    handshakes; none fell back to plaintext (the services accept no plaintext there)."""
+    for pool in gateway.pools:
+        answer = post(gateway.url, "/v1/completions", {"model": pool.models[0], "prompt": "hi"})
+        assert answer.status == 200
+    stats = envoy_stats(gateway)
+    for name in ["bbr", *(f"lwepp-{pool.name}" for pool in gateway.pools)]:
+        assert gateway.services[name].listening["tls"] is True
+        assert stats[f"cluster.{name}.ssl.handshake"] > 0, name
+        assert stats[f"cluster.{name}.ssl.connection_error"] == 0, name
 
 
 def test_bad_json_is_refused_by_bbr_with_400(gateway: Topology) -> None:

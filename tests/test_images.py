@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tarfile
 import tomllib
 from pathlib import Path
@@ -92,14 +93,43 @@ def test_dockerfile_final_stages_carry_no_build_tools() -> None:
 
 
 def test_manifest_container_ports_are_exposed_by_their_image() -> None:
-    for path in (ROOT / "manifests").glob("*.yaml"):
+    deployments = 0
+    for path in (ROOT / "manifests").rglob("*.yaml"):
         for doc in yaml.safe_load_all(path.read_text()):
-            if not doc or doc["kind"] != "Deployment":
+            if not doc or doc.get("kind") != "Deployment":
                 continue
             [container] = doc["spec"]["template"]["spec"]["containers"]
             image = container["image"].removeprefix("switchyard/")
             declared = {port["containerPort"] for port in container["ports"]}
             assert declared <= set(SERVICES[image][1]), (path.name, image)
+            deployments += 1
+    assert deployments == 5  # BBR, two pickers, two model servers: none left unchecked
+
+
+def test_the_services_import_nothing_from_the_demo_extra() -> None:
+    """The images carry the project's dependencies only: every service starts (``--help``
+    imports all it serves with) with the demo extra's packages made unimportable."""
+    blocked = ("envoy_data_plane", "betterproto2", "pydantic", "grpclib")
+    guard = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] in {blocked!r}:\n"
+        "            raise ImportError(f'{name} is not in the images')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import runpy\n"
+        "sys.argv = [sys.argv[1], '--help']\n"
+        "runpy.run_module(sys.argv[0], run_name='__main__')\n"
+    )
+    for module in SERVICES:
+        result = subprocess.run(
+            [sys.executable, "-c", guard, module], capture_output=True, text=True, check=False
+        )
+        assert result.returncode == 0, (module, result.stderr[-2000:])
+        assert result.stdout.startswith(f"usage: python -m {module}")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not {p.split("==")[0] for p in project["dependencies"]} & {"envoy-data-plane"}
+    assert not set(locked()) & {"envoy-data-plane", "betterproto2", "pydantic", "grpclib"}
 
 
 # --- the OCI layout writer, on a tiny root filesystem --------------------------------------

@@ -233,11 +233,18 @@ def test_no_eligible_endpoint_is_a_503(
             errors = sum(
                 s.value
                 for m in registry.collect()
-                if m.name == "lwepp_errors"
+                if m.name == "llm_d_epp_request_error"
                 for s in m.samples
-                if s.name == "lwepp_errors_total"
+                if s.name == "llm_d_epp_request_error_total"
+                and s.labels["error_code"] == "ServiceUnavailable"
             )
             assert errors == 1
+            failed = registry.get_sample_value(
+                "llm_d_epp_scheduler_attempts_total",
+                {"status": "failure", "target_model_name": "", "endpoint_name": "",
+                 "namespace": "", "port": ""},
+            )  # fmt: skip
+            assert failed == 1
 
     run(scenario)
 
@@ -363,8 +370,21 @@ def test_concurrent_streams_share_one_fair_counter() -> None:
                 "10.0.0.3:3000",
             ]
             assert all(picks.count(p) == 8 for p in set(picks))
-            value = registry.get_sample_value("lwepp_picks_total", {"endpoint": "10.0.0.3:3000"})
-            assert value == 8
+            picked = {
+                "status": "success",
+                "target_model_name": "",
+                "endpoint_name": "p2",
+                "namespace": "",
+                "port": "3000",
+            }
+            assert registry.get_sample_value("llm_d_epp_scheduler_attempts_total", picked) == 8
+            routed = {
+                "model_name": "",
+                "target_model_name": "",
+                "fairness_id": "default-flow",
+                "priority": "0",
+            }
+            assert registry.get_sample_value("llm_d_epp_request_total", routed) == 40
 
     run(scenario)
 

@@ -35,12 +35,12 @@ def test_help_explains_the_flags() -> None:
     [
         (["--pods", "{dir}/missing.yaml"], "missing.yaml: cannot read"),
         (["--pods", "{dir}/bad.yaml"], "pods[0].ports: required"),
-        (["--pods", "{dir}/pods.yaml", "--selector", "pool"], "expected key=value"),
+        (["--pods", "{dir}/pods.yaml", "--selector", "pool in ()"], "in needs at least one"),
         # The serving flags are BBR's, with the same checks (protos.cli).
         (["--pods", "{dir}/pods.yaml", "--grpc-port", "70000"], "70000 is not a port"),
         (["--pods", "{dir}/pods.yaml", "--metrics-port", "9002"], "must differ"),
         (["--pods", "{dir}/pods.yaml", "--max-body-bytes", "0"], "must be at least 1"),
-        (["--pods", "{dir}/pods.yaml", "--grace", "-1"], "must be a number of seconds"),
+        (["--pods", "{dir}/pods.yaml", "--grace", "-1"], "must be 0 or more"),
     ],
     ids=["missing-file", "bad-file", "bad-selector", "bad-port", "same-ports", "zero-cap", "grace"],
 )

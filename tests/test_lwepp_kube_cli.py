@@ -22,6 +22,7 @@ from tests.processes import service
 from tests.test_kubernetes import NS, PODS, POOLS, k8s_pod, k8s_pool
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def lwepp(*args: str) -> subprocess.CompletedProcess[str]:
@@ -49,12 +50,15 @@ def test_help_documents_the_kubernetes_flags() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ([], "one of the arguments --pods --pool-name is required"),
+        ([], "one of the arguments --pods --pool-name --endpoint-selector is required"),
         (["--pods", "p.yaml", "--pool-name", "x"], "not allowed with argument"),
         (["--pool-name", "x"], "not running in a cluster"),
         (["--pool-name", "x", "--kubeconfig", "/nonexistent"], "/nonexistent: cannot read"),
         (["--pool-name", "x", "--selector", "a=b"], "--selector is for --pods"),
-        (["--pods", "{pods}", "--leader-elect"], "--leader-elect needs --pool-name"),
+        (["--pods", "{pods}", "--leader-elect"], "--leader-elect needs the Kubernetes API"),
+        (["--endpoint-selector", "app=x", "--kubeconfig", "{config}"], "needs --endpoint-target"),
+        (["--endpoint-selector", "app in ()"], "in needs at least one value"),
+        (["--endpoint-selector", "a", "--endpoint-target-ports", "1,2,3,4,5,6,7,8,9"], "1 to 8"),
         (
             ["--pool-name", "x", "--kubeconfig", "{config}", "--leader-elect",
              "--leader-elect-renew-deadline", "20"],
@@ -62,7 +66,7 @@ def test_help_documents_the_kubernetes_flags() -> None:
         ),
     ],
     ids=["no-source", "two-sources", "not-in-cluster", "no-kubeconfig", "selector", "lease-file",
-         "bad-timings"],
+         "selector-without-ports", "bad-endpoint-selector", "nine-ports", "bad-timings"],
 )  # fmt: skip
 def test_exactly_one_source_with_a_clear_error(
     tmp_path: Path,
@@ -73,6 +77,7 @@ def test_exactly_one_source_with_a_clear_error(
 ) -> None:
     """Flags are checked before anything starts (in process: no server is reached)."""
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.delenv("KUBECONFIG", raising=False)
     (tmp_path / "pods.yaml").write_text("pods: []\n")
     config = tmp_path / "config"
     config.write_text(
@@ -143,7 +148,8 @@ def test_picks_among_the_pool_pods_and_follows_changes(tmp_path: Path) -> None:
 
 
 def test_leader_election_one_replica_ready_and_a_standby_takes_over(tmp_path: Path) -> None:
-    """With --leader-elect one replica is ready, the other alive but not; SIGTERM hands over."""
+    """With --leader-elect one replica is ready, the other alive (only "liveness" SERVING) but
+    not; SIGTERM hands over."""
     with ThreadedFakeKube() as kube:
         kube.do(lambda f: f.put(POOLS, k8s_pool()))
         kube.do(lambda f: f.put(PODS, k8s_pod("a", "10.1.0.1")))
@@ -171,6 +177,9 @@ def test_leader_election_one_replica_ready_and_a_standby_takes_over(tmp_path: Pa
                 assert sorted(states) == [False, True]
                 standby = (one, two)[states.index(False)]
                 assert await status(standby["health_port"], "liveness") == SERVING
+                # The llm-d router's rule: "" (what a load balancer asks) follows readiness.
+                for name in ("", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+                    assert await status(standby["health_port"], name) == NOT_SERVING
                 leader = (first, second)[states.index(True)]
                 leader.send_signal(signal.SIGTERM)  # it releases the lease on the way out
                 assert await asyncio.to_thread(leader.wait, 10) == 0

@@ -1,10 +1,13 @@
-"""The Kubernetes manifests: they parse, their names and ports agree, RBAC matches the code."""
+"""The Kubernetes manifests, built by a real kubectl: every overlay and component, the kinds and
+names each yields, names and ports that agree, flags the services accept, RBAC that matches the
+code."""
 
 from __future__ import annotations
 
 import asyncio
-import copy
+import functools
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -18,30 +21,58 @@ from bbr.__main__ import parser as bbr_parser
 from bbr.server import HEALTH_SERVICES as BBR_HEALTH
 from lwepp.__main__ import HEALTH_SERVICES as LWEPP_HEALTH
 from lwepp.__main__ import build_parser as lwepp_parser
+from lwepp.config import load_config
 from lwepp.leader import LeaderElector
 from pods.kubeapi import ClusterConfig, KubeApi
 from tests.fake_kube import FakeKube, eventually
 from tests.test_kubernetes import PODS, POOLS, k8s_pod, k8s_pool, tracking
 
-MANIFESTS = Path(__file__).parent.parent / "manifests"
+ROOT = Path(__file__).parent.parent
+MANIFESTS = ROOT / "manifests"
+KUBECTL = Path(os.environ.get("SWITCHYARD_KUBECTL", ROOT / ".venv" / "bin" / "kubectl"))
 Doc = dict[str, Any]
 
 
-def documents(path: Path) -> list[Doc]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+@functools.cache
+def kubectl() -> Path:
+    """The real kubectl ``make kubectl`` installs (``make test`` does it first): never skipped."""
+    if not os.access(KUBECTL, os.X_OK):
+        pytest.fail(f"no kubectl at {KUBECTL}: run `make kubectl` (make test does it for you)")
+    return KUBECTL
 
 
-def kustomization(directory: Path) -> Doc:
-    return documents(directory / "kustomization.yaml")[0]
+def kustomize(directory: Path) -> list[Doc]:
+    """``kubectl kustomize DIRECTORY``: the objects the overlay builds, as ``kubectl apply -k``."""
+    result = subprocess.run(
+        [str(kubectl()), "kustomize", str(directory)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, f"kubectl kustomize {directory}:\n{result.stderr}"
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc is not None]
 
 
-def objects(directory: Path) -> list[Doc]:
-    """The objects a kustomization lists (resources, recursively), before its patches."""
-    found: list[Doc] = []
-    for resource in kustomization(directory).get("resources", []):
-        target = (directory / resource).resolve()
-        found += objects(target) if target.is_dir() else documents(target)
-    return found
+def with_components(tmp: Path, resource: str, *components: str) -> list[Doc]:
+    """Build ``resource`` (a directory of manifests/) with ``components`` added, as a user's
+    overlay would list them."""
+    relative = os.path.relpath(MANIFESTS, tmp)
+    (tmp / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [f"{relative}/{resource}"],
+                "components": [f"{relative}/{c}" for c in components],
+            }
+        )
+    )
+    return kustomize(tmp)
+
+
+@functools.cache
+def built(overlay: str) -> list[Doc]:
+    return kustomize(MANIFESTS / overlay)
 
 
 def find(docs: list[Doc], kind: str, name: str | None = None) -> list[Doc]:
@@ -52,6 +83,17 @@ def one(docs: list[Doc], kind: str, name: str) -> Doc:
     matches = find(docs, kind, name)
     assert len(matches) == 1, f"expected one {kind} {name}, found {len(matches)}"
     return matches[0]
+
+
+def names(docs: list[Doc]) -> set[tuple[str, str]]:
+    """(kind, name) of each object; a generated ConfigMap's content hash is cut off."""
+    found = set()
+    for doc in docs:
+        name = doc["metadata"]["name"]
+        if doc["kind"] == "ConfigMap" and name.startswith("picker-config-"):
+            name = "picker-config-<hash>"
+        found.add((doc["kind"], name))
+    return found
 
 
 def flag(args: list[str], name: str) -> str:
@@ -74,107 +116,130 @@ def labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
-def apply_json_patch(doc: Doc, ops: list[Doc]) -> Doc:
-    """The two RFC 6902 operations the component uses: add (with ``-`` to append) and replace."""
-    doc = copy.deepcopy(doc)
-    for op in ops:
-        *parents, last = op["path"].strip("/").split("/")
-        node: Any = doc
-        for step in parents:
-            node = node[int(step)] if isinstance(node, list) else node[step]
-        if isinstance(node, list) and last == "-":
-            assert op["op"] == "add"
-            node.append(op["value"])
-        else:
-            key: Any = int(last) if isinstance(node, list) else last
-            assert op["op"] == "add" or key in node or isinstance(node, list), op["path"]
-            node[key] = op["value"]
-    return doc
+# --- what each overlay and component builds ---------------------------------------------------
+
+BASE = {
+    ("Namespace", "switchyard"),
+    ("ServiceAccount", "lwepp"),
+    ("ServiceAccount", "bbr"),
+    ("Role", "lwepp"),
+    ("RoleBinding", "lwepp"),
+    ("ConfigMap", "simulated-models"),
+    ("Service", "bbr"),
+    ("Service", "lwepp-llama"),
+    ("Service", "lwepp-mistral"),
+    ("Deployment", "bbr"),
+    ("Deployment", "lwepp-llama"),
+    ("Deployment", "lwepp-mistral"),
+    ("Deployment", "llama"),
+    ("Deployment", "mistral"),
+    ("InferencePool", "llama"),
+    ("InferencePool", "mistral"),
+    ("HTTPRoute", "llama"),
+    ("HTTPRoute", "mistral"),
+}
+ENVOY_GATEWAY = BASE | {
+    ("Gateway", "inference-gateway"),
+    ("EnvoyExtensionPolicy", "bbr"),
+    ("HTTPRoute", "no-model"),
+    ("HTTPRouteFilter", "no-model"),
+    ("HTTPRoute", "models"),
+    ("HTTPRouteFilter", "models"),
+    ("HTTPRouteFilter", "model-llama-3-8b"),
+    ("HTTPRouteFilter", "model-mistral-7b"),
+}
+ISTIO = BASE | {
+    ("Gateway", "inference-gateway"),
+    ("EnvoyFilter", "bbr"),
+    ("DestinationRule", "bbr"),
+    ("DestinationRule", "lwepp-llama"),
+    ("DestinationRule", "lwepp-mistral"),
+}
+OVERLAYS = {
+    "base": BASE,
+    "envoy-gateway": ENVOY_GATEWAY,
+    "istio": ISTIO,
+    "prefix-aware": ENVOY_GATEWAY | {("ConfigMap", "picker-config-<hash>")},
+}
+COMPONENTS = {
+    "leader-election": {
+        ("Role", "lwepp-leader-election"),
+        ("RoleBinding", "lwepp-leader-election"),
+    },
+    "picker-config": {("ConfigMap", "picker-config-<hash>")},
+    "monitoring": {("ServiceMonitor", "switchyard"), ("ConfigMap", "switchyard-dashboard")},
+}
 
 
-BASE = objects(MANIFESTS)
-OVERLAYS = ["envoy-gateway", "istio"]
+@pytest.mark.parametrize("overlay", list(OVERLAYS))
+def test_each_overlay_builds_with_kubectl_into_the_objects_it_promises(overlay: str) -> None:
+    """``kubectl kustomize`` builds the overlay (no cycle), every object in namespace switchyard."""
+    docs = built(overlay)
+    assert names(docs) == OVERLAYS[overlay]
+    assert len(docs) == len(OVERLAYS[overlay])  # no object twice
+    namespaced = [d for d in docs if d["kind"] != "Namespace"]
+    assert {d["metadata"].get("namespace") for d in namespaced} == {"switchyard"}
 
 
-def leader_elected() -> list[Doc]:
-    """The base with the leader-election component applied (its patches and resources)."""
-    component = kustomization(MANIFESTS / "leader-election")
-    assert component["kind"] == "Component"
-    docs = BASE + [
-        d for r in component["resources"] for d in documents(MANIFESTS / "leader-election" / r)
+@pytest.mark.parametrize("component", list(COMPONENTS))
+def test_each_component_builds_onto_the_base(component: str, tmp_path: Path) -> None:
+    """A component listed under ``components:`` adds exactly its objects to the base."""
+    docs = with_components(tmp_path, "base", f"components/{component}")
+    assert names(docs) == BASE | COMPONENTS[component]
+
+
+def test_every_file_is_built_by_some_overlay_or_component() -> None:
+    """No manifest file lies unused: each one is named by a kustomization that the tests build."""
+    used: set[Path] = set()
+    directories = [MANIFESTS / o for o in OVERLAYS] + [
+        MANIFESTS / "components" / c for c in COMPONENTS
     ]
-    patched: list[Doc] = []
-    for doc in docs:
-        for patch in component["patches"]:
-            target = patch["target"]
-            key, value = target["labelSelector"].split("=")
-            if (
-                doc["kind"] == target["kind"]
-                and doc["metadata"].get("labels", {}).get(key) == value
-            ):
-                doc = apply_json_patch(doc, yaml.safe_load(patch["patch"]))
-        patched.append(doc)
-    return patched
+    for directory in directories:
+        spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
+        used.add(directory / "kustomization.yaml")
+        listed = [*spec.get("resources", [])]
+        for generator in spec.get("configMapGenerator", []):
+            listed += [f.split("=")[-1] for f in generator.get("files", [])]
+        used |= {(directory / r).resolve() for r in listed if not (directory / r).is_dir()}
+    files = {p for p in MANIFESTS.rglob("*") if p.suffix in (".yaml", ".json")}
+    assert files == used
 
 
-# --- every file ------------------------------------------------------------------------------
+def documents(path: Path) -> Iterator[Doc]:
+    return (doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None)
 
 
-def all_yaml() -> Iterator[Path]:
-    return iter(sorted(MANIFESTS.rglob("*.yaml")))
-
-
-@pytest.mark.parametrize("path", list(all_yaml()), ids=lambda p: str(p.relative_to(MANIFESTS)))
-def test_every_manifest_parses_and_names_its_kind(path: Path) -> None:
-    docs = documents(path)
-    assert docs
-    for doc in docs:
+@pytest.mark.parametrize(
+    "path",
+    sorted(p for p in MANIFESTS.rglob("*.yaml") if p.name != "epp-config.yaml"),
+    ids=lambda p: str(p.relative_to(MANIFESTS)),
+)
+def test_every_object_leaves_its_namespace_to_the_kustomization(path: Path) -> None:
+    """Objects name no namespace of their own: one ``namespace:`` in the kustomization sets it."""
+    for doc in documents(path):
         assert {"apiVersion", "kind"} <= set(doc)
         if doc["kind"] not in ("Kustomization", "Component"):
-            assert doc["metadata"]["name"]
-            assert "namespace" not in doc["metadata"]  # set once, by the kustomization
+            assert "namespace" not in doc["metadata"]
 
 
-def test_every_file_is_used_by_a_kustomization() -> None:
-    used: set[Path] = set()
-    for directory in [MANIFESTS, *(MANIFESTS / o for o in [*OVERLAYS, "leader-election"])]:
-        used.add(directory / "kustomization.yaml")
-        for resource in kustomization(directory).get("resources", []):
-            target = (directory / resource).resolve()
-            if not target.is_dir():
-                used.add(target)
-    assert set(all_yaml()) == used
+# --- names and ports agree --------------------------------------------------------------------
 
-
-def test_overlays_build_on_the_base_in_one_namespace() -> None:
-    namespace = kustomization(MANIFESTS)["namespace"]
-    assert one(BASE, "Namespace", namespace)
-    for overlay in OVERLAYS:
-        spec = kustomization(MANIFESTS / overlay)
-        assert spec["namespace"] == namespace
-        assert ".." in spec["resources"]
-        docs = objects(MANIFESTS / overlay)
-        assert one(docs, "Gateway", "inference-gateway")
-
-
-# --- names and ports agree ------------------------------------------------------------------
-
-
-POOL_NAMES = [d["metadata"]["name"] for d in find(BASE, "InferencePool")]
+POOL_NAMES = ["llama", "mistral"]
 
 
 @pytest.mark.parametrize("pool_name", POOL_NAMES)
 def test_pool_points_at_its_own_picker_service_and_port(pool_name: str) -> None:
     """endpointPickerRef names a Service whose port reaches the picker's --grpc-port."""
-    pool = one(BASE, "InferencePool", pool_name)
+    docs = built("base")
+    pool = one(docs, "InferencePool", pool_name)
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
     ref = pool["spec"]["endpointPickerRef"]
-    service = one(BASE, "Service", ref["name"])
+    service = one(docs, "Service", ref["name"])
     port = next(p for p in service["spec"]["ports"] if p["port"] == ref["port"]["number"])
     assert port["appProtocol"] == "http2"  # gRPC: HTTP/2 to the picker
     pickers = [
         d
-        for d in find(BASE, "Deployment")
+        for d in find(docs, "Deployment")
         if labels_match(service["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])
     ]
     assert len(pickers) == 1
@@ -187,18 +252,19 @@ def test_pool_points_at_its_own_picker_service_and_port(pool_name: str) -> None:
 @pytest.mark.parametrize("pool_name", POOL_NAMES)
 def test_pool_selects_model_servers_on_their_port(pool_name: str) -> None:
     """The pool's selector matches a model-server Deployment serving on the target port."""
-    pool = one(BASE, "InferencePool", pool_name)
+    docs = built("base")
+    pool = one(docs, "InferencePool", pool_name)
     selector = pool["spec"]["selector"]["matchLabels"]
     servers = [
         d
-        for d in find(BASE, "Deployment")
+        for d in find(docs, "Deployment")
         if labels_match(selector, d["spec"]["template"]["metadata"]["labels"])
     ]
     assert len(servers) == 1
     ports = {p["containerPort"] for p in container(servers[0])["ports"]}
     assert {p["number"] for p in pool["spec"]["targetPorts"]} <= ports
     # The simulator's pod file entry for its --selector serves on the same port.
-    configmap = one(BASE, "ConfigMap", "simulated-models")
+    configmap = one(docs, "ConfigMap", "simulated-models")
     entries = yaml.safe_load(configmap["data"]["pods.yaml"])["pods"]
     key, value = flag(container(servers[0])["args"], "--selector").split("=")
     [entry] = [e for e in entries if e["labels"].get(key) == value]
@@ -208,9 +274,10 @@ def test_pool_selects_model_servers_on_their_port(pool_name: str) -> None:
 @pytest.mark.parametrize("pool_name", POOL_NAMES)
 def test_each_model_routes_to_its_pool(pool_name: str) -> None:
     """An HTTPRoute matches X-Gateway-Model-Name = the pool's model and backs onto the pool."""
+    docs = built("base")
     routes = [
         r
-        for r in find(BASE, "HTTPRoute")
+        for r in find(docs, "HTTPRoute")
         for rule in r["spec"]["rules"]
         for ref in rule["backendRefs"]
         if ref["kind"] == "InferencePool" and ref["name"] == pool_name
@@ -221,97 +288,23 @@ def test_each_model_routes_to_its_pool(pool_name: str) -> None:
     [header] = rule["matches"][0]["headers"]
     assert header["name"] == "X-Gateway-Model-Name"
     assert header["type"] == "Exact"
-    server = one(BASE, "Deployment", pool_name)
+    server = one(docs, "Deployment", pool_name)
     assert flag(container(server)["args"], "--selector") == f"model={header['value']}"
     assert routes[0]["spec"]["parentRefs"][0]["name"] == "inference-gateway"
-
-
-def test_probes_hit_the_health_ports_and_services_the_code_reports() -> None:
-    for deployment in find(BASE, "Deployment"):
-        spec = container(deployment)
-        if "livenessProbe" not in spec or "grpc" not in spec["livenessProbe"]:
-            continue
-        health_port = int(flag(spec["args"], "--grpc-health-port"))
-        known = LWEPP_HEALTH if spec["image"] == "switchyard/lwepp" else BBR_HEALTH
-        for probe in (spec["livenessProbe"], spec["readinessProbe"]):
-            assert probe["grpc"]["port"] == health_port
-            assert probe["grpc"].get("service", "") in known
-        declared = {p["containerPort"] for p in spec["ports"]}
-        ports = {int(flag(spec["args"], f)) for f in ("--grpc-port", "--metrics-port")}
-        assert ports | {health_port} <= declared
-
-
-def test_container_args_are_flags_the_services_accept() -> None:
-    """Every Deployment's args parse with the real argument parser (or appear in --help)."""
-    simulator_help = subprocess.run(
-        [sys.executable, "-m", "simulator", "--help"], capture_output=True, text=True, check=True
-    ).stdout
-    for deployment in [*BASE, *leader_elected()]:
-        if deployment["kind"] != "Deployment":
-            continue
-        spec = container(deployment)
-        match spec["image"]:
-            case "switchyard/lwepp":
-                parsed = lwepp_parser().parse_args(spec["args"])
-                assert parsed.pool_name
-            case "switchyard/bbr":
-                bbr_parser().parse_args(spec["args"])
-            case "switchyard/simulator":
-                for arg in spec["args"]:
-                    assert arg.split("=")[0] in simulator_help
-            case other:
-                raise AssertionError(f"unknown image {other}")
-
-
-def test_bbr_is_wired_into_each_gateway() -> None:
-    """Envoy Gateway's policy and Istio's filter both call the BBR Service on its ext_proc port."""
-    service = one(BASE, "Service", "bbr")
-    [grpc_port] = [p for p in service["spec"]["ports"] if p.get("appProtocol") == "http2"]
-    assert (
-        int(flag(container(one(BASE, "Deployment", "bbr"))["args"], "--grpc-port"))
-        == (grpc_port["targetPort"])
-    )
-    assert "--streaming" in container(one(BASE, "Deployment", "bbr"))["args"]
-
-    eg = objects(MANIFESTS / "envoy-gateway")
-    [policy] = find(eg, "EnvoyExtensionPolicy")
-    assert policy["spec"]["targetRefs"][0] == {
-        "group": "gateway.networking.k8s.io",
-        "kind": "Gateway",
-        "name": "inference-gateway",
-    }
-    [ext_proc] = policy["spec"]["extProc"]
-    assert ext_proc["backendRefs"] == [{"name": "bbr", "port": grpc_port["port"]}]
-    assert ext_proc["processingMode"]["request"]["body"] == "FullDuplexStreamed"
-    fallback = one(eg, "HTTPRoute", "no-model")
-    ref = fallback["spec"]["rules"][0]["filters"][0]["extensionRef"]
-    direct = one(eg, ref["kind"], ref["name"])["spec"]["directResponse"]
-    assert direct["statusCode"] == 404
-    error = json.loads(direct["body"]["inline"])["error"]
-    assert (error["type"], error["code"]) == ("invalid_request_error", "model_not_found")
-
-    namespace = kustomization(MANIFESTS)["namespace"]
-    envoy_filter = one(objects(MANIFESTS / "istio"), "EnvoyFilter", "bbr")
-    value = envoy_filter["spec"]["configPatches"][0]["patch"]["value"]
-    cluster = value["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
-    assert cluster == f"outbound|{grpc_port['port']}||bbr.{namespace}.svc.cluster.local"
-    assert value["typed_config"]["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
-    selector = envoy_filter["spec"]["workloadSelector"]["labels"]
-    assert selector == {"gateway.networking.k8s.io/gateway-name": "inference-gateway"}
 
 
 def served_models() -> dict[str, str]:
     """Model → pool, as the base's HTTPRoutes route them."""
     return {
         rule["matches"][0]["headers"][0]["value"]: rule["backendRefs"][0]["name"]
-        for route in find(BASE, "HTTPRoute")
+        for route in find(built("base"), "HTTPRoute")
         for rule in route["spec"]["rules"]
     }
 
 
 def model_answers_eg() -> dict[tuple[str, str], tuple[int, Any]]:
     """Envoy Gateway overlay: (path match type, value) → (status, parsed JSON body)."""
-    eg = objects(MANIFESTS / "envoy-gateway")
+    eg = built("envoy-gateway")
     answers = {}
     for rule in one(eg, "HTTPRoute", "models")["spec"]["rules"]:
         [match] = rule["matches"]
@@ -326,7 +319,7 @@ def model_answers_eg() -> dict[tuple[str, str], tuple[int, Any]]:
 def model_answers_istio() -> dict[tuple[str, str], tuple[int, Any]]:
     """Istio overlay: (Exact for path, PathPrefix for prefix, value) → (status, JSON body),
     in the order the routes end up (INSERT_FIRST: the last patch comes first)."""
-    patches = one(objects(MANIFESTS / "istio"), "EnvoyFilter", "models")["spec"]["configPatches"]
+    patches = one(built("istio"), "EnvoyFilter", "models")["spec"]["configPatches"]
     answers = {}
     for patch in reversed(patches):
         assert patch["applyTo"] == "HTTP_ROUTE"
@@ -371,15 +364,138 @@ def test_each_gateway_lists_the_routed_models_as_openai_does(
     assert error["error"]["code"] == "model_not_found"
 
 
-def test_leader_election_component_patches_every_picker() -> None:
-    for deployment in find(leader_elected(), "Deployment"):
+def test_probes_hit_the_health_ports_and_services_the_code_reports() -> None:
+    for deployment in find(built("base"), "Deployment"):
         spec = container(deployment)
-        if spec["image"] != "switchyard/lwepp":
+        if "livenessProbe" not in spec or "grpc" not in spec["livenessProbe"]:
             continue
+        health_port = int(flag(spec["args"], "--grpc-health-port"))
+        known = LWEPP_HEALTH if spec["image"].startswith("switchyard/lwepp") else BBR_HEALTH
+        for probe in (spec["livenessProbe"], spec["readinessProbe"]):
+            assert probe["grpc"]["port"] == health_port
+            assert probe["grpc"].get("service", "") in known
+        declared = {p["containerPort"] for p in spec["ports"]}
+        ports = {int(flag(spec["args"], f)) for f in ("--grpc-port", "--metrics-port")}
+        assert ports | {health_port} <= declared
+
+
+def every_deployment(tmp_path: Path) -> Iterator[Doc]:
+    """Each Deployment of every overlay, and of the base with every component."""
+    for overlay in OVERLAYS:
+        yield from find(built(overlay), "Deployment")
+    every = [f"components/{c}" for c in COMPONENTS]
+    yield from find(with_components(tmp_path, "envoy-gateway", *every), "Deployment")
+
+
+def test_container_args_are_flags_the_services_accept(tmp_path: Path) -> None:
+    """Every Deployment's args, as built, parse with the real argument parser (or are in --help)."""
+    simulator_help = subprocess.run(
+        [sys.executable, "-m", "simulator", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for deployment in every_deployment(tmp_path):
+        spec = container(deployment)
+        image = spec["image"].rsplit(":", 1)[0]
+        match image:
+            case "switchyard/lwepp":
+                parsed = lwepp_parser().parse_args(spec["args"])
+                assert parsed.pool_name
+            case "switchyard/bbr":
+                bbr_parser().parse_args(spec["args"])
+            case "switchyard/simulator":
+                for arg in spec["args"]:
+                    assert arg.split("=")[0] in simulator_help
+            case other:
+                raise AssertionError(f"unknown image {other}")
+
+
+def test_the_mounted_picker_configuration_loads_and_every_picker_reads_it(tmp_path: Path) -> None:
+    """The ConfigMap's EndpointPickerConfig loads in LWEPP, and each picker mounts and names it."""
+    docs = built("prefix-aware")
+    [configmap] = [d for d in find(docs, "ConfigMap") if d["metadata"]["name"].startswith("picker")]
+    [(key, text)] = configmap["data"].items()
+    (tmp_path / key).write_text(text)
+    config = load_config(tmp_path / key)
+    assert [(s.name, w) for s, w in config.pipeline().scorers] == [
+        ("queue-scorer", 2.0),
+        ("kv-cache-utilization-scorer", 2.0),
+        ("prefix-cache-scorer", 3.0),
+    ]
+    pickers = [d for d in find(docs, "Deployment") if d["metadata"]["name"].startswith("lwepp-")]
+    assert len(pickers) == len(POOL_NAMES)
+    for picker in pickers:
+        pod = picker["spec"]["template"]["spec"]
+        [volume] = pod["volumes"]
+        assert volume["configMap"]["name"] == configmap["metadata"]["name"]
+        [mount] = container(picker)["volumeMounts"]
+        assert mount["name"] == volume["name"]
+        assert flag(container(picker)["args"], "--config-file") == f"{mount['mountPath']}/{key}"
+
+
+def test_bbr_is_wired_into_each_gateway() -> None:
+    """Envoy Gateway's policy and Istio's filter both call the BBR Service on its ext_proc port."""
+    base = built("base")
+    service = one(base, "Service", "bbr")
+    [grpc_port] = [p for p in service["spec"]["ports"] if p.get("appProtocol") == "http2"]
+    bbr_args = container(one(base, "Deployment", "bbr"))["args"]
+    assert int(flag(bbr_args, "--grpc-port")) == grpc_port["targetPort"]
+    assert "--streaming" in bbr_args
+
+    eg = built("envoy-gateway")
+    [policy] = find(eg, "EnvoyExtensionPolicy")
+    assert policy["spec"]["targetRefs"][0] == {
+        "group": "gateway.networking.k8s.io",
+        "kind": "Gateway",
+        "name": "inference-gateway",
+    }
+    [ext_proc] = policy["spec"]["extProc"]
+    assert ext_proc["backendRefs"] == [{"name": "bbr", "port": grpc_port["port"]}]
+    assert ext_proc["processingMode"]["request"]["body"] == "FullDuplexStreamed"
+    # The policy dials BBR in plaintext: the overlay turns BBR's TLS off, and only there.
+    assert "--secure-serving=false" in container(one(eg, "Deployment", "bbr"))["args"]
+    assert "--secure-serving=false" not in bbr_args
+    fallback = one(eg, "HTTPRoute", "no-model")
+    ref = fallback["spec"]["rules"][0]["filters"][0]["extensionRef"]
+    direct = one(eg, ref["kind"], ref["name"])["spec"]["directResponse"]
+    assert direct["statusCode"] == 404
+    error = json.loads(direct["body"]["inline"])["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "model_not_found")
+
+    envoy_filter = one(built("istio"), "EnvoyFilter", "bbr")
+    value = envoy_filter["spec"]["configPatches"][0]["patch"]["value"]
+    cluster = value["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
+    assert cluster == f"outbound|{grpc_port['port']}||bbr.switchyard.svc.cluster.local"
+    assert value["typed_config"]["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+    selector = envoy_filter["spec"]["workloadSelector"]["labels"]
+    assert selector == {"gateway.networking.k8s.io/gateway-name": "inference-gateway"}
+
+
+def test_istio_dials_every_tls_service_with_tls() -> None:
+    """Each ext_proc Service (BBR and the pickers, TLS by default) has a DestinationRule for it."""
+    docs = built("istio")
+    ext_proc = {
+        s["metadata"]["name"]
+        for s in find(docs, "Service")
+        if any(p.get("appProtocol") == "http2" for p in s["spec"]["ports"])
+    }
+    rules = {
+        d["spec"]["host"]: d["spec"]["trafficPolicy"]["tls"] for d in find(docs, "DestinationRule")
+    }
+    assert set(rules) == {f"{name}.switchyard.svc.cluster.local" for name in ext_proc}
+    assert all(tls["mode"] == "SIMPLE" for tls in rules.values())
+    for deployment in find(docs, "Deployment"):
+        assert "--secure-serving=false" not in container(deployment).get("args", [])
+
+
+def test_leader_election_component_patches_every_picker(tmp_path: Path) -> None:
+    docs = with_components(tmp_path, "base", "components/leader-election")
+    pickers = [d for d in find(docs, "Deployment") if d["metadata"]["name"].startswith("lwepp-")]
+    assert len(pickers) == len(POOL_NAMES)
+    for deployment in pickers:
+        spec = container(deployment)
         assert "--leader-elect" in spec["args"]
         assert deployment["spec"]["replicas"] == 2
         assert spec["livenessProbe"]["grpc"]["service"] == "liveness"
-        assert spec["readinessProbe"]["grpc"]["service"] == "inference-extension"
+        assert spec["readinessProbe"]["grpc"]["service"] == "readiness"
 
 
 # --- RBAC grants exactly what the code calls --------------------------------------------------
@@ -389,7 +505,8 @@ def granted(docs: list[Doc], service_account: str) -> set[tuple[str, str, str]]:
     """(api group, resource, verb) the Roles bound to ``service_account`` grant."""
     rights: set[tuple[str, str, str]] = set()
     for binding in find(docs, "RoleBinding"):
-        if {"kind": "ServiceAccount", "name": service_account} not in binding["subjects"]:
+        subjects = [(s["kind"], s["name"]) for s in binding["subjects"]]
+        if ("ServiceAccount", service_account) not in subjects:
             continue
         role = one(docs, "Role", binding["roleRef"]["name"])
         for rule in role["rules"]:
@@ -437,12 +554,14 @@ def used_by_the_code() -> tuple[set[tuple[str, str, str]], set[tuple[str, str, s
     return asyncio.run(asyncio.wait_for(scenario(), 20))
 
 
-def test_rbac_grants_exactly_what_the_code_calls() -> None:
+def test_rbac_grants_exactly_what_the_code_calls(tmp_path: Path) -> None:
     """Base RBAC = the pod source's requests; the component adds the elector's, nothing more."""
     source_verbs, elector_verbs = used_by_the_code()
-    deployment = one(BASE, "Deployment", f"lwepp-{POOL_NAMES[0]}")
+    base = built("base")
+    deployment = one(base, "Deployment", f"lwepp-{POOL_NAMES[0]}")
     account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
-    assert granted(BASE, account) == source_verbs
-    assert granted(leader_elected(), account) == source_verbs | elector_verbs
-    assert granted(BASE, "bbr") == set()
-    assert one(BASE, "ServiceAccount", "bbr")["automountServiceAccountToken"] is False
+    elected = with_components(tmp_path, "base", "components/leader-election")
+    assert granted(base, account) == source_verbs
+    assert granted(elected, account) == source_verbs | elector_verbs
+    assert granted(base, "bbr") == set()
+    assert one(base, "ServiceAccount", "bbr")["automountServiceAccountToken"] is False

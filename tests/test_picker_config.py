@@ -142,31 +142,48 @@ def test_a_user_plugin_is_built_by_dotted_path_class_or_classmethod(tmp_path: Pa
 
 
 def test_deprecated_api_version_and_unimplemented_sections_are_warned_about(tmp_path: Path) -> None:
-    """The old group and the router-only sections load, each with a warning saying so."""
+    """The old group, gates and sections without effect here load, each with a warning saying so."""
     config = load(
         tmp_path,
         """
-        featureGates: [flowControl]
+        featureGates: [flowControl, haPopulateNonLeaderDatastore=true]
         plugins:
         - type: fake-source
         - type: single-profile-handler
+        - type: openai-parser
         saturationDetector: {pluginRef: fake-source}
-        flowControl: {maxRequests: "500"}
+        flowControl: {maxRequests: "500", usageLimitPolicyPluginRef: fake-source}
+        requestHandler: {parsers: [{pluginRef: openai-parser}], propagatePriority: true}
         dataLayer:
-          sources: [{pluginRef: fake-source}]
+          sources: [{pluginRef: fake-source, extractors: []}]
+          crossReplicaSyncInterval: 500ms
         """,
         header="apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n",
     )
     text = "\n".join(config.warnings)
     for expected in (
-        ":1: apiVersion: deprecated: use llm-d.ai/v1alpha1",
-        ":4: featureGates: decoded and ignored",
+        ":1: apiVersion: deprecated: use llm-d.ai/v1",
+        ":4: featureGates: flowControl=true: ignored: Switchyard has no flow control",
         "plugin 'single-profile-handler' (single-profile-handler): ignored",
-        ":8: saturationDetector: decoded and ignored",
-        ":9: flowControl: decoded and ignored",
-        ":10: dataLayer: decoded and ignored",
+        ":8: plugin 'openai-parser' (openai-parser): ignored: Switchyard parses OpenAI bodies",
+        ":9: saturationDetector: decoded and ignored: deprecated, use flowControl.saturationDetector",
+        ":10: flowControl: decoded and ignored",
+        ":11: requestHandler: decoded and ignored",
+        ":12: dataLayer: decoded and ignored",
     ):
         assert expected in text
+    assert "haPopulateNonLeaderDatastore" not in text  # true is its default: nothing to say
+    assert len(config.warnings) == 8
+
+
+def test_both_api_versions_of_the_router_load_the_same_file(tmp_path: Path) -> None:
+    """llm-d.ai/v1alpha1 (v0.10) and llm-d.ai/v1 (the router's HEAD) decode alike, unwarned."""
+    body = "plugins:\n- type: fake-scorer\n- type: decode-filter\n"
+    for version in ("llm-d.ai/v1alpha1", "llm-d.ai/v1"):
+        config = load(tmp_path, body, header=f"apiVersion: {version}\nkind: EndpointPickerConfig\n")
+        assert config.api_version == version
+        assert [f.name for f in config.pipeline().filters] == ["decode-filter"]
+        assert config.warnings == ()
 
 
 ERRORS = [
@@ -177,8 +194,14 @@ ERRORS = [
     ),
     ("plugins:\n- type: no-such\n", "picker.yaml:4: plugin 'no-such' (no-such): type: unknown"),
     (
-        "plugins:\n- type: core-metrics-extractor\n",
-        "type: unknown (metrics-data-source extracts its own metrics",
+        "plugins:\n- type: fake-scorer\n- type: load-aware-scorer\n- type: token-producer\n"
+        "- type: precise-prefix-cache-producer\nschedulingProfiles:\n- name: p\n  plugins:\n"
+        "  - pluginRef: load-aware-scorer\n",
+        "picker.yaml: needs what Switchyard does not implement: load counted in flight or in "
+        "tokens (load-aware-scorer (line 5)); prompts tokenized by the model's tokenizer, and "
+        "the precise prefix cache fed by the engines' KV-cache events (prefix-cache-scorer "
+        "estimates from the prompt text instead) (token-producer (line 6), "
+        "precise-prefix-cache-producer (line 7))",
     ),
     (
         "plugins:\n- type: max-score-picker\n  parameters:\n    maxNumOfEndpoints: x\n",
@@ -224,12 +247,42 @@ ERRORS = [
         "profile 'default': more than one picker: random-picker, max-score-picker",
     ),
     (
-        "plugins:\n- type: fake-scorer\n  parameters: {reads: [queue_depth]}\n",
+        "plugins:\n- type: fake-scorer\n  parameters: {reads: [queue_depth]}\n"
+        "dataLayer: {injectDefaults: false}\n",
         "picker.yaml:4: plugin 'fake-scorer' (fake-scorer): reads 'queue_depth', which no "
         "configured data source produces (add one: metrics-data-source produces it)",
     ),
+    (
+        "plugins:\n- type: fake-scorer\n  parameters: {reads: [warp_factor]}\n",
+        "picker.yaml:4: plugin 'fake-scorer' (fake-scorer): reads 'warp_factor', which no "
+        "configured data source produces",
+    ),
     ("featureGates: [warpDrive]\n", "picker.yaml:3: featureGates: unknown gate 'warpDrive'"),
-    ("parser: {pluginRef: openai-parser}\n", "parser: pluginRef 'openai-parser' names no plugin"),
+    ("featureGates: [flowControl=maybe]\n", "'flowControl=maybe': expected flowControl=true or"),
+    ("featureGates: [enableLegacyMetrics]\n", "'enableLegacyMetrics': removed from the router"),
+    ("parser: {pluginRef: openai-parser}\n", "parser.pluginRef: 'openai-parser' names no plugin"),
+    (
+        "flowControl: {defaultPriorityBand: {fairnessPolicyRef: fair}}\n",
+        "flowControl.defaultPriorityBand.fairnessPolicyRef: 'fair' names no plugin",
+    ),
+    ("requestHandler: {parserz: []}\n", "requestHandler: unknown field 'parserz' (known: parsers"),
+    (
+        "plugins:\n- type: prefix-cache-scorer\n  parameters:\n"
+        "    prefixMatchInfoProducerName: mine\n",
+        "picker.yaml:6: plugin 'prefix-cache-scorer' (prefix-cache-scorer): "
+        "prefixMatchInfoProducerName: 'mine' names no approx-prefix-cache-producer",
+    ),
+    (
+        "plugins:\n- type: approx-prefix-cache-producer\n- type: prefix-cache-scorer\n"
+        "  parameters: {blockSizeTokens: 8}\n",
+        "blockSizeTokens belong to its producer 'approx-prefix-cache-producer': set them there",
+    ),
+    (
+        "plugins:\n- type: approx-prefix-cache-producer\n  parameters: {lruCapacityPerServer: 0}\n",
+        "picker.yaml:5: plugin 'approx-prefix-cache-producer' (approx-prefix-cache-producer): "
+        "parameters.lruCapacityPerServer: must be >= 1, got 0",
+    ),
+    ("apiVersion: llm-d.ai/v2\n", "apiVersion: expected llm-d.ai/v1alpha1 or llm-d.ai/v1"),
     (
         "plugins:\n- type: tests.plugin_fakes.Nothing\n",
         "type: cannot load 'tests.plugin_fakes.Nothing'",
@@ -250,7 +303,7 @@ ERRORS = [
         "unknown-top-field",
         "unknown-plugin-field",
         "unknown-type",
-        "router-type-with-hint",
+        "router-features-not-implemented",
         "bad-parameter",
         "unknown-parameter",
         "duplicate-name",
@@ -260,9 +313,18 @@ ERRORS = [
         "two-profiles",
         "source-in-profile",
         "two-pickers",
+        "attribute-no-source-and-no-defaults",
         "attribute-nobody-produces",
         "unknown-feature-gate",
+        "gate-value",
+        "removed-gate",
         "dangling-ref-in-ignored-section",
+        "dangling-policy-ref",
+        "unknown-section-field",
+        "producer-not-configured",
+        "index-settings-twice",
+        "bad-producer-parameter",
+        "api-version",
         "dotted-path-missing",
         "not-a-plugin",
         "not-yaml",
@@ -306,7 +368,7 @@ def test_check_config_prints_the_pipeline_or_the_errors(tmp_path: Path) -> None:
     )
     assert "  background         metrics-data-source" in ok.stdout
     assert "  queue-scorer         scorer; reads queue_depth" in ok.stdout
-    bad = write(tmp_path, "plugins:\n- type: queue-scorer\n")
+    bad = write(tmp_path, "plugins:\n- type: queue-scorer\ndataLayer: {injectDefaults: false}\n")
     refused = subprocess.run(
         [sys.executable, "-m", "lwepp", "--check-config", str(bad)],
         capture_output=True,
@@ -373,3 +435,25 @@ def test_lwepp_refuses_a_bad_configuration_at_start(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "picker.yaml:4: plugin 'nope' (nope): type: unknown" in result.stderr
+
+
+def test_the_router_s_deprecated_filter_names_load_with_a_warning(tmp_path: Path) -> None:
+    """``by-label-selector`` is label-selector-filter (the router's alias, deprecated in v0.9);
+    both it and ``by-label`` load, each with a warning naming what replaces it."""
+    config = load(
+        tmp_path,
+        """
+        plugins:
+        - type: by-label-selector
+          parameters: {matchLabels: {tier: gold}}
+        - type: by-label
+          parameters: {label: llm-d.ai/role, validValues: [decode]}
+        """,
+    )
+    filters = config.pipeline().filters
+    assert [type(f).__name__ for f in filters] == ["LabelSelectorFilter", "ByLabelFilter"]
+    assert [w.split(": ", 1)[1] for w in config.warnings] == [
+        "plugin 'by-label-selector' (by-label-selector): type: deprecated: use label-selector-filter",
+        "plugin 'by-label' (by-label): type: deprecated: use label-selector-filter, or "
+        "decode-filter/prefill-filter/encode-filter",
+    ]

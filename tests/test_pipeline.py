@@ -38,7 +38,7 @@ class Capture:
 
 def errors(registry: CollectorRegistry, plugin: str, stage: str) -> float:
     value = registry.get_sample_value(
-        "lwepp_plugin_errors_total", {"plugin": plugin, "stage": stage}
+        "llm_d_epp_plugin_errors_total", {"plugin": plugin, "stage": stage}
     )
     return value or 0.0
 

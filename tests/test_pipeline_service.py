@@ -342,7 +342,7 @@ def test_a_failing_response_hook_is_skipped_and_counted() -> None:
     run(scenario)
     assert ("ok", "response_complete", (C, None)) in log
     sample = {"plugin": "bad", "stage": "response_headers"}
-    assert registry.get_sample_value("lwepp_plugin_errors_total", sample) == 1
+    assert registry.get_sample_value("llm_d_epp_plugin_errors_total", sample) == 1
 
 
 # --- failures, the body, fallback lists ----------------------------------------------
@@ -362,7 +362,7 @@ def test_a_failing_scorer_still_routes_the_request_round_robin() -> None:
 
     run(scenario)
     sample = {"plugin": "s", "stage": "score"}
-    assert registry.get_sample_value("lwepp_plugin_errors_total", sample) == 3
+    assert registry.get_sample_value("llm_d_epp_plugin_errors_total", sample) == 3
     kept = json.loads(decisions.render())
     assert kept[0] == {"request": "r-1", "picked": [B], "fallback": "score s: Boom: s is broken"}
 

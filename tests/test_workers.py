@@ -42,6 +42,7 @@ def _start(module: str, *args: str, workers: int = 2) -> tuple[subprocess.Popen[
         [
             *(sys.executable, "-m", module, *args, "--workers", str(workers)),
             *("--grpc-port=0", "--grpc-health-port=0", "--metrics-port=0", "--grace=2"),
+            "--secure-serving=false",
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -50,9 +51,11 @@ def _start(module: str, *args: str, workers: int = 2) -> tuple[subprocess.Popen[
     listening: list[Any] = []
     for line in process.stderr:
         event = orjson.loads(line)
+        if event["event"] == "serving metrics":
+            listening.append(event)  # the supervisor's, first
         if event["event"] == "listening":
             listening.append(event)
-            if len(listening) == workers:
+            if len(listening) == workers + 1:
                 return process, listening
     raise AssertionError(f"{module} exited with {process.wait()} before {workers} workers listened")
 
@@ -71,11 +74,11 @@ def started() -> Iterator[list[subprocess.Popen[str]]]:
 
 
 def _counter(port: int, name: str) -> float:
+    """The sum of every series of ``name`` on a metrics page."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
-        for line in page.read().decode().splitlines():
-            if line.startswith(f"{name} "):
-                return float(line.split()[1])
-    return 0.0
+        lines = page.read().decode().splitlines()
+    series = [line for line in lines if line.split("{")[0].split(" ")[0] == name]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in series)
 
 
 def _gone(pid: int) -> bool:
@@ -93,10 +96,10 @@ def _wait_gone(pids: list[int], limit: float = 15.0) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("module", "args", "counter"),
+    ("module", "args", "counter", "info"),
     [
-        ("lwepp", ["--pods", "{pods}"], "lwepp_requests_total"),
-        ("bbr", [], "bbr_requests_total"),
+        ("lwepp", ["--pods", "{pods}"], "llm_d_epp_request_total", "llm_d_epp_info"),
+        ("bbr", [], "bbr_requests_total", "bbr_info"),
     ],
     ids=["lwepp", "bbr"],
 )
@@ -106,25 +109,28 @@ def test_every_worker_serves_the_shared_port_and_all_stop_on_sigterm(
     module: str,
     args: list[str],
     counter: str,
+    info: str,
 ) -> None:
-    """Two workers share one ext_proc port; streams over many connections reach both
-    (each counts its own on its own metrics port); SIGTERM stops the supervisor and both."""
+    """Two workers share one ext_proc port; streams over many connections reach both (each
+    counts its own); the supervisor's one metrics port serves their sum; SIGTERM stops all."""
     pods = tmp_path / "pods.yaml"
     pods.write_text(PODS)
-    process, listening = _start(module, *(a.format(pods=pods) for a in args))
+    process, [supervisor, *listening] = _start(module, *(a.format(pods=pods) for a in args))
     started.append(process)
     assert len({w["grpc_port"] for w in listening}) == 1
     assert len({w["health_port"] for w in listening}) == 1
-    assert len({w["metrics_port"] for w in listening}) == 2
     assert sorted(w["worker"] for w in listening) == ["0/2", "1/2"]
     pids = [int(w["pid"]) for w in listening]
     assert process.pid not in pids
+    assert int(supervisor["pid"]) == process.pid
     # 32 connections: Linux spreads connections over the workers by hash; all 32 on one
     # worker has a chance of 2 in 2**32.
     asyncio.run(drive(listening[0]["grpc_port"], 64, concurrency=32, connections=32))
     served = [_counter(w["metrics_port"], counter) for w in listening]
     assert all(n > 0 for n in served), served
     assert sum(served) == 64
+    assert _counter(supervisor["metrics_port"], counter) == 64  # one page, every worker's
+    assert _counter(supervisor["metrics_port"], info) == 1  # a gauge: the live workers' max
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=20) == 0
     assert all(_gone(pid) for pid in pids)
@@ -135,7 +141,7 @@ def test_killed_supervisor_takes_its_workers_down(
 ) -> None:
     """A supervisor killed outright (SIGKILL) cannot pass the signal on: the kernel
     sends its workers SIGTERM instead (PR_SET_PDEATHSIG), so none keeps the port."""
-    process, listening = _start("bbr")
+    process, [_, *listening] = _start("bbr")
     started.append(process)
     process.kill()
     process.wait()
@@ -147,7 +153,7 @@ def test_a_worker_that_dies_stops_the_others(
 ) -> None:
     """Should one worker exit, the supervisor stops the rest and exits 1: a replica on
     fewer cores than asked is restarted whole rather than left limping."""
-    process, listening = _start("bbr")
+    process, [_, *listening] = _start("bbr")
     started.append(process)
     os.kill(int(listening[0]["pid"]), signal.SIGKILL)
     assert process.wait(timeout=20) == 1

@@ -32,7 +32,9 @@ Engines built in (the llm-d router's names and metrics, plus llama.cpp)::
                          and no KV gauge: kv_cache_usage is never written (unknown, not 0)
 
 Parameters (the llm-d router splits them between ``metrics-data-source`` and
-``core-metrics-extractor``; here one plugin does both):
+``core-metrics-extractor``; here one plugin does both, and a configuration that
+lists a ``core-metrics-extractor`` hands it the extractor's: ``engineLabelKey``,
+``defaultEngine``, ``engineConfigs``):
 
 - ``scheme`` (``http``), ``path`` (``/metrics``), ``insecureSkipVerify`` (true);
 - ``refreshIntervalSeconds`` (0.1; the router's default is 0.05 s: twice as long
@@ -215,16 +217,14 @@ class MetricsDataSource(polling.HttpSource):
 
     def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         super().__init__(name, params)
-        self.engines = dict(BUILTIN_ENGINES)
-        for index, raw in enumerate(params.get("engineConfigs", list, [])):
-            mapping = _engine_config(params, index, raw)
-            self.engines[mapping.name] = (
-                mapping  # replaces a built-in engine of the same name whole
-            )
-        self.default_engine = params.get("defaultEngine", str, "vllm")
-        if self.default_engine not in self.engines:
-            raise params.error("defaultEngine", f"no engine named {self.default_engine!r}")
-        self.engine_label = params.get("engineLabelKey", str, ENGINE_LABEL)
+        self.own_settings = [key for key in ENGINE_PARAMETERS if key in params]
+        """The extractor parameters set on the source itself (then no extractor may set them)."""
+        self.use(Engines.read(params))
+
+    def use(self, engines: Engines) -> None:
+        """Read pages with ``engines`` (a ``core-metrics-extractor``'s, when one is configured)."""
+        self.engines, self.default_engine = engines.mappings, engines.default
+        self.engine_label = engines.label_key
         self._names = {key: m.metric_names for key, m in self.engines.items()}
 
     def engine_of(self, endpoint: Endpoint) -> EngineMapping:
@@ -242,6 +242,42 @@ class MetricsDataSource(polling.HttpSource):
         self, endpoint: Endpoint, response: aiohttp.ClientResponse
     ) -> dict[str, float | frozenset[str]]:
         return self.read(endpoint, await response.text())
+
+
+ENGINE_PARAMETERS: Final = ("engineLabelKey", "defaultEngine", "engineConfigs")
+
+
+@dataclass(frozen=True, slots=True)
+class Engines:
+    """Which metrics each engine publishes, the default engine, and the label naming it."""
+
+    mappings: Mapping[str, EngineMapping]
+    default: str = "vllm"
+    label_key: str = ENGINE_LABEL
+
+    @classmethod
+    def read(cls, params: Params) -> Engines:
+        mappings = dict(BUILTIN_ENGINES)
+        for index, raw in enumerate(params.get("engineConfigs", list, [])):
+            mapping = _engine_config(params, index, raw)
+            mappings[mapping.name] = mapping  # replaces a built-in engine of the same name whole
+        default = params.get("defaultEngine", str, "vllm")
+        if default not in mappings:
+            raise params.error("defaultEngine", f"no engine named {default!r}")
+        return cls(mappings, default, params.get("engineLabelKey", str, ENGINE_LABEL))
+
+
+class CoreMetricsExtractor:
+    """The router's ``core-metrics-extractor``: here, engine mappings for a metrics source.
+
+    It plays no role of its own: the configuration hands its ``Engines`` to the
+    ``metrics-data-source`` that ``dataLayer.sources`` pairs it with, or to the
+    only one (``lwepp.config``).
+    """
+
+    def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
+        self.name = name
+        self.engines = Engines.read(params)
 
 
 GAUGE_SPECS: Final = {

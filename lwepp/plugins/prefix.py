@@ -24,7 +24,10 @@ their JSON. A body without a model, not JSON, or with no such field gets no
 hashes. The JSON is this service's (orjson), not byte-identical to the
 router's Go encoding: the index is local, so only self-consistency matters.
 
-Parameters (the router's names and defaults):
+Parameters (the router's names and defaults). The index's, which the router
+gives its ``approx-prefix-cache-producer`` (a configuration may list one, and
+the scorer that names it in ``prefixMatchInfoProducerName`` takes them from
+it; or set them on the scorer, as older router versions did):
 
 - ``autoTune`` (true): take the block size from the candidates'
   ``cache_block_size`` and each endpoint's LRU capacity from its
@@ -34,6 +37,15 @@ Parameters (the router's names and defaults):
   (0 disables matching); ``maxPrefixTokensToMatch`` (0 = unset) overrides it
   as ``tokens // blockSizeTokens``;
 - ``lruCapacityPerServer`` (31250): hashes remembered per endpoint otherwise.
+
+The scorer's own (router v0.10):
+
+- ``prefixMatchInfoProducerName``: the producer whose index settings apply
+  (default ``approx-prefix-cache-producer``: the one of that name if listed,
+  else the defaults);
+- ``matchLengthWeight`` (0, at most 1) and ``matchLengthScaleTokens`` (8192):
+  the score becomes ``w × min(1, matched tokens / scale)² + (1 − w) × ratio``,
+  so a long match counts for more than a short one of the same ratio.
 
 Endpoints are keyed by ``ip:port`` (a data-parallel pod runs one cache per
 port). Endpoints that left are forgotten: every 120 s (on the pipeline's
@@ -94,25 +106,81 @@ class Prepared:
     learned: str | None = None
 
 
+INDEX_PARAMETERS: Final = (
+    "autoTune",
+    "blockSizeTokens",
+    "maxPrefixBlocksToMatch",
+    "maxPrefixTokensToMatch",
+    "lruCapacityPerServer",
+)
+DEFAULT_PRODUCER: Final = "approx-prefix-cache-producer"
+
+
+@dataclass(frozen=True, slots=True)
+class IndexSettings:
+    """How prompts are cut into blocks and how many each endpoint's index remembers."""
+
+    auto_tune: bool = True
+    block_tokens: int = 16
+    max_blocks: int = 256
+    max_tokens: int = 0
+    lru_capacity: int = 31250
+
+    @classmethod
+    def read(cls, params: Params) -> IndexSettings:
+        auto_tune = params.get("autoTune", bool, True)
+        # 0 is allowed with autoTune only: then the engines' reported block size is the only one.
+        return cls(
+            auto_tune,
+            params.get("blockSizeTokens", int, 16, at_least=0 if auto_tune else 1),
+            params.get("maxPrefixBlocksToMatch", int, 256, at_least=0),
+            params.get("maxPrefixTokensToMatch", int, 0, at_least=0),
+            params.get("lruCapacityPerServer", int, 31250, at_least=1),
+        )
+
+
+class ApproxPrefixCacheProducer:
+    """The router's ``approx-prefix-cache-producer``: here, settings for the scorers that name it.
+
+    It plays no role of its own: the configuration hands its settings to each
+    ``prefix-cache-scorer`` whose ``prefixMatchInfoProducerName`` is its name
+    (``lwepp.config``).
+    """
+
+    def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
+        self.name = name
+        self.settings = IndexSettings.read(params)
+
+
 class PrefixCacheScorer:
     needs_body = True
 
     def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         self.name = name
-        self.auto_tune = params.get("autoTune", bool, True)
-        # 0 is allowed with autoTune only: then the engines' reported block size is the only one.
-        least = 0 if self.auto_tune else 1
-        self.block_tokens = params.get("blockSizeTokens", int, 16, at_least=least)
-        self.max_blocks = params.get("maxPrefixBlocksToMatch", int, 256, at_least=0)
-        self.max_tokens = params.get("maxPrefixTokensToMatch", int, 0, at_least=0)
-        self.lru_capacity = params.get("lruCapacityPerServer", int, 31250, at_least=1)
+        self.own_settings = [key for key in INDEX_PARAMETERS if key in params]
+        """The index parameters set on the scorer itself (then no producer may set them)."""
+        self.producer = params.get("prefixMatchInfoProducerName", str, "") or DEFAULT_PRODUCER
+        self.length_weight = params.get("matchLengthWeight", float, 0.0, at_least=0)
+        if self.length_weight > 1:
+            raise params.error("matchLengthWeight", "must be at most 1")
+        self.length_scale = params.get("matchLengthScaleTokens", int, 8192)
+        if self.length_weight > 0 and self.length_scale <= 0:
+            raise params.error("matchLengthScaleTokens", "must be > 0 with a matchLengthWeight")
+        self.use(IndexSettings.read(params))
         self.index = PrefixIndex()
         self._key = f"{name}.prompt"
+        self._seen: set[str] = set()
+        self._swept: float | None = None
+
+    def use(self, settings: IndexSettings) -> None:
+        """Index with ``settings`` (the producer's, when the configuration names one)."""
+        self.settings = settings
+        self.auto_tune, self.block_tokens = settings.auto_tune, settings.block_tokens
+        self.max_blocks, self.max_tokens = settings.max_blocks, settings.max_tokens
+        self.lru_capacity = settings.lru_capacity
         # The block size prompts are hashed with before candidates are known:
         # the last one the candidates reported (they rarely change).
         self._tuned_tokens = self.block_tokens
-        self._seen: set[str] = set()
-        self._swept: float | None = None
 
     # --- prepare ---------------------------------------------------------------
 
@@ -155,7 +223,12 @@ class PrefixCacheScorer:
         if not total:
             return [0.0] * len(keys)
         matched = self.index.match(prepared.hashes, keys)
-        return [matched[key] / total for key in keys]
+        ratios = [matched[key] / total for key in keys]
+        if self.length_weight == 0:
+            return ratios
+        w, scale = self.length_weight, self.length_scale
+        lengths = [min(1.0, matched[key] * prepared.block_tokens / scale) ** 2 for key in keys]
+        return [w * length + (1 - w) * ratio for length, ratio in zip(lengths, ratios, strict=True)]
 
     @staticmethod
     def _reported(candidates: Sequence[Candidate], attribute: str) -> int:

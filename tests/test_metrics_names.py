@@ -1,0 +1,201 @@
+"""The services' metrics under the originals' names, and the dashboard that reads them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from bbr.plugins import DEFAULT_PLUGINS
+from bbr.server import BodyBasedRouter
+from lwepp.config import load_config
+from lwepp.contracts import Measurement
+from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, PickRequest, Pool
+from lwepp.pipeline import Pipeline
+from lwepp.server import EndpointPickerService, PickerMetrics
+from pods.model import Endpoint
+from protos.testing import (
+    ExtProcClient,
+    request_body,
+    request_headers,
+    response_headers,
+    running,
+)
+from tests.fakes import StaticPods, pod
+
+ROOT = Path(__file__).parent.parent
+DASHBOARD = ROOT / "manifests" / "components" / "monitoring" / "switchyard-dashboard.json"
+CONFIG = ROOT / "manifests" / "components" / "picker-config" / "epp-config.yaml"
+PODS = (pod("p0", "10.0.0.1", 8000, pool="a"), pod("p1", "10.0.0.2", 8000, pool="a"))
+BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hello"}]}'
+
+
+def fail(*_args: object) -> list[float]:
+    raise RuntimeError("a scorer failing")
+
+
+def exported() -> dict[str, set[str]]:
+    """Every series a picker (with the mounted configuration) and BBR export after a few requests
+    that succeed and fail, and the labels each carries."""
+    picker_registry, bbr_registry = CollectorRegistry(), CollectorRegistry()
+
+    async def traffic() -> None:
+        pipeline = load_config(CONFIG).pipeline(registry=picker_registry, pool="a")
+        pool = Pool(StaticPods(*PODS), {"pool": "a"})
+        metrics = PickerMetrics(picker_registry, "a", "ns")
+        picker = EndpointPickerService(pool, pipeline, metrics)
+        router = BodyBasedRouter(bbr_registry, DEFAULT_PLUGINS)
+        async with running("lwepp", picker) as lwepp, running("bbr", router) as bbr:
+            async with ExtProcClient(f"127.0.0.1:{lwepp.grpc}") as client:
+                headers = {":path": "/v1/chat/completions", "x-gateway-model-name": "m"}
+                await client.exchange(
+                    [request_headers(headers), request_body(BODY), response_headers({})]
+                )
+                nowhere = {SUBSET_NAMESPACE: {SUBSET_KEY: ["10.9.9.9"]}}
+                await client.exchange([request_headers(headers, metadata=nowhere)])
+                scorer = pipeline.scorers[0][0]  # a scorer that fails once: counted
+                scorer.score = fail  # type: ignore[method-assign,assignment]
+                await client.exchange([request_headers(headers), request_body(BODY)])
+            async with ExtProcClient(f"127.0.0.1:{bbr.grpc}") as client:
+                for body in (BODY, b'{"prompt": "no model"}', b"not json"):
+                    await client.exchange([request_headers({}), request_body(body)])
+        metrics.refresh(pool.endpoints)
+        pipeline.refresh_metrics(pool.endpoints)
+
+    asyncio.run(traffic())
+    series: dict[str, set[str]] = {}
+    for registry in (picker_registry, bbr_registry):
+        for family in registry.collect():
+            for sample in family.samples:
+                series.setdefault(sample.name, set()).update(sample.labels)
+    return series
+
+
+def queries() -> Iterator[str]:
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        for target in panel["targets"]:
+            yield target["expr"]
+
+
+def test_every_series_the_dashboard_queries_is_exported_with_its_labels() -> None:
+    """Each metric a panel reads exists, and each label it groups or filters by is on it
+    (``namespace`` comes from Prometheus's scrape, ``le`` from the histogram)."""
+    series = exported()
+    checked = 0
+    for expr in queries():
+        names = set(re.findall(r"\b((?:llm_d_epp|bbr)_[a-z_]+)\b", expr))
+        assert names, expr
+        grouped = {
+            label.strip()
+            for group in re.findall(r"by \(([^)]*)\)", expr)
+            for label in group.split(",")
+        }
+        filtered = set(re.findall(r"([a-z_]+)=~?\"", expr))
+        for name in names:
+            assert name in series, f"{name} (in {expr}) is not exported"
+            missing = (grouped | filtered) - series[name] - {"namespace", "le"}
+            assert not missing, f"{name} has no label {missing} (in {expr})"
+            checked += 1
+    assert checked >= 15
+
+
+def test_the_picker_exports_the_router_s_families_with_its_labels() -> None:
+    """The names and label sets of llm-d-router v0.10 (docs/metrics.md)."""
+    series = exported()
+    expected = {
+        "llm_d_epp_request_total": {"model_name", "target_model_name", "fairness_id", "priority"},
+        "llm_d_epp_request_error_total": {
+            *("model_name", "target_model_name", "fairness_id", "priority", "error_code"),
+        },
+        "llm_d_epp_scheduler_attempts_total": {
+            *("status", "target_model_name", "endpoint_name", "namespace", "port"),
+        },
+        "llm_d_epp_ready_endpoints": {"name"},
+        "llm_d_epp_plugin_duration_seconds_bucket": {
+            *("extension_point", "plugin_type", "plugin_name", "le"),
+        },
+        "llm_d_epp_average_kv_cache_utilization": {"name"},
+        "llm_d_epp_average_queue_size": {"name"},
+        "llm_d_epp_average_running_requests": {"name"},
+        "llm_d_epp_info": {"commit", "build_ref"},
+        "bbr_info": {"commit", "build_ref"},
+        "bbr_success_total": set(),
+        "bbr_body_field_not_found_total": {"field"},
+    }
+    for name, labels in expected.items():
+        assert series.get(name) == labels, name
+
+
+def endpoint(name: str) -> Endpoint:
+    return Endpoint(name, f"10.0.0.{name[-1]}", 8000)
+
+
+def test_pool_gauges_are_the_mean_and_spread_of_fresh_measurements() -> None:
+    """Means and population standard deviations over the endpoints measured within 2 s;
+    a stale or missing measurement is left out; no fresh one at all reports 0."""
+    registry, now = CollectorRegistry(), [100.0]
+    pipeline = Pipeline(registry=registry, clock=lambda: now[0], pool="a")
+    for name, kv, queue, at in [("e1", 0.2, 1, 99.5), ("e2", 0.6, 3, 99.0), ("e3", 0.9, 9, 90.0)]:
+        pipeline.store.write(
+            f"10.0.0.{name[-1]}:8000",
+            {"kv_cache_usage": Measurement(kv, at), "queue_depth": Measurement(queue, at)},
+        )
+    pipeline.refresh_metrics([endpoint("e1"), endpoint("e2"), endpoint("e3")])
+
+    def gauge(name: str) -> float:
+        value = registry.get_sample_value(f"llm_d_epp_{name}", {"name": "a"})
+        assert value is not None
+        return value
+
+    assert math.isclose(gauge("average_kv_cache_utilization"), 0.4)
+    assert math.isclose(gauge("std_dev_kv_cache_utilization"), 0.2)
+    assert math.isclose(gauge("average_queue_size"), 2.0)
+    assert gauge("average_running_requests") == 0.0  # nobody measured it
+    now[0] = 1000.0
+    pipeline.refresh_metrics([endpoint("e1")])
+    assert gauge("average_kv_cache_utilization") == 0.0
+
+
+def test_each_plugin_call_is_timed_under_the_router_s_extension_point_and_type() -> None:
+    """One pick through the mounted configuration: each scorer's and the picker's call is
+    observed once, under the router's extension-point names and the configured types."""
+    registry = CollectorRegistry()
+    pipeline = load_config(CONFIG).pipeline(registry=registry, pool="a")
+    pipeline.pick(PickRequest((), BODY), [endpoint("e1"), endpoint("e2")])
+    counts = {
+        (s.labels["extension_point"], s.labels["plugin_type"]): s.value
+        for family in registry.collect()
+        if family.name == "llm_d_epp_plugin_duration_seconds"
+        for s in family.samples
+        if s.name.endswith("_count")
+    }
+    assert counts == {
+        ("DataProducer", "prefix-cache-scorer"): 1,
+        ("Scorer", "queue-scorer"): 1,
+        ("Scorer", "kv-cache-utilization-scorer"): 1,
+        ("Scorer", "prefix-cache-scorer"): 1,
+        ("Picker", "MaxScorePicker"): 1,
+        ("PreRequest", "prefix-cache-scorer"): 1,
+        ("ResponseComplete", "prefix-cache-scorer"): 0,
+    }
+
+
+def test_client_chosen_label_values_are_capped_as_the_router_caps_them() -> None:
+    """Model names and fairness ids come from requests: past the 1,000th distinct value of
+    each, a new one is counted as ``other`` (known ones keep their own series)."""
+    metrics = PickerMetrics(CollectorRegistry())
+    for i in range(PickerMetrics.CAP):
+        assert metrics.bounded("model", f"m{i}") == f"m{i}"
+    assert metrics.bounded("model", "one-too-many") == "other"
+    assert metrics.bounded("model", "m7") == "m7"
+    assert metrics.bounded("fairness", "tenant-a") == "tenant-a"  # each kind has its own cap
+    labels = metrics.labels(
+        [("x-gateway-model-name", "m1"), ("x-llm-d-inference-fairness-id", "t")]
+    )
+    assert labels == ("m1", "m1", "t", "0")
+    assert metrics.labels([])[2] == "default-flow"

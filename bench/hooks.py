@@ -32,9 +32,10 @@ from prometheus_client import CollectorRegistry
 
 from bench.streams import HEADERS, measure
 from lwepp.contracts import Candidate, LLMRequest
+from lwepp.metrics import PickerMetrics
 from lwepp.picking import Pool, RoundRobin, Strategy
 from lwepp.pipeline import EXPLAIN_HEADER, Pipeline
-from lwepp.server import EndpointPickerService, PickerMetrics, PickState
+from lwepp.server import EndpointPickerService, PickState
 from pods.model import Endpoint, Pod, StaticSource
 from protos.extproc import ProcessingResponse
 

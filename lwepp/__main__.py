@@ -25,9 +25,10 @@ from prometheus_client import CollectorRegistry
 
 from lwepp import config as picker_config
 from lwepp.leader import LeaderElector, LeaseTimings
+from lwepp.metrics import PickerMetrics
 from lwepp.picking import Pool, RoundRobin, Strategy
 from lwepp.pipeline import DecisionLog, Pipeline
-from lwepp.server import EndpointPickerService, PickerMetrics
+from lwepp.server import EndpointPickerService
 from pods.file import FileSource, PodFileError, load_pods
 from pods.kubeapi import KubeconfigError, load_kubeconfig
 from pods.kubernetes import DEFAULT_GROUP, InferencePoolSource

@@ -488,7 +488,7 @@ class Pipeline:
     ) -> list[Callable[[], Coroutine[Any, Any, None]]]:
         """The data sources' tasks, for ``protos.server.serve`` to run (each restarted on failure).
 
-        A source that fails is counted as ``lwepp_plugin_errors_total{stage="source"}``.
+        A source that fails is counted as ``llm_d_epp_plugin_errors_total{stage="source"}``.
         """
 
         def failed(source: str, error: BaseException) -> None:

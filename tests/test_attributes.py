@@ -12,10 +12,11 @@ from prometheus_client import CollectorRegistry
 from lwepp.attributes import AttributeStore, keep_running
 from lwepp.config import load_config
 from lwepp.contracts import Measurement
+from lwepp.metrics import PickerMetrics
 from lwepp.picking import Pool
 from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER
 from lwepp.plugins import REGISTRY
-from lwepp.server import EndpointPickerService, PickerMetrics
+from lwepp.server import EndpointPickerService
 from pods.model import Endpoint
 from protos.testing import ExtProcClient, request_headers, response_headers, running, set_headers
 from tests.fakes import StaticPods, pod

@@ -89,13 +89,14 @@ def runtime(gateway: Topology, service: str) -> dict[str, Any]:
 
 
 def counter(gateway: Topology, service: str, name: str) -> float:
-    """A counter's value on a service's ``/metrics``."""
+    """A counter's value on a service's ``/metrics``, summed over its label values."""
     port = gateway.services[service].listening["metrics_port"]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
-        for line in page.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise AssertionError(f"{name} not on {service}'s /metrics")
+        lines = page.read().decode().splitlines()
+    samples = [line for line in lines if line.startswith((name + " ", name + "{"))]
+    if not samples and f"# TYPE {name} counter" not in lines:
+        raise AssertionError(f"{name} not on {service}'s /metrics")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in samples)
 
 
 def tasks(before: dict[str, int], after: dict[str, int]) -> str:
@@ -325,11 +326,11 @@ def test_a_client_that_hangs_up_mid_stream_leaves_nothing_behind(gateway: Topolo
     names = ["bbr", "lwepp-a"]
     baseline = {name: runtime(gateway, name)["asyncio_tasks"] for name in names}
     body = json.dumps(good(max_tokens=400, stream=True)).encode()
-    streams = counter(gateway, "lwepp-a", "lwepp_requests_total")
+    streams = counter(gateway, "lwepp-a", "llm_d_epp_request_total")
     for _ in range(10):
         read_then_hang_up(gateway.port, PATH, body)
     after = settles(gateway, baseline)
-    assert counter(gateway, "lwepp-a", "lwepp_requests_total") - streams == 10
+    assert counter(gateway, "lwepp-a", "llm_d_epp_request_total") - streams == 10
     assert all(after[n] <= baseline[n] for n in names), (baseline, after)
     assert served_by(gateway, ask(gateway, good()), "a")
     record(

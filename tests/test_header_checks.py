@@ -15,9 +15,10 @@ from prometheus_client import CollectorRegistry
 from bbr.plugins import DEFAULT_PLUGINS, PLUGINS, PluginSpec
 from bbr.server import BodyBasedRouter
 from lwepp.__main__ import build_parser
+from lwepp.metrics import PickerMetrics
 from lwepp.picking import Pool, RoundRobin
 from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER, Pipeline, header_json
-from lwepp.server import EndpointPickerService, PickerMetrics
+from lwepp.server import EndpointPickerService
 from plugin import ConfigError, Params
 from protos.exchange import (
     HEADER_VALUE_LIMIT,
@@ -335,14 +336,14 @@ def test_a_response_hook_adding_a_bad_value_is_skipped_and_counted() -> None:
     assert "x-note" not in added
     assert DECISION_HEADER in added
     count = registry.get_sample_value(
-        "lwepp_plugin_errors_total", {"plugin": "bad", "stage": "response_headers"}
+        "llm_d_epp_plugin_errors_total", {"plugin": "bad", "stage": "response_headers"}
     )
     assert count == 1
 
 
 def test_the_manifests_pickers_ignore_the_test_header() -> None:
     """In production (the Kubernetes manifests) no client may choose its replica."""
-    documents = yaml.safe_load_all((ROOT / "manifests" / "lwepp.yaml").read_text())
+    documents = yaml.safe_load_all((ROOT / "manifests" / "base" / "lwepp.yaml").read_text())
     pickers = [d for d in documents if d and d["kind"] == "Deployment"]
     assert pickers
     for picker in pickers:

@@ -15,8 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from lwepp.__main__ import HEALTH_SERVICES
+from lwepp.metrics import PickerMetrics
 from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, Pool, RoundRobin
-from lwepp.server import EndpointPickerService, PickerMetrics
+from lwepp.server import EndpointPickerService
 from protos.extproc import BodyMode, ProcessingResponse
 from protos.server import Health
 from protos.testing import (

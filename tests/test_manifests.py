@@ -145,12 +145,14 @@ ENVOY_GATEWAY = BASE | {
     ("HTTPRouteFilter", "no-model"),
     ("HTTPRoute", "models"),
     ("HTTPRouteFilter", "models"),
-    ("HTTPRouteFilter", "model-llama-3-8b"),
-    ("HTTPRouteFilter", "model-mistral-7b"),
+    ("HTTPRouteFilter", "models-llama-3-8b"),
+    ("HTTPRouteFilter", "models-mistral-7b"),
+    ("HTTPRouteFilter", "model-not-found"),
 }
 ISTIO = BASE | {
     ("Gateway", "inference-gateway"),
     ("EnvoyFilter", "bbr"),
+    ("EnvoyFilter", "models"),
     ("DestinationRule", "bbr"),
     ("DestinationRule", "lwepp-llama"),
     ("DestinationRule", "lwepp-mistral"),

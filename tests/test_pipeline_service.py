@@ -14,10 +14,11 @@ from google.protobuf import json_format
 from prometheus_client import CollectorRegistry
 
 from lwepp.contracts import Usage
+from lwepp.metrics import PickerMetrics
 from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, Pool, RoundRobin, Strategy
 from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER, DecisionLog, Pipeline
 from lwepp.plugins.pickers import MaxScorePicker
-from lwepp.server import EndpointPickerService, PickerMetrics
+from lwepp.server import EndpointPickerService
 from plugin import Params
 from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse
 from protos.server import Handler

@@ -50,6 +50,18 @@ HOST: Final = "127.0.0.1"
 STOP_TIMEOUT: Final = 15.0
 """SIGTERM, then SIGKILL after this long (pickers give open streams 10 s to finish)."""
 
+DEMO_PICKER_FLAGS: Final = (
+    "--enable-test-selection-header",  # pin a replica: curl -H 'test-epp-endpoint-selection: ip'
+    "--report-served-endpoint",  # each response names its replica
+    "--explain=header",  # x-switchyard-explain: 1 shows the decision (with --config)
+    "--enable-debug-pages",  # /debug/decisions, /debug/attributes, /debug/runtime
+)
+"""What the demo turns on in every picker so that there is something to see; all of it is
+off by default, since it lets a client choose or learn its replica (``docs/security.md``)."""
+
+DEMO_BBR_FLAGS: Final = ("--enable-debug-pages",)
+"""BBR's ``/debug/runtime``, for the soak run."""
+
 T = TypeVar("T")
 
 
@@ -303,7 +315,9 @@ class Topology(Processes):
     some pools' pickers, by pool name; ``bbr_args``: more flags for BBR.
     ``simulator``: False when the pods are servers already running (see the
     module docstring); ``on_server_change(pod, why)`` then hears each
-    readiness change (``why`` None: ready again).
+    readiness change (``why`` None: ready again). ``demo_flags``: start the
+    services with ``DEMO_PICKER_FLAGS`` and ``DEMO_BBR_FLAGS`` (False: with
+    their production defaults).
     """
 
     def __init__(
@@ -323,8 +337,10 @@ class Topology(Processes):
         bbr_args: Sequence[str] = (),
         simulator: bool = True,
         on_server_change: Callable[[Pod, str | None], None] | None = None,
+        demo_flags: bool = True,
     ) -> None:
         self.work_dir = work_dir
+        self._demo_flags = demo_flags
         self._picker_args = dict(picker_args or {})
         self._bbr_args = list(bbr_args)
         self.picker_config = picker_config.resolve() if picker_config else None
@@ -381,9 +397,10 @@ class Topology(Processes):
                 "lwepp",
                 *("--pods", pods, "--selector", f"pool={pool.name}"),
                 *(("--config", str(self.picker_config)) if self.picker_config else ()),
+                *(DEMO_PICKER_FLAGS if self._demo_flags else ()),
                 *self._picker_args.get(pool.name, ()),
             )
-        self._ext_proc("bbr", "bbr", *self._bbr_args)
+        self._ext_proc("bbr", "bbr", *(DEMO_BBR_FLAGS if self._demo_flags else ()), *self._bbr_args)
         # All started at once, so they come up in parallel; now wait for each.
         for service in self.services.values():
             service.listening = wait_for(

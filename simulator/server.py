@@ -13,7 +13,8 @@ the status line is written) with headers that let an end-to-end test see what
 reached which replica:
 
 - ``x-sim-pod: <pod name>`` and ``x-sim-endpoint: <ip:port>``;
-- ``x-sim-received-<name>: <value>`` for each request header ``x-gateway-*``
+- ``x-sim-received-<name>: <value>`` for each request header ``x-gateway-*`` or
+  ``x-conformance-*``
   (the model and destination headers a gateway adds);
 - the headers asked for by ``X-Echo-Set-Header: name:value,name:value``, as
   the Gateway API conformance echo server does.
@@ -196,7 +197,7 @@ class Replica:
         stamp += [
             (f"x-sim-received-{name.lower()}", value)
             for name, value in request_headers
-            if name.lower().startswith("x-gateway-")
+            if name.lower().startswith(("x-gateway-", "x-conformance-"))
         ]
         asked = [value for name, value in request_headers if name.lower() == "x-echo-set-header"]
         return stamp + list(echo_set_headers(asked).items())

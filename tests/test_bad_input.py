@@ -344,8 +344,9 @@ def test_a_client_that_hangs_up_mid_stream_leaves_nothing_behind(gateway: Topolo
 
 
 def test_the_test_selection_header_pins_a_replica_unless_turned_off(gateway: Topology) -> None:
-    """Honoured (pool a, GIE's default): a client chooses its replica within the pool, never
-    outside it. With --disable-test-selection-header (pool b) it changes nothing."""
+    """Honoured (pool a, enabled as GIE's lwepp and the demo do): a client chooses its replica
+    within the pool, never outside it. With --disable-test-selection-header (pool b) it changes
+    nothing."""
     a, b = gateway.pools
     chosen = a.endpoints[1]
     pinned = [
@@ -362,7 +363,7 @@ def test_the_test_selection_header_pins_a_replica_unless_turned_off(gateway: Top
     assert {answer.headers.get("x-sim-endpoint") for answer in ignored} == set(b.endpoints)
     record(
         "Bad input",
-        "`test-epp-endpoint-selection: <replica 2 of pool a>` (honoured: GIE's default)",
+        "`test-epp-endpoint-selection: <replica 2 of pool a>` (`--enable-test-selection-header`)",
         "**200** ×4, all from that replica: a client can choose its replica within the pool",
     )
     record(

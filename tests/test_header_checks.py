@@ -242,6 +242,7 @@ def lwepp_streams(
         strategy or RoundRobin(),
         PickerMetrics(CollectorRegistry()),
         test_selection=test_selection,
+        report_served=True,
     )
 
     async def go() -> list[list[ProcessingResponse]]:
@@ -296,11 +297,19 @@ def test_test_selection_header_can_be_turned_off(honoured: bool, allowed: set[st
     assert picked == (allowed or {"10.0.0.1:3000", "10.0.0.2:3000"})
 
 
-def test_the_flag_turns_the_test_header_off() -> None:
-    """``--disable-test-selection-header`` reaches the service's switch."""
-    args = build_parser().parse_args(["--pods", "p.yaml", "--disable-test-selection-header"])
-    assert args.disable_test_selection_header is True
-    assert build_parser().parse_args(["--pods", "p.yaml"]).disable_test_selection_header is False
+@pytest.mark.parametrize(
+    ("flags", "honoured"),
+    [
+        ([], False),
+        (["--enable-test-selection-header"], True),
+        (["--disable-test-selection-header"], False),
+    ],
+    ids=["default", "enabled", "old-flag"],
+)
+def test_the_test_header_is_honoured_only_when_enabled(flags: list[str], honoured: bool) -> None:
+    """Off by default; ``--enable-test-selection-header`` turns it on; the old flag still parses."""
+    args = build_parser().parse_args(["--pods", "p.yaml", *flags])
+    assert args.test_selection is honoured
 
 
 def test_an_explanation_too_long_for_a_header_keeps_the_best_rows() -> None:
@@ -326,7 +335,7 @@ def test_a_response_hook_adding_a_bad_value_is_skipped_and_counted() -> None:
     """The hook's header is dropped (Envoy would fail the response); the failure is counted."""
     registry = CollectorRegistry()
     hook = RecordingHook("bad", [], add_headers={"x-note": "a\r\nb"})
-    pipeline = Pipeline([hook], registry=registry)
+    pipeline = Pipeline([hook], registry=registry, explain="header")
     replies = lwepp_talk(
         request_headers({**POST, EXPLAIN_HEADER: "1"}, end_of_stream=True),
         response_headers({":status": "200"}),
@@ -348,4 +357,5 @@ def test_the_manifests_pickers_ignore_the_test_header() -> None:
     assert pickers
     for picker in pickers:
         (container,) = picker["spec"]["template"]["spec"]["containers"]
-        assert "--disable-test-selection-header" in container["args"], picker["metadata"]["name"]
+        args = build_parser().parse_args(container["args"])
+        assert args.test_selection is False, picker["metadata"]["name"]

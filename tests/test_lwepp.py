@@ -49,8 +49,15 @@ async def picker(
 ) -> AsyncIterator[tuple[ExtProcClient, CollectorRegistry, StaticPods, int]]:
     source = StaticPods(*(pods or PODS), synced=synced)
     registry = CollectorRegistry()
+    # GIE's lwepp, whose behaviour these tests pin, honours the test header and
+    # reports the served endpoint on every request: both switches on.
     service = EndpointPickerService(
-        Pool(source, {"pool": "a"}), RoundRobin(), PickerMetrics(registry), max_body_bytes
+        Pool(source, {"pool": "a"}),
+        RoundRobin(),
+        PickerMetrics(registry),
+        max_body_bytes,
+        test_selection=True,
+        report_served=True,
     )
     health = Health(HEALTH_SERVICES, ready=lambda: source.synced)
     async with (

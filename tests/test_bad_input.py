@@ -2,8 +2,9 @@
 
 Each test is one row of the bad-input table in ``docs/reliability.md``
 (``tests.reliability.record``). Pool a is FailClose and honours GIE's
-``test-epp-endpoint-selection``; pool b is FailOpen, its picker started with
-``--disable-test-selection-header``.
+``test-epp-endpoint-selection`` (the demo's ``--enable-test-selection-header``);
+pool b is FailOpen, its picker started with ``--disable-test-selection-header``
+after it (the last of the two wins).
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ from demo.envoy import GATEWAY_ONLY_HEADERS
 from demo.topology import Topology
 from lwepp.__main__ import build_parser, explain_mode
 from lwepp.metrics import PickerMetrics
-from lwepp.picking import Pool, RoundRobin
+from lwepp.picking import Pool, RoundRobin, Strategy
+from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER, ExplainMode, Pipeline
 from lwepp.server import EndpointPickerService
 from pods.kubeapi import ClusterConfig
 from protos.cli import serving_problem
@@ -41,6 +42,7 @@ from tests.conftest import write_pod_file
 from tests.fake_kube import FakeKube, ThreadedFakeKube
 from tests.fakes import StaticPods, pod
 from tests.http_clients import Answer, http1
+from tests.plugin_fakes import FakeScorer
 from tests.processes import service
 
 POST = {":method": "POST", ":path": "/v1/completions", "x-request-id": "r-1"}
@@ -109,11 +111,13 @@ def test_metrics_auth_needs_a_single_process() -> None:
     assert "--metrics-endpoint-auth" in (serving_problem(args) or "")
 
 
-def picker_replies(**switches: bool) -> tuple[dict[str, str], dict[str, str]]:
-    """The headers a round-robin picker sets on a request and on its response."""
+def picker_replies(
+    strategy: Strategy | None = None, headers: dict[str, str] | None = None, **switches: bool
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The headers a picker (round-robin by default) sets on a request and on its response."""
     pool = Pool(StaticPods(pod("p0", "10.0.0.1", 3000)), {})
     picker = EndpointPickerService(
-        pool, RoundRobin(), PickerMetrics(CollectorRegistry()), **switches
+        pool, strategy or RoundRobin(), PickerMetrics(CollectorRegistry()), **switches
     )
 
     async def go() -> tuple[dict[str, str], dict[str, str]]:
@@ -123,7 +127,7 @@ def picker_replies(**switches: bool) -> tuple[dict[str, str], dict[str, str]]:
         ):
             request, response = await client.exchange(
                 [
-                    request_headers(POST, end_of_stream=True),
+                    request_headers({**POST, **(headers or {})}, end_of_stream=True),
                     response_headers({":status": "200"}, metadata=SERVED),
                 ]
             )
@@ -139,6 +143,15 @@ def test_by_default_no_response_names_its_replica() -> None:
     assert response == {}
 
 
+@pytest.mark.parametrize(("explain", "told"), [(None, False), ("header", True)])
+def test_a_pipeline_explains_only_when_built_to(explain: ExplainMode | None, told: bool) -> None:
+    """``x-switchyard-explain: 1`` is ignored by a pipeline built without ``explain``."""
+    options: dict[str, Any] = {} if explain is None else {"explain": explain}
+    pipeline = Pipeline([FakeScorer("s", {"10.0.0.1:3000": 1.0})], **options)
+    _request, response = picker_replies(pipeline, {EXPLAIN_HEADER: "1"})
+    assert (DECISION_HEADER in response) is told
+
+
 def test_the_served_endpoint_is_reported_when_enabled() -> None:
     """``report_served``: GIE's echo request and its two response headers."""
     request, response = picker_replies(report_served=True)
@@ -147,6 +160,21 @@ def test_the_served_endpoint_is_reported_when_enabled() -> None:
         "x-conformance-test-served-endpoint": "10.0.0.1:3000",
         "x-went-into-resp-headers": "true",
     }
+
+
+def test_traced_messages_hold_whole_requests(tmp_path: Path) -> None:
+    """``--trace-messages`` writes each message whole: headers such as Authorization too."""
+    pods, trace = tmp_path / "pods.yaml", tmp_path / "trace"
+    pods.write_text("pods:\n- {name: p0, address: 10.0.0.1, ports: [3000]}\n")
+    with service("lwepp", "--pods", str(pods), "--trace-messages", str(trace)) as (_, ports):
+
+        async def ask() -> None:
+            async with ExtProcClient(f"127.0.0.1:{ports['grpc_port']}") as client:
+                headers = {**POST, "authorization": "Bearer traced-secret"}
+                await client.exchange([request_headers(headers, end_of_stream=True)])
+
+        asyncio.run(ask())
+    assert "traced-secret" in trace.read_text()
 
 
 # --- the metrics port's guard -----------------------------------------------------------------

@@ -395,7 +395,8 @@ def test_the_demo_configuration_checks_out() -> None:
 
 
 def test_lwepp_runs_with_a_configuration_and_explains_on_request(tmp_path: Path) -> None:
-    """``python -m lwepp --config``: the pipeline picks, and the explain header says why."""
+    """``python -m lwepp --config --explain=header``: the pipeline picks, and the explain
+    header says why."""
     pods = tmp_path / "pods.yaml"
     pods.write_text(
         "pods:\n- {name: a, address: 127.0.0.1, ports: [18001]}\n"
@@ -416,7 +417,8 @@ def test_lwepp_runs_with_a_configuration_and_explains_on_request(tmp_path: Path)
                 ]
             )
 
-    with service("lwepp", "--pods", str(pods), "--config", str(config)) as (_, listening):
+    flags = ["--pods", str(pods), "--config", str(config), "--explain=header"]
+    with service("lwepp", *flags) as (_, listening):
         replies = asyncio.run(ask(listening["grpc_port"]))
     picked = dict(set_headers(replies[0]))["x-gateway-destination-endpoint"]
     assert picked == "127.0.0.1:18002,127.0.0.1:18001"

@@ -609,9 +609,14 @@ def used_by_metrics_auth() -> set[tuple[str, str, str]]:
     return asyncio.run(asyncio.wait_for(scenario(), 20))
 
 
-def test_the_pickers_guard_their_metrics_with_exactly_the_rbac_it_needs() -> None:
+def test_the_pickers_guard_their_metrics_with_exactly_the_rbac_it_needs(tmp_path: Path) -> None:
     """Every picker runs --metrics-endpoint-auth with the closed defaults; its account may
-    create the two reviews the guard makes, and nothing more cluster-wide."""
+    create the two reviews the guard makes, and nothing more cluster-wide; the monitoring
+    component's scrapes carry Prometheus' own token."""
+    monitored = with_components(tmp_path, "base", "components/monitoring")
+    (endpoint,) = one(monitored, "ServiceMonitor", "switchyard")["spec"]["endpoints"]
+    token = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    assert endpoint["bearerTokenFile"] == token
     base = built("base")
     for deployment in find(base, "Deployment"):
         if not deployment["metadata"]["name"].startswith("lwepp-"):

@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.codec import per_call_us
 from lwepp.contracts import Candidate, Filter, LLMRequest, Measurement, Scorer
 from lwepp.plugins import REGISTRY
+from lwepp.plugins.inflight import InFlightLoadProducer
 from lwepp.plugins.metrics_source import MetricsDataSource
 from lwepp.plugins.prefix import PrefixCacheScorer
 from lwepp.plugins.prefix_index import PrefixIndex, block_hashes, seed
@@ -130,6 +131,7 @@ def plugin_rows(measure: Measure) -> list[Row]:
     ):
         scorer: Scorer = build(kind)
         rows.append(Row(kind, measure(_scoring(scorer, plain, pool, now)), baseline))
+    rows += load_rows(measure, pool, now, baseline)
     selector: Filter = build(
         "label-selector-filter",
         matchLabels={"pool": "a"},
@@ -177,6 +179,56 @@ def plugin_rows(measure: Measure) -> list[Row]:
         Row(
             "prefix-cache-scorer prepare + score + picked",
             measure(whole_request),
+            baseline,
+        ),
+    ]
+    return rows
+
+
+def load_rows(measure: Measure, pool: list[Candidate], now: float, baseline: float) -> list[Row]:
+    """The request-path load plugins: the producer's whole life of a request, and the scorers
+    reading it (every candidate with requests and tokens in flight) or the scraped queue."""
+    producer = InFlightLoadProducer("inflight-load-producer")
+    body = FrozenDict(chat_body())
+    for i, candidate in enumerate(pool):  # i + 1 requests in flight on candidate i
+        for _ in range(i + 1):
+            producer.picked(LLMRequest("busy", {}, parsed=body), [candidate.endpoint])
+    loaded = LLMRequest("r", {}, model="sql")
+    producer.prepare(loaded)
+    no_hit = build("no-hit-lru-scorer")
+    for candidate in pool:  # every candidate in its LRU: the cold path's longest walk
+        no_hit.score(loaded, pool, now)
+        no_hit.picked(loaded, [candidate.endpoint])
+
+    def request_life() -> None:
+        request = LLMRequest("r", {}, model="sql", parsed=body)
+        producer.prepare(request)
+        producer.picked(request, [pool[3].endpoint])
+        producer.response_chunk(request, b"data: {}")
+        producer.response_complete(request, pool[3].endpoint.hostport, None)
+
+    rows = [
+        Row(
+            f"{kind} (requests and tokens in flight everywhere)",
+            measure(_scoring(build(kind), loaded, pool, now)),
+            baseline,
+        )
+        for kind in ("active-request-scorer", "token-load-scorer")
+    ]
+    rows += [
+        Row(
+            "load-aware-scorer",
+            measure(_scoring(build("load-aware-scorer"), loaded, pool, now)),
+            baseline,
+        ),
+        Row(
+            "no-hit-lru-scorer (cold request)",
+            measure(_scoring(no_hit, loaded, pool, now)),
+            baseline,
+        ),
+        Row(
+            "inflight-load-producer prepare + picked + chunk + complete (4 KB chat)",
+            measure(request_life),
             baseline,
         ),
     ]

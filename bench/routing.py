@@ -32,8 +32,8 @@ the file sets it) per endpoint, the endpoints' scrapes staggered across the
 interval as independent pollers drift apart. The scrape itself takes no
 virtual time (a loopback scrape takes well under a millisecond). The
 pick's followup hears what the service would tell it: the response headers
-with the served endpoint when the first token comes back, and, when the
-stream ends, its last event (the token usage) and its end.
+with the served endpoint and the first event when the first token comes
+back, and, when the stream ends, its last event (the token usage) and its end.
 
 Measured per run (workload × strategy, × rate for the swept workload), over
 the requests after the warm-up (``WARMUP``): time to first token (arrival to
@@ -187,8 +187,9 @@ class PipelineRouter:
 
     def first_token(self, arrival: Arrival, index: int, handle: Any) -> None:
         followup: Followup | None = handle
-        if followup is not None:
+        if followup is not None:  # the stream's headers, then its first event, as vLLM sends them
             followup.headers(self.endpoints[index].hostport, _STREAM_HEADERS)
+            followup.chunk(_FIRST_EVENT)
 
     def complete(self, arrival: Arrival, index: int, handle: Any, request: Request) -> None:
         followup: Followup | None = handle
@@ -206,6 +207,7 @@ class PipelineRouter:
 
 _STREAM_HEADERS: Final = {":status": "200", "content-type": "text/event-stream"}
 _DONE: Final = b"\n\ndata: [DONE]\n\n"
+_FIRST_EVENT: Final = b'data: {"choices":[{"index":0,"delta":{"content":" "}}]}\n\n'
 
 
 def _request_side_failures(counter: Any) -> float:

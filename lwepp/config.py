@@ -79,6 +79,8 @@ import yaml
 
 from lwepp.pipeline import ROLES, Pipeline
 from lwepp.plugins import ALIASES, DEPRECATED, FOLDED, REGISTRY
+from lwepp.plugins.inflight import PRODUCER as IN_FLIGHT
+from lwepp.plugins.inflight import InFlightLoadProducer
 from lwepp.plugins.metrics_source import CoreMetricsExtractor, MetricsDataSource
 from lwepp.plugins.prefix import DEFAULT_PRODUCER, ApproxPrefixCacheProducer, PrefixCacheScorer
 from plugin import Built, ConfigError, Factory, Params, Role, build, needs_body
@@ -175,11 +177,9 @@ UNSUPPORTED: Final = {
         "mm-embeddings-cache-producer", "mm-embeddings-cache-scorer",
     ),
     "burst co-location of prompt-sharing requests": ("burst-prefix-cache-producer",),
-    "load counted in flight or in tokens": (
-        "load-aware-scorer", "active-request-scorer", "token-load-scorer",
-        "running-requests-size-scorer", "inflight-load-producer", "context-length-aware",
+    "running-request and context-length scoring": (
+        "running-requests-size-scorer", "context-length-aware",
     ),
-    "cold-request spreading": ("no-hit-lru-scorer",),
     "endpoint attributes beyond the metrics source (DCGM GPU telemetry, attribute filters)": (
         "dcgm-data-source", "dcgm-extractor", "endpoint-attribute-filter",
         "endpoint-attribute-scorer", "utilization-filter",
@@ -405,6 +405,7 @@ class _Decoder:
         name, listed, weights = profile
         running = self.running(plugins, name, listed)
         self.defaults(plugins, running, folded, sections.get("dataLayer"))
+        self.in_flight(plugins, running)
         self.check_attributes(running)
         return PickerConfig(
             self.path,
@@ -665,6 +666,29 @@ class _Decoder:
             f"{', '.join(sorted(missing))} (the router's default data source; "
             "dataLayer.injectDefaults: false refuses instead)",
         )
+
+    def in_flight(self, plugins: list[Configured], running: list[Configured]) -> None:
+        """Add the ``inflight-load-producer`` a running scorer reads, as the router's data
+        graph does; a producer named in ``inFlightLoadProducerName`` must exist."""
+        producers = {p.name for p in running if isinstance(p.plugin, InFlightLoadProducer)}
+        for p in list(running):
+            wanted = getattr(p.plugin, "in_flight_producer", None)
+            if wanted is None or wanted in producers:
+                continue
+            if wanted != IN_FLIGHT:
+                self.error(
+                    _keys(f"{p.path}.parameters.inFlightLoadProducerName"),
+                    f"plugin {p.name!r} ({p.type}): inFlightLoadProducerName: {wanted!r} "
+                    "names no inflight-load-producer",
+                )
+                continue
+            made = build(IN_FLIGHT, IN_FLIGHT, None, self.registry, ROLES)
+            added = Configured(IN_FLIGHT, IN_FLIGHT, made.plugin, made.roles, p.path)
+            plugins.append(added)
+            running.append(added)
+            producers.add(IN_FLIGHT)
+            self.warn(_keys(p.path), f"added {IN_FLIGHT}: {p.name} reads its counts "
+                      "(the router creates it for its consumers too)")  # fmt: skip
 
     def check_attributes(self, running: Sequence[Configured]) -> None:
         """Every attribute a running plugin reads must come from a configured data source."""

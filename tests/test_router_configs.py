@@ -39,6 +39,20 @@ LOADS = {
         ("kv-cache-utilization-scorer", 2.0),
         ("prefix-cache-scorer", 3.0),
     ],
+    "v0.10.0/epp-estimate-prefix-cache-config.yaml": [
+        ("prefix-cache-scorer", 1.0),
+        ("load-aware-scorer", 1.0),
+    ],
+    "chart/payload-agnostic.yaml": [
+        ("active-request-scorer", 1.0),
+        ("session-affinity-scorer", 1.0),
+    ],
+    "chart/optimized-baseline-plugins.yaml": [
+        ("queue-scorer", 2.0),
+        ("kv-cache-utilization-scorer", 2.0),
+        ("prefix-cache-scorer", 3.0),
+        ("no-hit-lru-scorer", 2.0),
+    ],
 }
 """Files that load, and the scorers (with weights) they run."""
 
@@ -52,7 +66,6 @@ REFUSED = {
     "v0.10.0/sim-pd-epp-config.yaml": ["several scheduling profiles", "prefix-based-pd-decider"],
     "v0.10.0/sim-e-p-d-epp-config.yaml": ["several scheduling profiles", "disagg-profile-handler"],
     "v0.10.0/sim-e-pd-epp-config.yaml": ["several scheduling profiles", "disagg-profile-handler"],
-    "v0.10.0/epp-estimate-prefix-cache-config.yaml": ["load counted", "load-aware-scorer"],
     "v0.10.0/epp-precise-prefix-cache-config.yaml": ["precise prefix cache", "token-producer"],
     "v0.10.0/sim-epp-kvcache-config.yaml": ["precise prefix cache", "token-producer"],
     "head/sim-epp-kvcache-config.yaml": ["precise prefix cache", "token-producer"],
@@ -66,13 +79,10 @@ REFUSED = {
     ],
     "v0.10.0/sim-epp-gpu-config.yaml": ["DCGM", "dcgm-data-source", "endpoint-attribute-filter"],
     "head/sim-epp-gpu-config.yaml": ["DCGM", "dcgm-data-source", "endpoint-attribute-scorer"],
-    "chart/payload-agnostic.yaml": ["load counted", "active-request-scorer"],
-    "chart/optimized-baseline-plugins.yaml": ["cold-request spreading", "no-hit-lru-scorer"],
     # Files that need two or three router features at once; the one message names each.
     "v0.10.0/epp-burst-prefix-cache-config.yaml": [
         "burst co-location",
         "burst-prefix-cache-producer",
-        "load-aware-scorer",
         "token-producer",
     ],
     "v0.10.0/epp-mm-embeddings-cache-config.yaml": [
@@ -80,7 +90,7 @@ REFUSED = {
         "mm-embeddings-cache-scorer",
         "precise-prefix-cache-producer",
     ],
-    "v0.10.0/sim-epp-no-hit-lru.yaml": ["no-hit-lru-scorer", "precise-prefix-cache-producer"],
+    "v0.10.0/sim-epp-no-hit-lru.yaml": ["precise prefix cache", "precise-prefix-cache-producer"],
 }
 """Files refused, and what the one message must name."""
 

@@ -17,11 +17,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final
 
+from lwepp.plugins.inflight import InFlightLoadProducer
 from lwepp.plugins.kv_cache_scorer import KVCacheUtilizationScorer
 from lwepp.plugins.label_selector import LabelSelectorFilter
+from lwepp.plugins.load_scorers import ActiveRequestScorer, LoadAwareScorer, TokenLoadScorer
 from lwepp.plugins.lora_affinity import LoraAffinityScorer
 from lwepp.plugins.metrics_source import CoreMetricsExtractor, MetricsDataSource
 from lwepp.plugins.models_source import ModelsDataSource
+from lwepp.plugins.no_hit_lru import NoHitLRUScorer
 from lwepp.plugins.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
 from lwepp.plugins.prefix import ApproxPrefixCacheProducer, PrefixCacheScorer
 from lwepp.plugins.queue_scorer import QueueScorer
@@ -33,6 +36,8 @@ REGISTRY: Final[Mapping[str, Factory]] = {
     # data sources
     "metrics-data-source": MetricsDataSource,
     "models-data-source": ModelsDataSource,
+    # producers (request-path data for the scorers after them)
+    "inflight-load-producer": InFlightLoadProducer,
     # filters
     "label-selector-filter": LabelSelectorFilter,
     "decode-filter": DecodeFilter,
@@ -45,6 +50,10 @@ REGISTRY: Final[Mapping[str, Factory]] = {
     "prefix-cache-scorer": PrefixCacheScorer,
     "session-affinity-scorer": SessionAffinityScorer,
     "lora-affinity-scorer": LoraAffinityScorer,
+    "active-request-scorer": ActiveRequestScorer,
+    "token-load-scorer": TokenLoadScorer,
+    "load-aware-scorer": LoadAwareScorer,
+    "no-hit-lru-scorer": NoHitLRUScorer,
     # pickers
     "max-score-picker": MaxScorePicker,
     "random-picker": RandomPicker,

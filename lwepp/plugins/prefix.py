@@ -47,6 +47,12 @@ The scorer's own (router v0.10):
   the score becomes ``w × min(1, matched tokens / scale)² + (1 − w) × ratio``,
   so a long match counts for more than a short one of the same ratio.
 
+What it found is left for the plugins after it, as the router's producer
+leaves ``PrefixCacheMatchInfo`` on each endpoint: ``request.state`` under
+``"<producer>.match"`` (the producer named above) holds a ``PrefixMatch``, the
+blocks each candidate holds in a row, the prompt's blocks and their size.
+``no-hit-lru-scorer`` and ``inflight-load-producer`` read it.
+
 Endpoints are keyed by ``ip:port`` (a data-parallel pod runs one cache per
 port). Endpoints that left are forgotten: every 120 s (on the pipeline's
 clock) the index drops those that were not a candidate since the last sweep.
@@ -104,6 +110,24 @@ class Prepared:
     hashes: list[int]
     candidates: Sequence[Candidate] = ()
     learned: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """What the prefix index found for one request (the router's ``PrefixCacheMatchInfo``).
+
+    ``matched``: blocks each candidate (``ip:port``) holds in a row from the
+    start; ``total``: the prompt's blocks; ``block_tokens``: tokens per block.
+    """
+
+    matched: Mapping[str, int]
+    total: int
+    block_tokens: int
+
+
+def match_key(producer: str) -> str:
+    """The ``request.state`` key a prefix scorer leaves its ``PrefixMatch`` under."""
+    return f"{producer}.match"
 
 
 INDEX_PARAMETERS: Final = (
@@ -169,6 +193,7 @@ class PrefixCacheScorer:
         self.use(IndexSettings.read(params))
         self.index = PrefixIndex()
         self._key = f"{name}.prompt"
+        self._match = match_key(self.producer)
         self._seen: set[str] = set()
         self._swept: float | None = None
 
@@ -223,6 +248,7 @@ class PrefixCacheScorer:
         if not total:
             return [0.0] * len(keys)
         matched = self.index.match(prepared.hashes, keys)
+        request.state[self._match] = PrefixMatch(matched, total, prepared.block_tokens)
         ratios = [matched[key] / total for key in keys]
         if self.length_weight == 0:
             return ratios

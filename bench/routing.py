@@ -12,6 +12,8 @@ round-robin        ``Pipeline()`` with no plugins: LWEPP's default
 random             ``bench/configs/random.yaml`` (random-picker)
 least-queue        ``bench/configs/least-queue.yaml`` (metrics-data-source + queue-scorer)
 prefix-aware       ``demo/configs/prefix-aware.yaml``, exactly the example users get
+recommended        ``demo/configs/recommended.yaml``: prefix affinity held in check by
+                   the requests and prompt tokens the picker has in flight per engine
 oracle-lookahead   ``bench.oracle.Lookahead``: forks every engine's exact state and
                    simulates it forward; the earliest first token wins
 oracle-estimate    ``bench.oracle.Oracle``: exact caches and queues, a step-model estimate
@@ -19,7 +21,7 @@ offline-partition  ``bench.oracle.partition``: every group on one engine, from t
                    whole workload known in advance (shared-prefix only)
 =================  =========================================================
 
-The first four are the picker users run: ``lwepp.config.load_config(path)
+The first five are the picker users run: ``lwepp.config.load_config(path)
 .pipeline(store=..., clock=...)`` with the virtual clock, each request routed
 through the ``Strategy`` seam exactly as the service does it,
 ``pipeline.pick(PickRequest(headers, body), endpoints)``.
@@ -94,6 +96,7 @@ from simulator.tokenizer import output_token_ids
 ROOT: Final = Path(__file__).resolve().parent.parent
 CONFIGS: Final = Path(__file__).resolve().parent / "configs"
 PREFIX_AWARE: Final = ROOT / "demo" / "configs" / "prefix-aware.yaml"
+RECOMMENDED: Final = ROOT / "demo" / "configs" / "recommended.yaml"
 TRACES: Final = Path(os.environ.get("SWITCHYARD_TRACES", Path(__file__).parent / "traces"))
 """Where the trace slices are (``bench/traces/README.md``); ``SWITCHYARD_TRACES`` overrides it."""
 MOONCAKE_FILE: Final = "mooncake_synthetic_trace.last1000.jsonl"
@@ -105,7 +108,7 @@ ENGINES: Final = 8
 DEFAULT_SCHEDULING: Final = Scheduling()
 """The engines' scheduler switches: current vLLM's (``simulator.engine.Scheduling``)."""
 PROFILE: Final = "llama-3.1-8b-l4"
-PICKERS: Final = ("round-robin", "random", "least-queue", "prefix-aware")
+PICKERS: Final = ("round-robin", "random", "least-queue", "prefix-aware", "recommended")
 """The strategies users run: the oracle envelope must not be beaten by any of them."""
 ORACLES: Final = ("oracle-lookahead", "oracle-estimate")
 """The two online references whose better p90, per run, is the oracle envelope."""
@@ -117,6 +120,7 @@ CONFIG_FILES: Final = {
     "random": CONFIGS / "random.yaml",
     "least-queue": CONFIGS / "least-queue.yaml",
     "prefix-aware": PREFIX_AWARE,
+    "recommended": RECOMMENDED,
 }
 
 
@@ -861,6 +865,7 @@ def section(
         )
     tables.append(ratio_table(shared))
     tables.append(workload_table(by_workload, sizes.target_rate))
+    tables.append(workload_table(by_workload, sizes.target_rate, "recommended"))
     tables.append(bound_table(outcomes))
     if variants:
         tables.append(variant_table(outcomes, variants))
@@ -889,7 +894,11 @@ def section(
         command="python -m bench routing",
         tables=tables,
         plots=plots,
-        targets=[*targets(shared, sizes.target_rate), bound_target(outcomes)],
+        targets=[
+            *targets(shared, sizes.target_rate),
+            *recommended_targets(by_workload, sizes.target_rate),
+            bound_target(outcomes),
+        ],
         data={
             "profile": asdict(profile),
             "scheduling": asdict(DEFAULT_SCHEDULING),
@@ -1007,13 +1016,15 @@ def ratio_table(shared: Sequence[Outcome]) -> Table:
     )
 
 
-def workload_table(by_workload: Mapping[str, Sequence[Outcome]], target_rate: float) -> Table:
+def workload_table(
+    by_workload: Mapping[str, Sequence[Outcome]], target_rate: float, picker: str = "prefix-aware"
+) -> Table:
     """prefix-aware beside round-robin and the oracle envelope on every workload (shared
     prefix at the target rate)."""
     rows: list[list[object]] = []
     for workload, outcomes in by_workload.items():
         rate = target_rate if any(o.rate is not None for o in outcomes) else None
-        pa, rr = _find(outcomes, "prefix-aware", rate), _find(outcomes, "round-robin", rate)
+        pa, rr = _find(outcomes, picker, rate), _find(outcomes, "round-robin", rate)
         best = envelope(outcomes, workload, rate)
         if pa is None or rr is None or best is None:
             continue
@@ -1033,7 +1044,7 @@ def workload_table(by_workload: Mapping[str, Sequence[Outcome]], target_rate: fl
             ]
         )
     return Table(
-        "Every workload: prefix-aware beside round-robin and the oracle envelope",
+        f"Every workload: {picker} beside round-robin and the oracle envelope",
         [
             "workload",
             "TTFT p50 / RR",
@@ -1048,7 +1059,7 @@ def workload_table(by_workload: Mapping[str, Sequence[Outcome]], target_rate: fl
             "load max/mean",
         ],
         rows,
-        "Ratios below 1 favour prefix-aware. 'engines used': engines that served at least one "
+        f"Ratios below 1 favour {picker}. 'engines used': engines that served at least one "
         f"request, of {ENGINES}.",
     )
 
@@ -1209,6 +1220,39 @@ def targets(shared: Sequence[Outcome], rate: float) -> list[Target]:
             at_most=False,
         ),
     ]
+
+
+RECOMMENDED_LIMITS: Final = (
+    ("multi-turn", "ITL p90", lambda o: o.itl_p90, 1.0),
+    ("multi-turn", "TTFT p90", _p90, 1.0),
+    ("azure-code", "TTFT p50", lambda o: o.ttft_p50, 1.0),
+    ("azure-code", "TTFT p90", _p90, 1.0),
+    ("mooncake", "TTFT p90", _p90, 1.0),
+    ("shared-prefix", "TTFT p90", _p90, 0.1),
+)
+"""The recommended configuration against round-robin: never worse on any workload (real
+traces included), and a tenth of its p90 where prompts share long prefixes."""
+
+
+def recommended_targets(by_workload: Mapping[str, Sequence[Outcome]], rate: float) -> list[Target]:
+    """``RECOMMENDED_LIMITS``, each on the workloads this run has (shared prefix at ``rate``)."""
+    found = []
+    for workload, what, value, limit in RECOMMENDED_LIMITS:
+        outcomes = by_workload.get(workload, [])
+        at = rate if any(o.rate is not None for o in outcomes) else None
+        rec, rr = _find(outcomes, "recommended", at), _find(outcomes, "round-robin", at)
+        if rec is None or rr is None:
+            continue
+        ratio = versus(rec, rr, value)
+        where = workload if at is None else f"{workload} at {at:g} requests/s"
+        found.append(
+            Target(
+                f"recommended {what} / round-robin's, {where}",
+                ratio if isinstance(ratio, float) else math.nan,
+                limit,
+            )
+        )
+    return found
 
 
 def workload_notes(sizes: Sizes) -> dict[str, str]:

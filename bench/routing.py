@@ -14,6 +14,8 @@ least-queue        ``bench/configs/least-queue.yaml`` (metrics-data-source + que
 prefix-aware       ``demo/configs/prefix-aware.yaml``, exactly the example users get
 recommended        ``demo/configs/recommended.yaml``: prefix affinity held in check by
                    the requests and prompt tokens the picker has in flight per engine
+precise            ``bench/configs/precise.yaml``: the same, with the precise prefix
+                   cache fed by the engines' KV-cache events (``subscribe``)
 oracle-lookahead   ``bench.oracle.Lookahead``: forks every engine's exact state and
                    simulates it forward; the earliest first token wins
 oracle-estimate    ``bench.oracle.Oracle``: exact caches and queues, a step-model estimate
@@ -21,7 +23,7 @@ offline-partition  ``bench.oracle.partition``: every group on one engine, from t
                    whole workload known in advance (shared-prefix only)
 =================  =========================================================
 
-The first five are the picker users run: ``lwepp.config.load_config(path)
+The first six are the picker users run: ``lwepp.config.load_config(path)
 .pipeline(store=..., clock=...)`` with the virtual clock, each request routed
 through the ``Strategy`` seam exactly as the service does it,
 ``pipeline.pick(PickRequest(headers, body), endpoints)``.
@@ -61,6 +63,7 @@ current vLLM, to show what each one changes.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
@@ -85,11 +88,14 @@ from lwepp.picking import Followup, PickRequest
 from lwepp.pipeline import Pipeline
 from lwepp.plugins.metrics_source import MetricsDataSource
 from lwepp.plugins.pickers import RandomPicker
+from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
+from lwepp.plugins.prefix import PrecisePrefixCacheScorer
 from pods.model import Endpoint
 from protos.exchange import Refusal
 from simulator import metrics
 from simulator.clocks import VirtualEngine, VirtualLoop
 from simulator.engine import Engine, Event, Request, Scheduling
+from simulator.kv_events import KVEventLog
 from simulator.profiles import PROFILES, Profile
 from simulator.tokenizer import output_token_ids
 
@@ -108,7 +114,14 @@ ENGINES: Final = 8
 DEFAULT_SCHEDULING: Final = Scheduling()
 """The engines' scheduler switches: current vLLM's (``simulator.engine.Scheduling``)."""
 PROFILE: Final = "llama-3.1-8b-l4"
-PICKERS: Final = ("round-robin", "random", "least-queue", "prefix-aware", "recommended")
+PICKERS: Final = (
+    "round-robin",
+    "random",
+    "least-queue",
+    "prefix-aware",
+    "recommended",
+    "precise",
+)
 """The strategies users run: the oracle envelope must not be beaten by any of them."""
 ORACLES: Final = ("oracle-lookahead", "oracle-estimate")
 """The two online references whose better p90, per run, is the oracle envelope."""
@@ -121,6 +134,7 @@ CONFIG_FILES: Final = {
     "least-queue": CONFIGS / "least-queue.yaml",
     "prefix-aware": PREFIX_AWARE,
     "recommended": RECOMMENDED,
+    "precise": CONFIGS / "precise.yaml",
 }
 
 
@@ -324,7 +338,27 @@ def router(
     pipeline = config.pipeline(store=AttributeStore(), clock=clock, explain="off")
     if isinstance(pipeline.picker, RandomPicker):  # weighted-random-picker is one too
         pipeline.picker.rng = random.Random(seed)  # the pickers take an injected rng; seeded here
+    for source in pipeline.sources:
+        if isinstance(source, PrecisePrefixCacheProducer | PrecisePrefixCacheScorer):
+            subscribe(source if isinstance(source, PrecisePrefixCacheProducer) else source.source,
+                      engines, pool)  # fmt: skip
     return PipelineRouter(strategy, pipeline, pipeline.sources, pool)
+
+
+def subscribe(
+    producer: PrecisePrefixCacheProducer, engines: Sequence[Engine], pool: Sequence[Endpoint]
+) -> None:
+    """Each engine's KV-cache events straight into ``producer``, as its ZMQ subscriber would
+    receive them (``simulator.kv_events``: the same payloads and sequence numbers, no socket;
+    delivered at the end of the step that made them, no network delay)."""
+    for engine, endpoint in zip(engines, pool, strict=True):
+        topic = f"kv@{endpoint.hostport}@{workloads.MODEL}".encode()
+        numbers = itertools.count()
+
+        def sink(payload: bytes, topic: bytes = topic, numbers: Any = numbers) -> None:
+            producer.ingest(topic, next(numbers).to_bytes(8, "big"), payload)
+
+        engine.publish_kv_events(KVEventLog(engine.profile.block_size, sink))
 
 
 # --- one run -------------------------------------------------------------------------
@@ -866,6 +900,7 @@ def section(
     tables.append(ratio_table(shared))
     tables.append(workload_table(by_workload, sizes.target_rate))
     tables.append(workload_table(by_workload, sizes.target_rate, "recommended"))
+    tables.append(workload_table(by_workload, sizes.target_rate, "precise"))
     tables.append(bound_table(outcomes))
     if variants:
         tables.append(variant_table(outcomes, variants))
@@ -897,6 +932,7 @@ def section(
         targets=[
             *targets(shared, sizes.target_rate),
             *recommended_targets(by_workload, sizes.target_rate),
+            *precise_targets(by_workload, sizes.target_rate),
             bound_target(outcomes),
         ],
         data={
@@ -1252,6 +1288,35 @@ def recommended_targets(by_workload: Mapping[str, Sequence[Outcome]], rate: floa
                 limit,
             )
         )
+    return found
+
+
+def precise_targets(by_workload: Mapping[str, Sequence[Outcome]], rate: float) -> list[Target]:
+    """The precise prefix cache against the oracle envelope, on shared prefix (at ``rate``)
+    and the Mooncake trace: its hit rate at least 0.98× the envelope's, its TTFT p90 at most
+    1.05× the envelope's."""
+    found = []
+    for workload in ("shared-prefix", "mooncake"):
+        outcomes = by_workload.get(workload, [])
+        at = rate if any(o.rate is not None for o in outcomes) else None
+        precise, best = _find(outcomes, "precise", at), envelope(outcomes, workload, at)
+        if precise is None or best is None:
+            continue
+        where = workload if at is None else f"{workload} at {at:g} requests/s"
+        hits, p90 = versus(precise, best, _hits), versus(precise, best, _p90)
+        found += [
+            Target(
+                f"precise hit rate / oracle envelope's, {where}",
+                hits if isinstance(hits, float) else math.nan,
+                0.98,
+                at_most=False,
+            ),
+            Target(
+                f"precise TTFT p90 / oracle envelope's, {where}",
+                p90 if isinstance(p90, float) else math.nan,
+                1.05,
+            ),
+        ]
     return found
 
 

@@ -82,6 +82,7 @@ from lwepp.plugins import ALIASES, DEPRECATED, FOLDED, REGISTRY
 from lwepp.plugins.inflight import PRODUCER as IN_FLIGHT
 from lwepp.plugins.inflight import InFlightLoadProducer
 from lwepp.plugins.metrics_source import CoreMetricsExtractor, MetricsDataSource
+from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
 from lwepp.plugins.prefix import DEFAULT_PRODUCER, ApproxPrefixCacheProducer, PrefixCacheScorer
 from plugin import Built, ConfigError, Factory, Params, Role, build, needs_body
 
@@ -168,10 +169,9 @@ UNSUPPORTED: Final = {
     "a data-parallel profile handler (list each rank's port as an endpoint instead)": (
         "data-parallel-profile-handler",
     ),
-    "prompts tokenized by the model's tokenizer, and the precise prefix cache fed by the "
-    "engines' KV-cache events (prefix-cache-scorer estimates from the prompt text instead)": (
-        "precise-prefix-cache-producer", "precise-prefix-cache-scorer", "token-producer",
-        "tokenizer", "endpoint-notification-source", "k8s-notification-source",
+    "prompts tokenized by a separate token producer or the engine's render endpoint "
+    "(precise-prefix-cache-producer takes a local tokenizer instead)": (
+        "token-producer", "tokenizer", "endpoint-notification-source", "k8s-notification-source",
     ),
     "multimodal embedding-cache affinity": (
         "mm-embeddings-cache-producer", "mm-embeddings-cache-scorer",
@@ -203,6 +203,10 @@ UNSUPPORTED: Final = {
     ),
 }  # fmt: skip
 """Router features Switchyard does not implement, and the plugin types that need them."""
+
+TOKENS_FEATURE: Final = next(f for f in UNSUPPORTED if "token-producer" in UNSUPPORTED[f])
+"""The router's separate tokenizing plugins: a precise producer without a tokenizer of its
+own relies on them, and is reported through them."""
 
 FEATURE_OF: Final = {kind: feature for feature, kinds in UNSUPPORTED.items() for kind in kinds}
 
@@ -385,13 +389,23 @@ class _Decoder:
         folded: dict[str, Configured] = {}
         named: dict[str, str] = {}  # every plugin name in the file → its path
         needing: dict[str, list[str]] = {}  # unsupported feature → "type (line n)"
+        untokenized: list[ConfigError] = []  # precise producers with no tokenizer of their own
         for entry in entries:
             with self.checking():
-                made = self.plugin(entry, named, needing)
+                try:
+                    made = self.plugin(entry, named, needing)
+                except ConfigError as error:
+                    if not (error.field or "").endswith(".tokenizer"):
+                        raise
+                    untokenized.append(error)
+                    made = None
                 if made is not None and made.type in FOLDED:
                     folded[made.name] = made
                 elif made is not None:
                     plugins.append(made)
+        if TOKENS_FEATURE not in needing:  # else the token producer they rely on is reported
+            for missing in untokenized:
+                self.error(_keys(missing.field or ""), str(missing))
         skipped = {n for n, p in named.items() if n not in {c.name for c in plugins}}
         if needing:
             features = "; ".join(f"{f} ({', '.join(kinds)})" for f, kinds in needing.items())
@@ -506,6 +520,17 @@ class _Decoder:
         for p in by_name.values():
             if not isinstance(p.plugin, PrefixCacheScorer):
                 continue
+            precise = by_name.get(p.plugin.producer)
+            if precise is not None and isinstance(precise.plugin, PrecisePrefixCacheProducer):
+                if p.plugin.own_settings:
+                    self.error(
+                        _keys(p.path),
+                        f"plugin {p.name!r} ({p.type}): parameters: "
+                        f"{', '.join(p.plugin.own_settings)} belong to an approximate index; "
+                        f"{precise.name!r} indexes the engines' own blocks",
+                    )
+                p.plugin.use_precise(precise.plugin)
+                continue
             producer = folded.get(p.plugin.producer)
             if producer is not None:
                 if p.plugin.own_settings:
@@ -522,7 +547,8 @@ class _Decoder:
                 self.error(
                     _keys(f"{p.path}.parameters.prefixMatchInfoProducerName"),
                     f"plugin {p.name!r} ({p.type}): prefixMatchInfoProducerName: "
-                    f"{p.plugin.producer!r} names no approx-prefix-cache-producer",
+                    f"{p.plugin.producer!r} names no approx-prefix-cache-producer or "
+                    "precise-prefix-cache-producer",
                 )
         pairs = {
             str(e.get("pluginRef")): str(s.get("pluginRef"))

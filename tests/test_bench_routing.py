@@ -488,7 +488,9 @@ def test_quick_run_measures_every_strategy_on_every_workload(quick: Section) -> 
         assert 0.0 <= r["hit_rate"] <= 1.0
     assert [t.name for t in quick.targets]
     recommended = [t for t in quick.targets if t.name.startswith("recommended")]
-    assert len(quick.targets) - len(recommended) == 4
+    precise = [t for t in quick.targets if t.name.startswith("precise")]
+    assert len(quick.targets) - len(recommended) - len(precise) == 4
+    assert len(precise) == 2 * sum(w in workloads_run for w in ("shared-prefix", "mooncake"))
     assert len(recommended) == sum(
         w in workloads_run for w, *_ in routing.RECOMMENDED_LIMITS
     )  # each limit whose workload ran

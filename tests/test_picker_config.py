@@ -198,11 +198,9 @@ ERRORS = [
         "- type: precise-prefix-cache-producer\nschedulingProfiles:\n- name: p\n  plugins:\n"
         "  - pluginRef: context-length-aware\n",
         "picker.yaml: needs what Switchyard does not implement: running-request and "
-        "context-length scoring (context-length-aware (line 5)); prompts tokenized by the "
-        "model's tokenizer, and "
-        "the precise prefix cache fed by the engines' KV-cache events (prefix-cache-scorer "
-        "estimates from the prompt text instead) (token-producer (line 6), "
-        "precise-prefix-cache-producer (line 7))",
+        "context-length scoring (context-length-aware (line 5)); prompts tokenized by a "
+        "separate token producer or the engine's render endpoint (precise-prefix-cache-producer "
+        "takes a local tokenizer instead) (token-producer (line 6))",
     ),
     (
         "plugins:\n- type: max-score-picker\n  parameters:\n    maxNumOfEndpoints: x\n",

@@ -26,7 +26,12 @@ from lwepp.plugins.metrics_source import CoreMetricsExtractor, MetricsDataSource
 from lwepp.plugins.models_source import ModelsDataSource
 from lwepp.plugins.no_hit_lru import NoHitLRUScorer
 from lwepp.plugins.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
-from lwepp.plugins.prefix import ApproxPrefixCacheProducer, PrefixCacheScorer
+from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
+from lwepp.plugins.prefix import (
+    ApproxPrefixCacheProducer,
+    PrecisePrefixCacheScorer,
+    PrefixCacheScorer,
+)
 from lwepp.plugins.queue_scorer import QueueScorer
 from lwepp.plugins.role_filters import ByLabelFilter, DecodeFilter, EncodeFilter, PrefillFilter
 from lwepp.plugins.session_affinity import SessionAffinityScorer
@@ -38,6 +43,7 @@ REGISTRY: Final[Mapping[str, Factory]] = {
     "models-data-source": ModelsDataSource,
     # producers (request-path data for the scorers after them)
     "inflight-load-producer": InFlightLoadProducer,
+    "precise-prefix-cache-producer": PrecisePrefixCacheProducer,
     # filters
     "label-selector-filter": LabelSelectorFilter,
     "decode-filter": DecodeFilter,
@@ -48,6 +54,7 @@ REGISTRY: Final[Mapping[str, Factory]] = {
     "queue-scorer": QueueScorer,
     "kv-cache-utilization-scorer": KVCacheUtilizationScorer,
     "prefix-cache-scorer": PrefixCacheScorer,
+    "precise-prefix-cache-scorer": PrecisePrefixCacheScorer,
     "session-affinity-scorer": SessionAffinityScorer,
     "lora-affinity-scorer": LoraAffinityScorer,
     "active-request-scorer": ActiveRequestScorer,

@@ -28,6 +28,7 @@ from lwepp.contracts import Candidate, Filter, LLMRequest, Measurement, Scorer
 from lwepp.plugins import REGISTRY
 from lwepp.plugins.inflight import InFlightLoadProducer
 from lwepp.plugins.metrics_source import MetricsDataSource
+from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
 from lwepp.plugins.prefix import PrefixCacheScorer
 from lwepp.plugins.prefix_index import PrefixIndex, block_hashes, seed
 from lwepp.plugins.session_affinity import token
@@ -232,7 +233,33 @@ def load_rows(measure: Measure, pool: list[Candidate], now: float, baseline: flo
             baseline,
         ),
     ]
-    return rows
+    return rows + precise_rows(measure, pool, now, baseline)
+
+
+def precise_rows(measure: Measure, pool: list[Candidate], now: float, baseline: float) -> list[Row]:
+    """The precise prefix cache: tokenizing the 4 KB chat (the simulator's tokenizer) into
+    block keys, and scoring it with every block held by one engine, as its events said."""
+    producer = PrecisePrefixCacheProducer(
+        "precise", Params({"tokenizer": "simulator.openai.prompt_token_ids"}, "precise")
+    )
+    scorer = PrefixCacheScorer("prefix")
+    scorer.use_precise(producer)
+    raw = orjson.dumps(chat_body())
+    warm = LLMRequest("warm", {}, body=raw)
+    producer.prepare(warm)
+    keys = producer.request_keys(warm)
+    producer.index.stored(pool[3].endpoint.address, list(range(len(keys))), keys)
+    producer.sequence[pool[3].endpoint.address] = 0
+
+    def prepare() -> None:
+        producer.prepare(LLMRequest("r", {}, body=raw))
+
+    return [
+        Row(f"precise-prefix-cache-producer prepare (4 KB chat, {len(keys)} blocks)",
+            measure(prepare), baseline),
+        Row("prefix-cache-scorer score, precise (all blocks held by one)",
+            measure(_scoring(scorer, warm, pool, now)), baseline),
+    ]  # fmt: skip
 
 
 def vllm_page(histograms: int = 16, buckets: int = 28) -> str:

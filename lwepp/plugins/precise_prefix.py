@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Final
 
@@ -122,15 +123,15 @@ class BlockIndex:
 
 
 def chain(root: int, tokens: Sequence[int], block_size: int, adapter: str = "") -> list[int]:
-    """The key of every full block of ``tokens``: xxhash64 of the parent key, the tokens and
-    the adapter, chained from ``root``."""
+    """The key of every full block of ``tokens``: xxhash64 of the parent key (8 bytes), the
+    block's token ids (4 bytes each) and the adapter's name, little-endian, chained from
+    ``root``."""
+    pack = struct.Struct(f"<Q{block_size}I").pack
+    tail = adapter.encode()
     keys: list[int] = []
     parent = root
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        digest = xxhash.xxh64(parent.to_bytes(8, "little"))
-        digest.update(b"".join(t.to_bytes(4, "little") for t in tokens[start : start + block_size]))
-        digest.update(adapter.encode())
-        parent = digest.intdigest()
+        parent = xxhash.xxh64_intdigest(pack(parent, *tokens[start : start + block_size]) + tail)
         keys.append(parent)
     return keys
 

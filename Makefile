@@ -9,7 +9,7 @@ PEERS := $(VENV)/.peers
 ENGINES := $(VENV)/.engines
 KUBECTL := $(VENV)/bin/kubectl
 
-.PHONY: demo test lint typecheck unit kubectl fuzz soak reliability bench bench-micro bench-overhead bench-routing bench-live bench-instructions peers engines conformance images images-oci images-test lock clean
+.PHONY: demo test lint typecheck stubs unit kubectl fuzz soak reliability bench bench-micro bench-overhead bench-routing bench-live bench-instructions peers engines conformance images images-oci images-test lock clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,11 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
+
+## stubs: regenerate stubs/, the ext_proc messages' types for mypy, from the installed
+## xds-protos (after changing its pin; tests/test_stubs.py says when they are stale)
+stubs: $(STAMP)
+	$(PY) -m protos.stubgen
 
 ## fuzz: random ext_proc streams against BBR and LWEPP, FUZZ_EXAMPLES per service (new ones
 ## each run; make test runs 120 per service, the same each time)

@@ -53,7 +53,7 @@ stream then ends normally.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, final
+from typing import Final, final
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -63,7 +63,7 @@ from bbr.plugins import DEFAULT_PLUGINS, BBRMetrics, PluginSpec, build_chains
 from plugin import Factory
 from protos import extproc
 from protos.exchange import MAX_BODY_BYTES, Exchange, Half, Refusal, check_headers_fit
-from protos.extproc import BodyMode, ProcessingResponse
+from protos.extproc import BodyMode, HttpBody, HttpHeaders, ProcessingResponse
 from protos.server import EXT_PROC_SERVICE, Stream
 
 HEALTH_SERVICES: Final = ("", EXT_PROC_SERVICE)
@@ -145,13 +145,13 @@ class BodyBasedRouter:
 
     # --- the request ---
 
-    def request_headers(self, headers: Any, state: RouteState) -> list[ProcessingResponse]:
+    def request_headers(self, headers: HttpHeaders, state: RouteState) -> list[ProcessingResponse]:
         """Keep the headers; answer now, or after the body when it streams to us."""
         self.metrics.requests.inc()
         state.request.headers = extproc.header_pairs(headers)
         return answer_or_hold(state.request, headers.end_of_stream)
 
-    def request_body(self, body: Any, state: RouteState) -> list[ProcessingResponse]:
+    def request_body(self, body: HttpBody, state: RouteState) -> list[ProcessingResponse]:
         """Hold a chunk; at the end of the body, run the request chain."""
         state.request.hold(body.body)
         if state.request.streamed and not body.end_of_stream:
@@ -173,7 +173,7 @@ class BodyBasedRouter:
 
     # --- the response ---
 
-    def response_headers(self, headers: Any, state: RouteState) -> list[ProcessingResponse]:
+    def response_headers(self, headers: HttpHeaders, state: RouteState) -> list[ProcessingResponse]:
         """Keep the headers; with no response plugin, let a streamed body flow through."""
         state.response.headers = extproc.header_pairs(headers)
         state.flowing = state.response.streamed and not self.response_chain
@@ -181,7 +181,7 @@ class BodyBasedRouter:
             return [extproc.headers_response("response")]
         return answer_or_hold(state.response, headers.end_of_stream)
 
-    def response_body(self, body: Any, state: RouteState) -> list[ProcessingResponse]:
+    def response_body(self, body: HttpBody, state: RouteState) -> list[ProcessingResponse]:
         """Hold a chunk (or pass it on); at the end of the body, run the response chain."""
         half = state.response
         if state.flowing:

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Final
 
 import structlog
 
@@ -69,7 +69,7 @@ from protos.exchange import (
     check_headers_fit,
     header_value_problem,
 )
-from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse
+from protos.extproc import BodyMode, HttpBody, ProcessingRequest, ProcessingResponse
 from protos.server import Stream
 
 log = structlog.get_logger()
@@ -203,7 +203,7 @@ class EndpointPickerService:
         state.request.held = True
         return []
 
-    def on_request_body(self, chunk: Any, state: PickState) -> list[ProcessingResponse]:
+    def on_request_body(self, chunk: HttpBody, state: PickState) -> list[ProcessingResponse]:
         if not state.request.held:
             return [pass_chunk(state.request, chunk)]
         state.request.hold(chunk.body)
@@ -289,7 +289,7 @@ class EndpointPickerService:
             return [extproc.headers_response("response", added)]
         return [served_endpoint_reply(served_report(message), tuple(added))]
 
-    def on_response_body(self, chunk: Any, state: PickState) -> list[ProcessingResponse]:
+    def on_response_body(self, chunk: HttpBody, state: PickState) -> list[ProcessingResponse]:
         if state.followup is not None:
             state.followup.chunk(chunk.body)
             if chunk.end_of_stream:
@@ -365,7 +365,7 @@ def served_endpoint_reply(report: str, extra: Sequence[tuple[str, str]] = ()) ->
     )
 
 
-def pass_chunk(half: Half, chunk: Any) -> ProcessingResponse:
+def pass_chunk(half: Half, chunk: HttpBody) -> ProcessingResponse:
     """Let a body chunk through unchanged.
 
     In FULL_DUPLEX_STREAMED mode Envoy forwards only what the processor sends

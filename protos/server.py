@@ -58,6 +58,18 @@ EXT_PROC_SERVICE: Final = "envoy.service.ext_proc.v3.ExternalProcessor"
 log = structlog.get_logger()
 
 
+class Call(Protocol):
+    """The two methods of grpc.aio's servicer context a stream uses (grpcio ships no types)."""
+
+    async def read(self) -> Any:
+        """The next request, decoded (a ``ProcessingRequest``), or ``grpc.aio.EOF``."""
+        ...
+
+    async def write(self, message: ProcessingResponse) -> None:
+        """Send one response, encoded by the method's serializer."""
+        ...
+
+
 class Stream:
     """One ext_proc exchange as seen by a handler: receive requests, send responses.
 
@@ -69,7 +81,7 @@ class Stream:
 
     __slots__ = ("_context",)
 
-    def __init__(self, context: Any) -> None:
+    def __init__(self, context: Call) -> None:
         self._context = context
 
     async def recv(self) -> ProcessingRequest | None:
@@ -92,12 +104,16 @@ class TracedStream(Stream):
 
     __slots__ = ("_number", "_trace")
 
-    def __init__(self, context: Any, trace: TextIO, number: int) -> None:
+    def __init__(self, context: Call, trace: TextIO, number: int) -> None:
         super().__init__(context)
         self._trace, self._number = trace, number
 
-    def _write(self, arrow: str, message: Any) -> None:
-        phase = message.WhichOneof("request" if arrow == "<-" else "response")
+    def _write(self, arrow: str, message: ProcessingRequest | ProcessingResponse) -> None:
+        phase: str | None = (
+            message.WhichOneof("request")
+            if isinstance(message, ProcessingRequest)
+            else message.WhichOneof("response")
+        )
         text = text_format.MessageToString(message, as_utf8=True)
         self._trace.write(f"## stream {self._number} {arrow} {phase}\n{text}\n")
         self._trace.flush()
@@ -133,7 +149,7 @@ def ext_proc_handler(handler: Handler, trace: TextIO | None = None) -> grpc.Gene
     """
     numbers = itertools.count(1)
 
-    async def process(_requests: Any, context: Any) -> None:
+    async def process(_requests: object, context: Call) -> None:
         if trace is None:
             await handler(Stream(context))
         else:

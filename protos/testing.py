@@ -20,7 +20,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client import CollectorRegistry
 
-from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse, struct
+from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse, SendMode, struct
 from protos.metrics_auth import MetricsAuth
 from protos.server import EXT_PROC_SERVICE, Handler, Health, JsonRoutes, Ports, serve
 from protos.tls import ServerTLS
@@ -57,8 +57,8 @@ def request_headers(
         for namespace, values in metadata.items():
             message.metadata_context.filter_metadata[namespace].CopyFrom(struct(values))
     if body_modes is not None:
-        message.protocol_config.request_body_mode = body_modes[0]
-        message.protocol_config.response_body_mode = body_modes[1]
+        message.protocol_config.request_body_mode = SendMode(body_modes[0])
+        message.protocol_config.response_body_mode = SendMode(body_modes[1])
     return message
 
 
@@ -92,6 +92,8 @@ def request_trailers() -> ProcessingRequest:
 def set_headers(response: ProcessingResponse) -> list[tuple[str, str]]:
     """The ``(name, value)`` pairs a headers or body response sets, in order."""
     phase = response.WhichOneof("response")
+    if phase is None:
+        raise ValueError("an empty ProcessingResponse sets no headers")
     common = getattr(response, phase).response
     return [
         (h.header.key, h.header.raw_value.decode() or h.header.value)

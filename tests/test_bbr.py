@@ -185,12 +185,12 @@ def response_trailers() -> ProcessingRequest:
     return ProcessingRequest(response_trailers=pb.HttpTrailers())
 
 
-def kinds(replies: Sequence[ProcessingResponse]) -> list[str]:
+def kinds(replies: Sequence[ProcessingResponse]) -> list[str | None]:
     return [reply.WhichOneof("response") for reply in replies]
 
 
 def common(reply: ProcessingResponse) -> Any:
-    return getattr(reply, reply.WhichOneof("response")).response
+    return getattr(reply, str(reply.WhichOneof("response"))).response
 
 
 def streamed(replies: Sequence[ProcessingResponse]) -> tuple[bytes, list[bool], list[int]]:

@@ -48,7 +48,14 @@ from hypothesis import strategies as st
 
 from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE
 from protos.exchange import header_value_problem
-from protos.extproc import CHUNK_LIMIT, BodyMode, ProcessingRequest, ProcessingResponse, struct
+from protos.extproc import (
+    CHUNK_LIMIT,
+    BodyMode,
+    ProcessingRequest,
+    ProcessingResponse,
+    SendMode,
+    struct,
+)
 from protos.server import EXT_PROC_SERVICE
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "0"))
@@ -211,8 +218,8 @@ def make(
     elif kind.endswith("_trailers"):
         getattr(message, kind).CopyFrom(pb.HttpTrailers())
     if modes is not None:
-        message.protocol_config.request_body_mode = modes[0]
-        message.protocol_config.response_body_mode = modes[1]
+        message.protocol_config.request_body_mode = SendMode(modes[0])
+        message.protocol_config.response_body_mode = SendMode(modes[1])
     for namespace, values in (metadata or {}).items():
         message.metadata_context.filter_metadata[namespace].CopyFrom(struct(values))
     return message
@@ -496,9 +503,9 @@ def check_exchange(
         kind = f"{phase}_body"
         trailers = f"{phase}_trailers" in sent
         event(f"exchange checked: {phase} {BodyMode(mode).name}{', trailers' if trailers else ''}")
-        bodies = [getattr(m, kind).body for m in plan.messages if m.HasField(kind)]
+        bodies = [getattr(m, kind).body for m in plan.messages if m.WhichOneof("request") == kind]
         answers = [getattr(r, kind).response for r in replies if phase_of(r) == kind]
-        if mode == BodyMode.FULL_DUPLEX_STREAMED:
+        if BodyMode(mode) == BodyMode.FULL_DUPLEX_STREAMED:
             chunks = [a.body_mutation.streamed_response for a in answers]
             assert b"".join(c.body for c in chunks) == b"".join(bodies), f"the {phase} body changed"
             # The body's end is announced once, on its last chunk, unless trailers end it.

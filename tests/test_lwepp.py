@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -13,11 +13,21 @@ import pytest
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
 
 from lwepp.__main__ import HEALTH_SERVICES
 from lwepp.metrics import PickerMetrics
-from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, Pool, RoundRobin
+from lwepp.picking import (
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
+    Pick,
+    PickRequest,
+    Pool,
+    RoundRobin,
+    Strategy,
+)
 from lwepp.server import EndpointPickerService
+from pods.model import Endpoint
 from protos.extproc import BodyMode, ProcessingResponse
 from protos.server import Health
 from protos.testing import (
@@ -45,7 +55,10 @@ BODY = b'{"model": "m", "prompt": "hello"}'
 
 @asynccontextmanager
 async def picker(
-    *pods: Any, max_body_bytes: int = 10 * 1024 * 1024, synced: bool = True
+    *pods: Any,
+    max_body_bytes: int = 10 * 1024 * 1024,
+    synced: bool = True,
+    strategy: Strategy | None = None,
 ) -> AsyncIterator[tuple[ExtProcClient, CollectorRegistry, StaticPods, int]]:
     source = StaticPods(*(pods or PODS), synced=synced)
     registry = CollectorRegistry()
@@ -53,7 +66,7 @@ async def picker(
     # reports the served endpoint on every request: both switches on.
     service = EndpointPickerService(
         Pool(source, {"pool": "a"}),
-        RoundRobin(),
+        strategy or RoundRobin(),
         PickerMetrics(registry),
         max_body_bytes,
         test_selection=True,
@@ -253,6 +266,39 @@ def test_no_eligible_endpoint_is_a_503(
                  "namespace": "", "port": ""},
             )  # fmt: skip
             assert failed == 1
+
+    run(scenario)
+
+
+class Broken:
+    """A strategy with a bug: every pick raises."""
+
+    def pick(self, request: PickRequest, candidates: Sequence[Endpoint]) -> Pick:
+        raise RuntimeError("a bug in the strategy")
+
+
+def test_unexpected_exception_is_logged_with_request_id_and_answered_500() -> None:
+    """A bug while picking is logged (with the request id and the traceback) and answered 500,
+    counted as an Internal error; the stream ends cleanly and the next request is served."""
+
+    async def scenario() -> None:
+        async with picker(strategy=Broken()) as (client, registry, _, _):
+            with capture_logs() as logs:
+                replies = await client.exchange([request_headers(GET, end_of_stream=True)])
+            assert len(replies) == 1
+            assert immediate(replies[0]) == (500, "endpoint picker: internal error")
+            (error,) = [entry for entry in logs if entry["log_level"] == "error"]
+            assert error["event"] == "request failed"
+            assert error["request_id"] == "r-1"
+            assert error["exc_info"] is True  # log.exception: the traceback goes with it
+            internal = registry.get_sample_value(
+                "llm_d_epp_request_error_total",
+                {"model_name": "", "target_model_name": "", "fairness_id": "default-flow",
+                 "priority": "0", "error_code": "Internal"},
+            )  # fmt: skip
+            assert internal == 1
+            again = await client.exchange([request_headers(GET, end_of_stream=True)])
+            assert immediate(again[0])[0] == 500
 
     run(scenario)
 

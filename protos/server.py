@@ -183,12 +183,16 @@ class Health:
     balancer stops sending new streams before the server stops accepting them.
     ``live`` names are SERVING from start to shutdown whatever ``ready()``
     says: a liveness probe on them does not restart a healthy standby.
+    ``interval`` is how often ``ready()`` is polled (seconds). To wait for a
+    change, watch it (the health service's ``Watch`` streams every change)
+    rather than polling ``Check``.
     """
 
     names: Sequence[str]
     ready: Callable[[], bool] = lambda: True
     servicer: Any = field(default_factory=health.aio.HealthServicer)
     live: Sequence[str] = ()
+    interval: float = 0.1
 
     async def set_all(self, serving: bool, names: Sequence[str] | None = None) -> None:
         """Set ``names`` (default: all, live ones included) to SERVING or NOT_SERVING."""
@@ -200,11 +204,12 @@ class Health:
         for name in (*self.names, *self.live) if names is None else names:
             await self.servicer.set(name, status)
 
-    async def watch_ready(self, interval: float = 0.1) -> None:
+    async def watch_ready(self) -> None:
         """Follow ``ready()``: SERVING while it holds, NOT_SERVING while it does not.
 
-        Polled, as GIE's picker polls its datastore every 100 ms: readiness is a
-        property of the pod source (and the lease), which have no event to wait on.
+        Polled every ``interval``, as GIE's picker polls its datastore every
+        100 ms: readiness is a property of the pod source (and the lease),
+        which have no event to wait on.
         """
         await self.set_all(True, self.live)
         serving = False
@@ -212,7 +217,7 @@ class Health:
             if self.ready() != serving:
                 serving = not serving
                 await self.set_all(serving, self.names)
-            await asyncio.sleep(interval)
+            await asyncio.sleep(self.interval)
 
 
 def build_info() -> tuple[str, str]:

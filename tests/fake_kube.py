@@ -141,8 +141,13 @@ class _Watch:
 
 
 async def eventually(check: Callable[[], bool], what: str = "condition") -> None:
-    """Wait until ``check()`` holds (events cross a real socket); fail after 5 s."""
-    deadline = asyncio.get_running_loop().time() + 5
+    """Wait until ``check()`` holds (events cross a real socket); fail after 15 s.
+
+    A poll with a deadline: the state checked is the client's or the fake's, which
+    have no event of their own. The deadline only bounds a bug; it is generous
+    because a loaded machine can take seconds over a few round trips.
+    """
+    deadline = asyncio.get_running_loop().time() + 15
     while not check():
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")

@@ -377,9 +377,16 @@ def test_too_old_version_relists_and_replaces_the_list(as_status: bool) -> None:
             fake.put(PODS, k8s_pod("c", "10.0.0.3"))
             fake.compact()
             fake.failing = None
-            await eventually(lambda: endpoints(source) == {"b@10.0.0.2:8000", "c@10.0.0.3:8000"})
+            # The pool and the pod reflectors recover each on its own: wait for both relists
+            # (waiting for the pods alone once met a pool list still on its way, under load).
+            await eventually(
+                lambda: (
+                    endpoints(source) == {"b@10.0.0.2:8000", "c@10.0.0.3:8000"}
+                    and fake.count("list", "inferencepools") == 2
+                ),
+                "both relists",
+            )
             assert fake.count("list", "pods") == 2
-            assert fake.count("list", "inferencepools") == 2
 
     run(scenario)
 

@@ -179,9 +179,11 @@ def test_health_reports_standbys_not_ready_but_alive() -> None:
         return int((await health.servicer.Check(request, None)).status)
 
     async def scenario() -> None:
-        health = Health(["readiness"], ready=lambda: state["leader"], live=["liveness"])
+        health = Health(
+            ["readiness"], ready=lambda: state["leader"], live=["liveness"], interval=0.001
+        )
         await health.set_all(False)
-        watcher = asyncio.create_task(health.watch_ready(interval=0.001))
+        watcher = asyncio.create_task(health.watch_ready())
         serving, not_serving = (
             health_pb2.HealthCheckResponse.SERVING,
             health_pb2.HealthCheckResponse.NOT_SERVING,

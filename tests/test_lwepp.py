@@ -72,7 +72,7 @@ async def picker(
         test_selection=True,
         report_served=True,
     )
-    health = Health(HEALTH_SERVICES, ready=lambda: source.synced)
+    health = Health(HEALTH_SERVICES, ready=lambda: source.synced, interval=0.01)
     async with (
         running("lwepp", service, health, registry) as ports,
         ExtProcClient(f"127.0.0.1:{ports.grpc}") as client,
@@ -485,11 +485,15 @@ def test_health_turns_serving_once_the_pods_are_known() -> None:
                 return (await stub.Check(request)).status
 
             assert await status("inference-extension") == health_pb2.HealthCheckResponse.NOT_SERVING
+            changes = stub.Watch(health_pb2.HealthCheckRequest(service="inference-extension"))
+            assert (await anext(aiter(changes))).status != serving  # no pods yet: still not
             source.replace(*PODS)
-            for _ in range(100):  # the readiness poll runs every 100 ms
-                if await status("inference-extension") == serving:
-                    break
-                await asyncio.sleep(0.05)
+            # Watch streams each change; the wait ends when SERVING arrives (10 s bounds a bug).
+            async with asyncio.timeout(10):
+                async for change in changes:
+                    if change.status == serving:
+                        break
+            changes.cancel()
             for service in HEALTH_SERVICES:
                 assert await status(service) == serving
             await channel.close()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -63,14 +65,32 @@ def test_bad_configuration_is_refused_with_a_precise_message(
 def test_sigterm_lets_the_in_flight_request_finish(tmp_path: Path) -> None:
     """After SIGTERM a stream already open still gets its pick; then the process exits 0."""
     (tmp_path / "pods.yaml").write_text(PODS)
+    trace = tmp_path / "trace.txt"
+
+    async def logged(process: subprocess.Popen[str], event: str) -> None:
+        """Wait until the service logs ``event`` (its stderr is one JSON object a line)."""
+        assert process.stderr is not None
+        while True:
+            line = await asyncio.to_thread(process.stderr.readline)
+            assert line, f"the service exited before logging {event!r}"
+            if json.loads(line)["event"] == event:
+                return
+
+    async def received(phase: str) -> None:
+        """Wait until the service has read ``phase`` on stream 1 (--trace-messages writes it):
+        a poll with a deadline, the file being the only sign another process gives of it."""
+        deadline = time.monotonic() + 10
+        while not (trace.exists() and f"## stream 1 <- {phase}\n" in trace.read_text()):
+            assert time.monotonic() < deadline, f"the service never read {phase}"
+            await asyncio.sleep(0.01)
 
     async def scenario() -> None:
         async with ExtProcClient(f"127.0.0.1:{ports['grpc_port']}") as client:
             stream = client.open()
             await stream.send(request_headers({":method": "POST", ":path": "/v1/completions"}))
-            await asyncio.sleep(0.2)  # the stream is open on the server before SIGTERM
+            await received("request_headers")  # the stream is in flight on the server
             process.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.2)
+            await asyncio.wait_for(logged(process, "stopping"), 10)  # shutdown has begun
             await stream.send(request_body(b'{"model": "m"}'))
             reply = await stream.recv()
             assert reply is not None
@@ -82,6 +102,7 @@ def test_sigterm_lets_the_in_flight_request_finish(tmp_path: Path) -> None:
             assert await stream.code() == grpc.StatusCode.OK
 
     pods = str(tmp_path / "pods.yaml")
-    with service("lwepp", "--pods", pods, "--selector", "pool=b") as (process, ports):
+    args = ("--pods", pods, "--selector", "pool=b", "--trace-messages", str(trace))
+    with service("lwepp", *args) as (process, ports):
         asyncio.run(scenario())
         assert process.wait(timeout=10) == 0

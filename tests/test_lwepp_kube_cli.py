@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -135,9 +136,10 @@ def test_picks_among_the_pool_pods_and_follows_changes(tmp_path: Path) -> None:
                 assert {await pick(ports["grpc_port"]) for _ in range(4)} == {"10.1.0.1:8000"}
                 kube.do(lambda f: f.put(PODS, k8s_pod("b", "10.1.0.2")))
                 kube.do(lambda f: f.put(PODS, k8s_pod("a", "10.1.0.1", ready=False)))
-                for _ in range(500):
-                    if await pick(ports["grpc_port"]) == "10.1.0.2:8000":
-                        break
+                # The change reaches the picker through the watch: poll picks, with a deadline.
+                deadline = time.monotonic() + 10
+                while await pick(ports["grpc_port"]) != "10.1.0.2:8000":
+                    assert time.monotonic() < deadline, "the pod change never reached the picks"
                     await asyncio.sleep(0.01)
                 assert {await pick(ports["grpc_port"]) for _ in range(4)} == {"10.1.0.2:8000"}
 

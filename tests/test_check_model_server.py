@@ -80,10 +80,12 @@ def test_vllm_lora_state_comes_from_the_newest_series() -> None:
     ids=["kv-missing", "kv-percent-not-fraction", "negative-queue"],
 )
 def test_missing_and_malformed_signals_are_called_out(text: str, signal: str, status: str) -> None:
+    """A signal that is absent or out of range (a percentage for a fraction, a negative queue) is reported as missing or invalid."""
     assert finding(check_metrics(text), signal)[0] == status
 
 
 def test_an_older_vllm_kv_name_is_hinted_at() -> None:
+    """vLLM's older KV-cache metric name counts as missing, with a hint naming it."""
     report = check_metrics(
         "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:gpu_cache_usage_perc 0.1\n"
     )
@@ -92,6 +94,7 @@ def test_an_older_vllm_kv_name_is_hinted_at() -> None:
 
 
 def test_unknown_names_say_what_was_seen() -> None:
+    """A page of no known engine recognises none and names the metrics it did see."""
     report = check_metrics("my_engine_queue 3\n")
     assert report.engine is None
     assert "my_engine_queue" in (report.metrics_error or "")
@@ -131,6 +134,7 @@ def test_simulator_in_each_dialect_gets_the_engines_verdict(engine: str) -> None
 
 
 def test_forcing_the_wrong_engine_finds_nothing_to_score_on() -> None:
+    """--engine sglang against a vLLM server finds no queue signal: a degraded verdict, exit 1."""
     report = against_simulator("vllm", lambda url: check(url, engine="sglang"))
     assert report.engine == "sglang"
     assert finding(report, "queue")[0] == "missing"
@@ -157,6 +161,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_cli_prints_the_verdict_and_exits_with_its_status(
     engine: str, code: int, verdict: str
 ) -> None:
+    """The CLI prints the engine it recognised and the verdict, and exits 0 ready, 1 degraded."""
     result = against_simulator(engine, cli)
     assert result.returncode == code, result.stdout + result.stderr
     assert f"Verdict: {verdict}" in result.stdout
@@ -164,6 +169,7 @@ def test_cli_prints_the_verdict_and_exits_with_its_status(
 
 
 def test_cli_on_a_server_that_is_not_there_says_unusable() -> None:
+    """Nothing listening at the URL: verdict unusable, exit 2."""
     (port,) = free_ports(1)
     result = cli(f"http://127.0.0.1:{port}", "--timeout", "2", "--json")
     assert result.returncode == 2
@@ -171,6 +177,7 @@ def test_cli_on_a_server_that_is_not_there_says_unusable() -> None:
 
 
 def test_cli_help_names_the_engines_and_the_exit_statuses() -> None:
+    """--help names every engine, --engine and the exit statuses."""
     result = cli("--help")
     assert result.returncode == 0
     for word in ("vllm", "sglang", "trtllm", "triton", "llamacpp", "Exit 0", "--engine"):

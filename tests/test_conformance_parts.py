@@ -97,6 +97,7 @@ def test_routes_follow_gateway_api_precedence_and_end_in_the_gateways_404() -> N
 
 
 def test_a_listener_with_a_hostname_takes_only_its_hosts_routes() -> None:
+    """A listener's hostname keeps only the routes for that host; other hosts get the no-route rule."""
     hosts = vhosts(
         SECONDARY,
         [
@@ -117,6 +118,7 @@ def test_fail_open_rules_get_a_picked_route_and_a_fallback_route() -> None:
 
 
 def test_weighted_rules_switch_each_pools_picker_on_by_cluster_weight() -> None:
+    """A rule split over two pools becomes weighted clusters, each enabling only its own pool's picker."""
     split = HTTPRoute("w", PRIMARY.name, (Rule("/w", (BackendRef("a", 70), BackendRef("h", 30))),))
     (rule, _) = vhosts(PRIMARY, [split])["*"]
     weights = rule.route.weighted_clusters.clusters
@@ -138,6 +140,7 @@ def test_weighted_rules_switch_each_pools_picker_on_by_cluster_weight() -> None:
 def test_resolve_reads_the_routes_as_envoy_does(
     host: str | None, path: str, expected: str | None
 ) -> None:
+    """Route resolution matches host (port stripped) and whole-segment path prefixes as Envoy does."""
     routes = [
         route("p", PRIMARY, "/primary", "a", hosts=("h.example",)),
         route("s", PRIMARY, "/secondary", "b"),
@@ -177,6 +180,7 @@ REQUEST = Request("/p", "h.example", "POST", {"test-epp-endpoint-selection": "10
     ids=["ok", "status", "pod", "not-echo", "header-lost", "joined-values"],
 )
 def test_compare_is_compare_round_trip(seen: Observation, problem: str | None) -> None:
+    """An observation is compared with the expectation as GIE's CompareRoundTrip does, naming the first mismatch."""
     headers = {"x-served": "a"} if "x-served" in seen.headers else {}
     expected = Expected(REQUEST, headers=headers, backend="pod-a", namespace="ns")
     found = compare(expected, seen)

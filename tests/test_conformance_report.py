@@ -227,5 +227,6 @@ def test_the_picker_template_fills_each_word_without_a_shell() -> None:
     ids=["unknown", "positional", "format-spec", "json-braces", "quote", "lone-brace", "empty"],
 )
 def test_a_bad_picker_template_is_refused_with_the_reason(template: str, error: str) -> None:
+    """A picker command template with an unknown field, a format spec, bad quoting or nothing in it is refused, saying why."""
     with pytest.raises(TemplateError, match=error):
         PickerCommand.parse(template)

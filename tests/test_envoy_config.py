@@ -99,6 +99,7 @@ def test_filters_run_bbr_then_pickers_then_served_report_then_router(
 
 
 def test_bbr_sees_the_whole_request_and_nothing_of_the_response(config: dict[str, Any]) -> None:
+    """BBR's filter streams the request (headers, body, trailers), skips the response and fails closed."""
     bbr = http_filter(config, "bbr")
     assert bbr["processing_mode"] == {
         "request_header_mode": "SEND",
@@ -118,6 +119,7 @@ def test_bbr_sees_the_whole_request_and_nothing_of_the_response(config: dict[str
 def test_each_picker_follows_gie_reference_mode_and_its_failure_mode(
     config: dict[str, Any], pool: str, fail_open: bool
 ) -> None:
+    """Each picker's filter uses GIE's processing mode and metadata namespaces, failing open or closed as its pool says."""
     picker = http_filter(config, f"lwepp-{pool}")
     assert picker["grpc_service"]["envoy_grpc"]["cluster_name"] == f"lwepp-{pool}"
     assert picker["processing_mode"] == {
@@ -138,6 +140,7 @@ def test_each_picker_follows_gie_reference_mode_and_its_failure_mode(
 def test_served_endpoint_goes_from_upstream_host_to_envoy_lb_metadata(
     config: dict[str, Any],
 ) -> None:
+    """The upstream host is put in a response header, moved into envoy.lb metadata, and the header removed."""
     (host,) = manager(config)["route_config"]["virtual_hosts"]
     (added,) = host["response_headers_to_add"]
     assert added["header"] == {
@@ -272,6 +275,7 @@ def test_envoy_own_failures_are_rewritten_as_openai_errors(config: dict[str, Any
 
 
 def test_each_picker_is_off_except_on_its_own_pools_routes(config: dict[str, Any]) -> None:
+    """Each picker is disabled on the virtual host and enabled only on its own pool's routes."""
     (host,) = manager(config)["route_config"]["virtual_hosts"]
     off = {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
@@ -286,6 +290,7 @@ def test_each_picker_is_off_except_on_its_own_pools_routes(config: dict[str, Any
 
 
 def test_picked_endpoints_go_to_an_original_dst_cluster(config: dict[str, Any]) -> None:
+    """Each pool routes to an ORIGINAL_DST cluster keyed by the picked endpoint header; only the fail-open pool has a fallback."""
     for pool in ("a", "b"):
         picked = cluster(config, f"pool-{pool}")
         assert picked["type"] == "ORIGINAL_DST"
@@ -310,6 +315,7 @@ def test_picked_endpoints_go_to_an_original_dst_cluster(config: dict[str, Any]) 
 def test_processor_clusters_speak_http2_and_pickers_are_health_checked(
     config: dict[str, Any], name: str, port: int, health: int | None
 ) -> None:
+    """The ext_proc clusters speak HTTP/2 to 127.0.0.1; pickers are gRPC health-checked on their health port with no panic routing."""
     processor = cluster(config, name)
     options = processor["typed_extension_protocol_options"][
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -332,6 +338,7 @@ def test_processor_clusters_speak_http2_and_pickers_are_health_checked(
 
 
 def test_admin_and_listener_bind_loopback(config: dict[str, Any]) -> None:
+    """Envoy's admin and listener bind 127.0.0.1 only."""
     assert config["admin"]["address"]["socket_address"] == {
         "address": "127.0.0.1",
         "port_value": 9901,

@@ -93,6 +93,7 @@ def test_dockerfile_final_stages_carry_no_build_tools() -> None:
 
 
 def test_manifest_container_ports_are_exposed_by_their_image() -> None:
+    """Every port a manifest's container declares is one its image exposes, for all five Deployments."""
     deployments = 0
     for path in (ROOT / "manifests").rglob("*.yaml"):
         for doc in yaml.safe_load_all(path.read_text()):
@@ -187,6 +188,7 @@ def test_oci_layout_is_reproducible_and_self_consistent(tmp_path: Path) -> None:
 
 
 def test_base_layer_drops_device_nodes_and_apt_lists(tmp_path: Path) -> None:
+    """Rewriting the base layer drops device nodes and apt's lists and stamps one fixed mtime."""
     source = tmp_path / "rootfs.tar"
     with tarfile.open(source, "w") as tar:
         for name, kind in [

@@ -56,6 +56,7 @@ def test_in_cluster_reads_the_service_account_mount(tmp_path: Path) -> None:
 
 
 def test_outside_a_cluster_the_error_says_what_to_do(tmp_path: Path) -> None:
+    """Outside a cluster (or with no service-account token) the error says to give --kubeconfig or what is missing."""
     with pytest.raises(KubeconfigError, match="give --kubeconfig"):
         in_cluster_config({}, tmp_path)
     env = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}
@@ -104,6 +105,7 @@ def fake() -> Iterator[FakeKube]:
 
 
 def test_kubeconfig_token_and_namespace(tmp_path: Path, fake: FakeKube) -> None:
+    """A kubeconfig's token is sent as a bearer token; the context's namespace is used (default when none)."""
     config = kubeconfig_config(kubeconfig(tmp_path, fake.url, "{token: abc}"))
     assert config.namespace == "models"
     assert config.ssl is False  # insecure-skip-tls-verify
@@ -114,6 +116,7 @@ def test_kubeconfig_token_and_namespace(tmp_path: Path, fake: FakeKube) -> None:
 def test_kubeconfig_token_file_is_relative_to_the_kubeconfig(
     tmp_path: Path, fake: FakeKube
 ) -> None:
+    """A tokenFile is read relative to the kubeconfig's directory."""
     (tmp_path / "tok").write_text("from-file\n")
     config = kubeconfig_config(kubeconfig(tmp_path, fake.url, "{tokenFile: tok}"))
     assert sent_token(config, fake) == "Bearer from-file"
@@ -133,6 +136,7 @@ def test_kubeconfig_exec_plugin_token(tmp_path: Path, fake: FakeKube) -> None:
 
 
 def test_kubeconfig_ca_data_is_loaded(tmp_path: Path) -> None:
+    """certificate-authority-data becomes the TLS context's one trusted CA."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed to make a CA certificate")
     ca = base64.b64encode(self_signed(tmp_path).read_bytes()).decode()
@@ -157,6 +161,7 @@ def test_kubeconfig_ca_data_is_loaded(tmp_path: Path) -> None:
     ids=["unknown-context", "no-context", "not-a-mapping", "bad-yaml"],
 )
 def test_broken_kubeconfig_is_named(tmp_path: Path, text: str, message: str) -> None:
+    """A kubeconfig that is unreadable, not YAML, not a mapping or missing its context is refused, saying which."""
     path = tmp_path / "config"
     path.write_text(text)
     with pytest.raises(KubeconfigError, match=message):

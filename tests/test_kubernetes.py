@@ -146,6 +146,7 @@ def test_active_ports_follow_gie(annotation: str | None, expected: tuple[int, ..
 def test_ready_means_not_deleting_and_ready_condition_true(
     pod: dict[str, Any], ready: bool
 ) -> None:
+    """A pod is ready only with a true Ready condition and no deletion under way."""
     assert is_ready(pod) is ready
 
 
@@ -162,11 +163,13 @@ def test_ready_means_not_deleting_and_ready_condition_true(
     ids=["no-selector", "no-ports", "bad-port"],
 )
 def test_unusable_pool_specs_are_named(spec: dict[str, Any], message: str) -> None:
+    """An InferencePool spec missing its selector or ports, or with a bad port, is refused naming the field."""
     with pytest.raises(PoolSpecError, match=message.replace("[", r"\[")):
         pool_spec({"spec": spec})
 
 
 def test_pool_spec_reads_selector_ports_and_picker() -> None:
+    """A pool spec gives its selector, target ports and endpoint picker reference."""
     spec = pool_spec(k8s_pool(ports=(3000, 3002)))
     assert str(spec.selector) == "app=llama"
     assert spec.ports == (3000, 3002)
@@ -279,6 +282,8 @@ def test_selector_change_relists_and_port_change_applies_at_once() -> None:
 
 
 def test_deleted_pool_empties_the_list_and_a_new_one_fills_it() -> None:
+    """Deleting the pool empties the pod list (readiness stays); a new pool fills it again with its ports."""
+
     async def scenario(fake: FakeKube) -> None:
         fake.put(POOLS, k8s_pool())
         fake.put(PODS, k8s_pod("a", "10.0.0.1"))
@@ -434,6 +439,8 @@ def test_reflect_raises_nothing_on_a_broken_connection_and_stops_on_cancel() -> 
 
 
 def test_api_errors_carry_the_status() -> None:
+    """An API error carries the HTTP status and reason; a 404 is not "gone" (that is 410)."""
+
     async def scenario(fake: FakeKube) -> None:
         async with KubeApi(ClusterConfig(fake.url)) as api:
             with pytest.raises(ApiError) as caught:

@@ -149,6 +149,8 @@ def test_release_on_shutdown_lets_a_standby_take_over_at_once() -> None:
 
 
 def test_rbac_verbs_for_leases_are_get_create_update() -> None:
+    """Leader election uses only get, create and update on leases (what the RBAC grants)."""
+
     async def scenario(fake: FakeKube, api: KubeApi, clock: Clock) -> None:
         a = elector(fake, clock, "a")
         await a.step(api)
@@ -166,6 +168,7 @@ def test_rbac_verbs_for_leases_are_get_create_update() -> None:
     ids=["deadline-equals-duration", "retry-equals-deadline", "zero-retry"],
 )
 def test_timings_that_allow_two_leaders_are_refused(timings: LeaseTimings) -> None:
+    """Lease timings not ordered duration > renew deadline > retry period are refused."""
     with pytest.raises(ValueError, match="lease duration > renew deadline > retry period"):
         timings.check()
 

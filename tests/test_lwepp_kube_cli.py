@@ -34,6 +34,7 @@ def lwepp(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_help_documents_the_kubernetes_flags() -> None:
+    """--help documents the InferencePool, kubeconfig and leader-election flags."""
     out = lwepp("--help").stdout
     for flag in (
         "--pool-name",

@@ -374,6 +374,7 @@ def test_each_gateway_lists_the_routed_models_as_openai_does(
 
 
 def test_probes_hit_the_health_ports_and_services_the_code_reports() -> None:
+    """Each gRPC probe targets the health port and a health service the code reports; every port is declared."""
     for deployment in find(built("base"), "Deployment"):
         spec = container(deployment)
         if "livenessProbe" not in spec or "grpc" not in spec["livenessProbe"]:
@@ -496,6 +497,7 @@ def test_istio_dials_every_tls_service_with_tls() -> None:
 
 
 def test_leader_election_component_patches_every_picker(tmp_path: Path) -> None:
+    """The leader-election component gives every picker --leader-elect, two replicas and the liveness/readiness services."""
     docs = with_components(tmp_path, "base", "components/leader-election")
     pickers = [d for d in find(docs, "Deployment") if d["metadata"]["name"].startswith("lwepp-")]
     assert len(pickers) == len(POOL_NAMES)

@@ -39,6 +39,7 @@ def test_each_role_filter_keeps_the_roles_the_router_lists() -> None:
 
 
 def test_by_label_keeps_the_valid_values_and_unlabelled_ones_if_allowed() -> None:
+    """by-label keeps endpoints whose label value is valid, and unlabelled ones when allowsNoLabel."""
     params = Params({"label": "llm-d.ai/role", "validValues": ["decode"], "allowsNoLabel": True})
     assert kept(ByLabelFilter("b", params)) == ["decode", None]
 
@@ -54,5 +55,6 @@ def test_by_label_keeps_the_valid_values_and_unlabelled_ones_if_allowed() -> Non
 def test_by_label_refuses_a_filter_that_could_never_keep_anything(
     raw: dict[str, object], message: str
 ) -> None:
+    """by-label without a label, with no valid values (unless allowsNoLabel) or non-string ones is refused naming the field."""
     with pytest.raises(ConfigError, match=message):
         ByLabelFilter("b", Params(raw))

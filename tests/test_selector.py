@@ -34,6 +34,7 @@ LABELS = {"app": "vllm", "tier": "gold", "gpus": "8"}
     ],
 )
 def test_each_operator_selects_as_kubernetes_does(text: str, matches: bool) -> None:
+    """Each label selector operator (=, ==, !=, in, notin, exists, !, >, <) matches as in Kubernetes."""
     assert LabelSelector.parse(text).matches(LABELS) is matches
 
 
@@ -50,6 +51,7 @@ def test_each_operator_selects_as_kubernetes_does(text: str, matches: bool) -> N
     ],
 )
 def test_a_bad_selector_names_the_requirement_at_fault(text: str, message: str) -> None:
+    """A malformed selector is refused naming the requirement, key or value at fault."""
     with pytest.raises(SelectorError, match=message.replace("(", r"\(")):
         LabelSelector.parse(text)
 

@@ -51,6 +51,7 @@ def test_grpc_max_recv_msg_size_refuses_a_larger_message() -> None:
 
 
 def test_config_text_is_the_configuration_itself() -> None:
+    """--config-text is read as the picker configuration itself; its source is named --config-text."""
     text = "apiVersion: llm-d.ai/v1\nkind: EndpointPickerConfig\nplugins:\n- type: random-picker\n"
     args = build_parser().parse_args(["--pods", "p.yaml", "--config-text", text])
     config = load_picker_config(args)
@@ -72,10 +73,12 @@ def test_config_text_is_the_configuration_itself() -> None:
     ],
 )
 def test_the_originals_verbosity_sets_the_log_level(flags: list[str], level: str) -> None:
+    """The originals' -v and --zap-log-level set the log level; --log-level wins over them."""
     assert log_level(build_parser().parse_args(["--pods", "p.yaml", *flags])) == level
 
 
 def test_go_spellings_of_booleans_durations_and_sizes() -> None:
+    """Go's spellings of booleans, durations and byte sizes parse as Go does; anything else is refused."""
     assert [go_bool(t) for t in ("true", "T", "1", "false", "F", "0")] == [True] * 3 + [False] * 3
     assert [duration(t) for t in ("30s", "1m30s", "250ms", "1.5h", "7")] == [30, 90, 0.25, 5400, 7]
     assert [byte_size(t) for t in ("10MiB", "25MB", "4194304", "1Ki")] == [

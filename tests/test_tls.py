@@ -87,6 +87,7 @@ def test_tls_is_on_by_default_with_a_self_signed_certificate(tmp_path: Path) -> 
 
 
 def test_secure_serving_false_serves_plaintext(tmp_path: Path) -> None:
+    """--secure-serving=false serves the ext_proc port in plaintext (no TLS handshake)."""
     (tmp_path / "pods.yaml").write_text(PODS)
     with service("bbr", "--secure-serving=false") as (_, ports):
         assert ports["tls"] is False
@@ -153,6 +154,7 @@ def test_workers_present_one_certificate(tmp_path: Path) -> None:
 def test_a_bad_pair_stops_the_start_naming_the_file(
     tmp_path: Path, files: dict[str, bytes] | str, message: str
 ) -> None:
+    """A missing, non-PEM or mismatched certificate pair stops the start with exit 1, naming the file."""
     directory = tmp_path / "certs"
     directory.mkdir()
     if files == "mismatch":
@@ -184,6 +186,7 @@ def test_a_bad_pair_stops_the_start_naming_the_file(
     ids=["cert-path-without-tls", "reload-without-path", "tls-version", "not-a-bool"],
 )
 def test_tls_flags_are_checked(args: list[str], message: str) -> None:
+    """TLS flags that need another, a bad TLS version or a non-boolean are refused with exit 2."""
     result = subprocess.run(
         [sys.executable, "-m", "bbr", *args], capture_output=True, text=True, timeout=30
     )
@@ -209,6 +212,7 @@ def test_the_reloader_answers_only_a_changed_loadable_pair(tmp_path: Path) -> No
 
 
 def test_a_pair_round_trips_through_a_worker_s_environment() -> None:
+    """A key pair survives its PEM form (how workers inherit it); a key alone is refused."""
     pair = self_signed()
     assert KeyPair.from_pem(pair.pem()) == pair
     with pytest.raises(TLSError):
@@ -216,6 +220,7 @@ def test_a_pair_round_trips_through_a_worker_s_environment() -> None:
 
 
 def test_load_pair_checks_the_key_belongs_to_the_leaf(tmp_path: Path) -> None:
+    """Loading a pair checks the key belongs to the leaf certificate."""
     write_pair(tmp_path, self_signed())
     assert load_pair(tmp_path).chain == (tmp_path / CERT_FILE).read_bytes()
     (tmp_path / KEY_FILE).write_bytes(self_signed().key)
@@ -290,6 +295,7 @@ def test_drain_keeps_serving_with_readiness_off_until_it_ends() -> None:
 def test_server_tls_configures_from_flags_environment_or_a_new_pair(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """TLS uses the mounted pair when given, else the inherited one, else a fresh self-signed pair."""
     monkeypatch.delenv("SWITCHYARD_TLS_PAIR", raising=False)
     fresh = ServerTLS.configure(None, False)
     assert fresh.directory is None

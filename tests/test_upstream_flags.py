@@ -70,6 +70,7 @@ def test_the_router_s_standalone_selector_flags_are_accepted() -> None:
     ids=lambda f: " ".join(words(f)),
 )
 def test_every_flag_of_the_payload_processor_and_gie_bbr_is_accepted(flag: str | list[str]) -> None:
+    """Every flag the payload processor and GIE's BBR take is accepted (argparse exits on an unknown one)."""
     bbr_parser().parse_args(words(flag))
 
 
@@ -96,6 +97,7 @@ def test_each_picker_argument_list_parses_as_written(entry: str) -> None:
 
 @pytest.mark.parametrize("entry", list(BBRS))
 def test_each_bbr_argument_list_parses_as_written(entry: str) -> None:
+    """Each upstream BBR argument list parses with no ignored-flag warning, into the two standard plugins."""
     args = bbr_parser().parse_args(BBRS[entry]["args"])
     assert ignored_warnings(args, BBR_IGNORED) == []
     assert [p.type for p in args.plugins] == ["body-field-to-header", "base-model-to-header"]

@@ -99,8 +99,9 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def drive(port: int, streams: int, concurrency: int, connections: int = 1) -> None:
-    """Send ``streams`` whole streams, ``concurrency`` at a time, over ``connections``.
+async def drive(port: int, streams: int, concurrency: int, connections: int = 1) -> int:
+    """Send ``streams`` whole streams, ``concurrency`` at a time, over ``connections``;
+    return how many were answered (at least one reply; a failed call raises).
 
     Each connection is a channel with a subchannel pool of its own: grpc would
     otherwise share one TCP connection between channels to the same address,
@@ -125,10 +126,10 @@ async def drive(port: int, streams: int, concurrency: int, connections: int = 1)
             )
             for channel in channels
         ]
-        remaining = streams
+        remaining, answered = streams, 0
 
         async def worker(index: int) -> None:
-            nonlocal remaining
+            nonlocal remaining, answered
             process = calls[index % len(calls)]
             while remaining > 0:
                 remaining -= 1
@@ -136,10 +137,13 @@ async def drive(port: int, streams: int, concurrency: int, connections: int = 1)
                 await call.write(headers)
                 await call.write(body)
                 await call.done_writing()
+                replies = 0
                 while await call.read() is not grpc.aio.EOF:
-                    pass
+                    replies += 1
+                answered += replies > 0
 
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        return answered
     finally:
         for channel in channels:
             await channel.close()
@@ -176,8 +180,10 @@ def measure(
         for _ in range(rounds):
             for kind, (server, port) in servers.items():
                 cpu0, t0 = _cpu_seconds(server.pid), time.perf_counter()
-                asyncio.run(drive(port, streams, concurrency))
+                answered = asyncio.run(drive(port, streams, concurrency))
                 seconds = time.perf_counter() - t0
+                if answered != streams:  # a rate over streams not served would flatter it
+                    raise RuntimeError(f"{kind}: {answered} of {streams} streams answered")
                 runs[kind].append(Result(kind, streams, seconds, _cpu_seconds(server.pid) - cpu0))
     finally:
         os.sched_setaffinity(0, affinity)

@@ -54,7 +54,7 @@ typecheck: $(STAMP)
 ## stubs: regenerate stubs/, the ext_proc messages' types for mypy, from the installed
 ## xds-protos (after changing its pin; tests/test_stubs.py says when they are stale)
 stubs: $(STAMP)
-	$(PY) -m protos.stubgen
+	$(PY) -m stubs.generate
 
 ## fuzz: random ext_proc streams against BBR and LWEPP, FUZZ_EXAMPLES per service (new ones
 ## each run; make test runs 120 per service, the same each time)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from protos import stubgen
+from stubs import generate as stubgen
 
 
 def test_the_committed_stubs_are_what_the_generator_writes_now(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""``python -m protos.stubgen``: type stubs for the ext_proc messages, for mypy.
+"""``python -m stubs.generate``: type stubs for the ext_proc messages, for mypy.
 
 xds-protos ships Envoy's generated message classes with no type information,
 so to mypy every message would be ``Any`` and a misspelt field would reach
@@ -10,8 +10,8 @@ needed: the installed modules carry their own descriptors
 classes the services run with, and the stubs cannot drift from them unnoticed
 (``tests/test_stubs.py`` regenerates and compares).
 
-Stubs are written into ``stubs/`` (``mypy_path``) for the modules ``protos``
-imports and every file those import, so no field's type is left ``Any``;
+Stubs are written beside this file, into ``stubs/`` (``mypy_path``), for the
+modules ``protos`` imports and every file those import, so no field's type is left ``Any``;
 ``google.protobuf``'s own types come from types-protobuf. Stubs cost nothing
 at run time: mypy alone reads them.
 """
@@ -43,7 +43,7 @@ for these and for the files they import)."""
 TYPED_ELSEWHERE: Final = "google/protobuf/"
 """Files whose stubs types-protobuf already ships."""
 
-OUT: Final = Path(__file__).resolve().parent.parent / "stubs"
+OUT: Final = Path(__file__).resolve().parent
 
 PLUGIN: Final = "protoc-gen-mypy"
 """mypy-protobuf's protoc plugin (the dev extra installs it beside this Python)."""
@@ -94,7 +94,8 @@ def generate(out: Path = OUT) -> list[Path]:
     response = plugin_pb2.CodeGeneratorResponse.FromString(ran.stdout)
     if response.error:
         raise SystemExit(f"{PLUGIN}: {response.error}")
-    shutil.rmtree(out, ignore_errors=True)
+    for old in out.rglob("*.pyi"):  # this file stays; files no longer generated go
+        old.unlink()
     written = []
     for file in response.file:
         path = out / file.name
@@ -106,7 +107,7 @@ def generate(out: Path = OUT) -> list[Path]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m protos.stubgen", description=__doc__.split("\n")[0]
+        prog="python -m stubs.generate", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--out", type=Path, default=OUT, help="where to write (default: stubs/)")
     args = parser.parse_args(argv)

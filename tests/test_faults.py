@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
 import os
 import signal
@@ -87,11 +88,18 @@ async def steady(
     seconds: float,
     script: Callable[[Callable[[str], None]], Coroutine[Any, Any, None]],
     rate: float = RATE,
+    after: float = 4.0,
 ) -> Timeline:
     """Send ``rate`` requests a second for ``seconds`` (the models in turn), running ``script``
-    beside them; ``script`` marks the moments it acts on with ``mark(name)``."""
+    beside them; ``script`` marks the moments it acts on with ``mark(name)``.
+
+    The traffic goes on until the script has finished and ``after`` seconds more, however
+    long that takes: a restart slowed by a busy machine still has requests after it to show
+    the recovery, where a fixed window could end before it.
+    """
     timeline = Timeline()
     started = time.monotonic()
+    finished: float | None = None
 
     def mark(name: str) -> None:
         timeline.marks[name] = time.monotonic() - started
@@ -111,14 +119,26 @@ async def steady(
     async with aiohttp.ClientSession(
         timeout=timeout, headers={"content-type": "application/json"}
     ) as session:
-        acting = asyncio.create_task(script(mark))
+
+        async def acting() -> None:
+            nonlocal finished
+            await script(mark)
+            finished = time.monotonic() - started
+
+        script_task = asyncio.create_task(acting())
         tasks = []
-        for i in range(int(seconds * rate)):
-            due = started + i / rate
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
-            tasks.append(asyncio.create_task(one(session, due - started, models[i % len(models)])))
+        for i in itertools.count():
+            at = i / rate
+            if (
+                at >= seconds
+                and script_task.done()
+                and (finished is None or at >= finished + after)
+            ):
+                break  # (finished None: the script raised, and awaiting it below says how)
+            await asyncio.sleep(max(0.0, started + at - time.monotonic()))
+            tasks.append(asyncio.create_task(one(session, at, models[i % len(models)])))
         await asyncio.gather(*tasks)
-        await acting
+        await script_task
     timeline.samples.sort(key=lambda s: s.at)
     return timeline
 

@@ -711,11 +711,14 @@ def test_a_hung_or_garbled_metrics_endpoint_does_not_delay_picks(tmp_path: Path)
         )
         for mode in ("hang", "garbage")
     }
-    # No pick waited for a hung scrape (abandoned after 1 s): the slowest stays far below it.
-    # The p99 ratios are measured, not asserted: on a shared machine they move by tens of
-    # percent between runs (docs/reliability.md).
-    assert worst["hang"] < 0.5, worst
-    assert worst["garbage"] < 0.5, worst
+    # No pick waited for a hung scrape (abandoned after 1 s). A pick that did would take
+    # ~1 s against a normal p99 of about a millisecond: the faulty rounds' p99 would be
+    # hundreds of times the normal rounds'. Bounded at 5x, relative to normal rounds of the
+    # same run, so a loaded machine (which slows every round alike) cannot fail it; the exact
+    # ratios are measured, not asserted (docs/reliability.md).
+    assert ratio["hang"] < 5, (ratio, typical, worst)
+    assert ratio["garbage"] < 5, (ratio, typical, worst)
+    assert min(worst.values()) < 1.0, worst  # picks at all, not all stuck behind a timeout
     noticed = [
         e for e in log_records(tmp_path / "lwepp.log") if e["event"] == "metrics scrape failed"
     ]

@@ -50,7 +50,7 @@ import contextlib
 import functools
 import sys
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
-from typing import Any, TextIO, final
+from typing import Any, Final, TextIO, final
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -95,6 +95,9 @@ from protos.tls import TLSError, shared_tls
 
 log = structlog.get_logger()
 
+ANY_MODEL: Final = "*"
+"""``--pool NAME=*``: the pool for any model no other pool names (one pool, one machine)."""
+
 
 class OneHopState(PickState):
     """A picker's stream state, plus the headers message and the pool's picker, once chosen."""
@@ -113,7 +116,8 @@ class OneHop:
 
     ``router`` runs the request chain (its response chain is not run here: GIE's
     BBR has no response plugin by default, and the picker owns the response);
-    ``pickers`` maps each model name to its pool's picker service.
+    ``pickers`` maps each model name to its pool's picker service; the pool of
+    ``ANY_MODEL`` takes the models no other names, and requests that name none.
     """
 
     def __init__(
@@ -231,8 +235,8 @@ class OneHop:
         """
         half = state.request
         half.headers = with_changes(half.headers, set_headers, remove)
-        model = extproc.first_header(half.headers, MODEL_HEADER)
-        picker = self.pickers.get(model) if model is not None else None
+        model = extproc.first_header(half.headers, MODEL_HEADER) or ANY_MODEL
+        picker = self.pickers.get(model) or self.pickers.get(ANY_MODEL)
         metadata = None
         if picker is not None and state.first is not None:
             state.picker = picker
@@ -328,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         metavar="NAME=MODEL[,MODEL...]",
         help="a pool and the models routed to it (repeatable); its pods are those whose "
-        "--pool-label is NAME. Must agree with the gateway's routes",
+        "--pool-label is NAME; MODEL * takes any model no other pool names, and requests "
+        "naming none. Must agree with the gateway's routes",
     )
     add("--pool-label", default="pool", help="the pod label naming a pod's pool (%(default)s)")
     add("--pods-interval", type=float, default=1.0, help="seconds between pod file checks")
@@ -453,6 +458,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(problem)
     if args.workers > 1 and args.config is not None:
         parser.error("--workers with --config: each worker would learn from its share only")
+    configure_logging(log_level(args), args.zap_encoder)
     try:
         load_pods(args.pods)  # fail fast on a broken file
         source = FileSource(args.pods, interval=args.pods_interval)
@@ -465,7 +471,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(str(error))
     except (PodFileError, TLSError) as error:
         sys.exit(f"onehop: {error}")
-    configure_logging(log_level(args), args.zap_encoder)
     if args.workers > 1:
         flags = list(sys.argv[1:] if argv is None else argv)
         sys.exit(run_workers("lwepp.onehop", flags, args.workers, ports_of(args), shared_tls(tls)))

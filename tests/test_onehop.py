@@ -245,3 +245,28 @@ def test_the_parser_takes_several_pools() -> None:
     """--pool is repeatable and splits its models on commas."""
     args = build_parser().parse_args(["--pods", "p", "--pool", "a=m1, m2", "--pool", "b=m3"])
     assert args.pools == [("a", ("m1", "m2")), ("b", ("m3",))]
+
+
+def test_the_any_model_pool_takes_what_no_other_pool_names() -> None:
+    """``--pool NAME=*``: models no pool names, and requests naming none, go to that pool."""
+
+    async def scenario() -> list[str | None]:
+        source = StaticPods(*PODS)
+        router = BodyBasedRouter(CollectorRegistry(), streaming=True)
+
+        def picker(name: str) -> EndpointPickerService:
+            metrics = PickerMetrics(CollectorRegistry(), name)
+            return EndpointPickerService(Pool(source, {"pool": name}), RoundRobin(), metrics)
+
+        handler = OneHop(router, {"m-a": picker("a"), "*": picker("b")})
+        picked = []
+        async with (
+            running("onehop", handler) as ports,
+            ExtProcClient(f"127.0.0.1:{ports.grpc}") as client,
+        ):
+            for data in (body("m-a"), body("gpt-9"), b'{"prompt": "no model"}'):
+                replies = await client.exchange([request_headers(POST), request_body(data)])
+                picked.append(dict(set_headers(replies[0])).get("x-gateway-destination-endpoint"))
+        return picked
+
+    assert asyncio.run(scenario()) == ["10.0.0.2:3000", "10.0.1.1:4000", "10.0.1.1:4000"]

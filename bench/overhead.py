@@ -670,7 +670,7 @@ def run(options: Options) -> Section:
         rig.close()
     progress("overhead: streams per core")
     per_core = streams.measure(
-        ["noop-rw", "lwepp", "bbr"],
+        ["noop-rw", "noop-gen", "noop-sync", "lwepp", "bbr"],
         streams=sizes.stream_count,
         rounds=sizes.stream_rounds,
     )
@@ -868,7 +868,9 @@ def section(
         "still passing at the last step sustains at least that rate; 0: it missed the first).",
         "Streams per core: `bench/streams.py`, each server pinned to one CPU, headers + 4 KB "
         "body full-duplex; the ratio is server CPU per stream, the do-nothing server's over the "
-        "service's.",
+        "service's. The server loops, each doing nothing: noop-rw is grpc.aio with "
+        "context.read/write (what protos.server runs), noop-gen grpc.aio with an async "
+        "generator, noop-sync grpc's synchronous server (a thread per stream).",
         "Workers: `python -m lwepp --workers N`, streams/s from 8 client connections; with two "
         "CPUs the client shares them with the workers, so 2 workers cannot double it here.",
         "Where the time goes: each row is the difference of two cases' latency (median over "

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -97,3 +99,12 @@ def test_the_model_list_is_answered_without_the_one_hop(gateway: Topology) -> No
     assert listing.status == 200
     assert [card["id"] for card in listing.json()["data"]] == ["model-a", "model-b"]
     assert envoy_stats(gateway)["http.gateway.ext_proc.onehop.streams_started"] == before
+
+
+def test_fail_open_is_refused_with_one_hop(tmp_path: Path) -> None:
+    """--fail-open means nothing when one service reads every body: refused, saying why."""
+    argv = [sys.executable, "-m", "demo", "--one-hop", "--fail-open", "b"]
+    argv += ["--work-dir", str(tmp_path)]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 1
+    assert "--fail-open has no meaning with --one-hop" in result.stderr

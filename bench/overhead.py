@@ -200,8 +200,11 @@ ONE_HOP_TARGETS: Final = (
 """(gateway case, peer case, limit): the gateway's added p50 at concurrency 1 over the upstream,
 as a multiple of the peer's over the same upstream."""
 
-ONE_HOP_RATE: Final = ("one-hop", "bbr+lwepp", 1.6)
-"""(case, base case, limit): sustained requests/s, the Python hops on one core in both."""
+ONE_HOP_RATE: Final = 1.6
+"""Requests per Python core-second, the one hop's over the two hops' (BBR's stream and LWEPP's
+stream for every request), both read off whole streams on one core (``bench/streams.py``):
+the Python process is the ceiling of every ext_proc case, so this is the gateway's rate per
+core of Python, measured as CPU time, which a busy machine disturbs less than a rate."""
 
 COMPARISONS: Final = (
     ("lwepp", "noop-picker", 1.15, "LWEPP"),
@@ -670,7 +673,7 @@ def run(options: Options) -> Section:
         rig.close()
     progress("overhead: streams per core")
     per_core = streams.measure(
-        ["noop-rw", "noop-gen", "noop-sync", "lwepp", "bbr"],
+        ["noop-rw", "noop-gen", "noop-sync", "lwepp", "bbr", "onehop"],
         streams=sizes.stream_count,
         rounds=sizes.stream_rounds,
     )
@@ -794,16 +797,9 @@ def section(
                 limit,
             )
         )
-    key, base_key, limit = ONE_HOP_RATE
-    base_rate = sustained(steps[base_key])
-    targets.append(
-        Target(
-            "one-hop gateway sustained req/s vs the two-hop gateway's (Python on one core each)",
-            sustained(steps[key]) / base_rate if base_rate else float("nan"),
-            limit,
-            at_most=False,
-        )
-    )
+    base_rate = sustained(steps["bbr+lwepp"])
+    rate = sustained(steps["one-hop"]) / base_rate if base_rate else float("nan")
+    ratio_rows.append(["one hop vs BBR + LWEPP", "sustained rate", rate, None, None])
     by_kind = {r.kind: r for r in per_core}
     base = by_kind["noop-rw"]
     stream_rows = [
@@ -816,6 +812,15 @@ def section(
         ]
         for r in per_core
     ]
+    two_hops = by_kind["lwepp"].cpu_us_per_stream + by_kind["bbr"].cpu_us_per_stream
+    targets.append(
+        Target(
+            "one-hop requests per Python core-second vs two hops' (BBR's + LWEPP's stream)",
+            two_hops / by_kind["onehop"].cpu_us_per_stream,
+            ONE_HOP_RATE,
+            at_most=False,
+        )
+    )
     for kind, limit, name in (("lwepp", 0.8, "LWEPP"), ("bbr", 0.7, "BBR")):
         targets.append(
             Target(

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from bbr.server import BodyBasedRouter
 from bench.hooks import STREAM_KINDS
 from bench.hooks import service as picker_service
+from lwepp.onehop import OneHop
 from protos import extproc
 from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse
 from protos.logs import configure_logging
@@ -148,6 +149,8 @@ def handler_for(kind: str) -> grpc.GenericRpcHandler:
             service = picker_service(None)
         case "bbr":
             service = BodyBasedRouter(CollectorRegistry())
+        case "onehop":  # BBR's chain, then LWEPP's round-robin pick, in one stream
+            service = OneHop(BodyBasedRouter(CollectorRegistry()), {"*": picker_service(None)})
         case hooked if hooked in STREAM_KINDS:  # the pipelines of bench/hooks.py
             service = picker_service(int(hooked.removeprefix("lwepp-hooks-")))
         case _:

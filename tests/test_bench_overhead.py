@@ -28,8 +28,8 @@ def test_overhead_smoke_run_measures_every_case_and_every_request_succeeds(
         len(cases),
         len(cases),
         len(pieces),
-        3 * len(overhead.COMPARISONS) + 3,  # and the TLS hop's: two concurrencies, the rate
-        5,  # three server loops doing nothing, LWEPP, BBR
+        3 * len(overhead.COMPARISONS) + 4,  # the TLS hop's (two concurrencies, the rate), one hop's
+        6,  # three server loops doing nothing, LWEPP, BBR, the one hop
         2,
     ]
     assert [row[0] for row in section.tables[2].rows] == [what for what, _, _ in pieces]

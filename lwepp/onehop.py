@@ -458,17 +458,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(problem)
     if args.workers > 1 and args.config is not None:
         parser.error("--workers with --config: each worker would learn from its share only")
-    configure_logging(log_level(args), args.zap_encoder)
+    source = FileSource(args.pods, interval=args.pods_interval)
     try:
-        load_pods(args.pods)  # fail fast on a broken file
-        source = FileSource(args.pods, interval=args.pods_interval)
-        source.reload()
-        built = build(args, source)
-        tls = server_tls(args)
+        built = build(args, source)  # a bad --config, --plugin or --pool stops here
     except picker_config.ConfigErrors as error:
         parser.error(f"argument --config:\n{error}")
     except ConfigError as error:
         parser.error(str(error))
+    configure_logging(log_level(args), args.zap_encoder)
+    try:
+        load_pods(args.pods)  # fail fast on a broken file
+        source.reload()
+        tls = server_tls(args)
     except (PodFileError, TLSError) as error:
         sys.exit(f"onehop: {error}")
     if args.workers > 1:

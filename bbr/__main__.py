@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from bbr.plugins import DEFAULT_PLUGINS, PluginSpec
 from bbr.server import HEALTH_SERVICES, BodyBasedRouter
 from plugin import ConfigError
+from pods.kubeapi import KubeconfigError
 from protos.cli import (
     COMMON_IGNORED,
     Parser,
@@ -30,6 +31,7 @@ from protos.cli import (
     grpc_options,
     ignored_warnings,
     log_level,
+    metrics_auth,
     ports_of,
     server_tls,
     serving_problem,
@@ -104,7 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.warning("flag", detail=warning)
     try:
         tls = server_tls(args)
-    except TLSError as error:
+        auth = metrics_auth(args)
+    except (TLSError, KubeconfigError) as error:
         sys.exit(f"bbr: {error}")
     if args.workers > 1:
         flags = list(sys.argv[1:] if argv is None else argv)
@@ -125,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 drain=args.drain_timeout,
                 grpc_options=grpc_options(args),
                 health_on_ext_proc=bool(args.health_checking),
+                json_routes={} if args.enable_debug_pages else None,
+                metrics_auth=auth,
             )
         )
     return 0

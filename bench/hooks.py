@@ -32,9 +32,10 @@ from prometheus_client import CollectorRegistry
 
 from bench.streams import HEADERS, measure
 from lwepp.contracts import Candidate, LLMRequest
+from lwepp.metrics import PickerMetrics
 from lwepp.picking import Pool, RoundRobin, Strategy
 from lwepp.pipeline import EXPLAIN_HEADER, Pipeline
-from lwepp.server import EndpointPickerService, PickerMetrics, PickState
+from lwepp.server import EndpointPickerService, PickState
 from pods.model import Endpoint, Pod, StaticSource
 from protos.extproc import ProcessingResponse
 
@@ -84,12 +85,15 @@ def _label(plugins: int) -> str:
 
 
 def pipeline(plugins: int) -> Pipeline:
-    """A pipeline of 0, 1 or 5 do-nothing plugins."""
+    """A pipeline of 0, 1 or 5 do-nothing plugins, explaining when a request asks (the
+    ``--explain=header`` a demo runs; only the last variant asks)."""
     if plugins == 0:
-        return Pipeline()
+        return Pipeline(explain="header")
     if plugins == 1:
-        return Pipeline([Constant("one")])
-    return Pipeline([Nothing(), KeepAll(), *(Constant(f"s{i}") for i in range(3))])
+        return Pipeline([Constant("one")], explain="header")
+    return Pipeline(
+        [Nothing(), KeepAll(), *(Constant(f"s{i}") for i in range(3))], explain="header"
+    )
 
 
 def pool() -> Pool:

@@ -26,7 +26,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.codec import per_call_us
 from lwepp.contracts import Candidate, Filter, LLMRequest, Measurement, Scorer
 from lwepp.plugins import REGISTRY
+from lwepp.plugins.inflight import InFlightLoadProducer
 from lwepp.plugins.metrics_source import MetricsDataSource
+from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
 from lwepp.plugins.prefix import PrefixCacheScorer
 from lwepp.plugins.prefix_index import PrefixIndex, block_hashes, seed
 from lwepp.plugins.session_affinity import token
@@ -130,6 +132,7 @@ def plugin_rows(measure: Measure) -> list[Row]:
     ):
         scorer: Scorer = build(kind)
         rows.append(Row(kind, measure(_scoring(scorer, plain, pool, now)), baseline))
+    rows += load_rows(measure, pool, now, baseline)
     selector: Filter = build(
         "label-selector-filter",
         matchLabels={"pool": "a"},
@@ -181,6 +184,82 @@ def plugin_rows(measure: Measure) -> list[Row]:
         ),
     ]
     return rows
+
+
+def load_rows(measure: Measure, pool: list[Candidate], now: float, baseline: float) -> list[Row]:
+    """The request-path load plugins: the producer's whole life of a request, and the scorers
+    reading it (every candidate with requests and tokens in flight) or the scraped queue."""
+    producer = InFlightLoadProducer("inflight-load-producer")
+    body = FrozenDict(chat_body())
+    for i, candidate in enumerate(pool):  # i + 1 requests in flight on candidate i
+        for _ in range(i + 1):
+            producer.picked(LLMRequest("busy", {}, parsed=body), [candidate.endpoint])
+    loaded = LLMRequest("r", {}, model="sql")
+    producer.prepare(loaded)
+    no_hit = build("no-hit-lru-scorer")
+    for candidate in pool:  # every candidate in its LRU: the cold path's longest walk
+        no_hit.score(loaded, pool, now)
+        no_hit.picked(loaded, [candidate.endpoint])
+
+    def request_life() -> None:
+        request = LLMRequest("r", {}, model="sql", parsed=body)
+        producer.prepare(request)
+        producer.picked(request, [pool[3].endpoint])
+        producer.response_chunk(request, b"data: {}")
+        producer.response_complete(request, pool[3].endpoint.hostport, None)
+
+    rows = [
+        Row(
+            f"{kind} (requests and tokens in flight everywhere)",
+            measure(_scoring(build(kind), loaded, pool, now)),
+            baseline,
+        )
+        for kind in ("active-request-scorer", "token-load-scorer")
+    ]
+    rows += [
+        Row(
+            "load-aware-scorer",
+            measure(_scoring(build("load-aware-scorer"), loaded, pool, now)),
+            baseline,
+        ),
+        Row(
+            "no-hit-lru-scorer (cold request)",
+            measure(_scoring(no_hit, loaded, pool, now)),
+            baseline,
+        ),
+        Row(
+            "inflight-load-producer prepare + picked + chunk + complete (4 KB chat)",
+            measure(request_life),
+            baseline,
+        ),
+    ]
+    return rows + precise_rows(measure, pool, now, baseline)
+
+
+def precise_rows(measure: Measure, pool: list[Candidate], now: float, baseline: float) -> list[Row]:
+    """The precise prefix cache: tokenizing the 4 KB chat (the simulator's tokenizer) into
+    block keys, and scoring it with every block held by one engine, as its events said."""
+    producer = PrecisePrefixCacheProducer(
+        "precise", Params({"tokenizer": "simulator.openai.prompt_token_ids"}, "precise")
+    )
+    scorer = PrefixCacheScorer("prefix")
+    scorer.use_precise(producer)
+    raw = orjson.dumps(chat_body())
+    warm = LLMRequest("warm", {}, body=raw)
+    producer.prepare(warm)
+    keys = producer.request_keys(warm)
+    producer.index.stored(pool[3].endpoint.address, list(range(len(keys))), keys)
+    producer.sequence[pool[3].endpoint.address] = 0
+
+    def prepare() -> None:
+        producer.prepare(LLMRequest("r", {}, body=raw))
+
+    return [
+        Row(f"precise-prefix-cache-producer prepare (4 KB chat, {len(keys)} blocks)",
+            measure(prepare), baseline),
+        Row("prefix-cache-scorer score, precise (all blocks held by one)",
+            measure(_scoring(scorer, warm, pool, now)), baseline),
+    ]  # fmt: skip
 
 
 def vllm_page(histograms: int = 16, buckets: int = 28) -> str:

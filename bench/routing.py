@@ -12,6 +12,10 @@ round-robin        ``Pipeline()`` with no plugins: LWEPP's default
 random             ``bench/configs/random.yaml`` (random-picker)
 least-queue        ``bench/configs/least-queue.yaml`` (metrics-data-source + queue-scorer)
 prefix-aware       ``demo/configs/prefix-aware.yaml``, exactly the example users get
+recommended        ``demo/configs/recommended.yaml``: prefix affinity held in check by
+                   the requests and prompt tokens the picker has in flight per engine
+precise            ``bench/configs/precise.yaml``: the same, with the precise prefix
+                   cache fed by the engines' KV-cache events (``subscribe``)
 oracle-lookahead   ``bench.oracle.Lookahead``: forks every engine's exact state and
                    simulates it forward; the earliest first token wins
 oracle-estimate    ``bench.oracle.Oracle``: exact caches and queues, a step-model estimate
@@ -19,7 +23,7 @@ offline-partition  ``bench.oracle.partition``: every group on one engine, from t
                    whole workload known in advance (shared-prefix only)
 =================  =========================================================
 
-The first four are the picker users run: ``lwepp.config.load_config(path)
+The first six are the picker users run: ``lwepp.config.load_config(path)
 .pipeline(store=..., clock=...)`` with the virtual clock, each request routed
 through the ``Strategy`` seam exactly as the service does it,
 ``pipeline.pick(PickRequest(headers, body), endpoints)``.
@@ -32,8 +36,8 @@ the file sets it) per endpoint, the endpoints' scrapes staggered across the
 interval as independent pollers drift apart. The scrape itself takes no
 virtual time (a loopback scrape takes well under a millisecond). The
 pick's followup hears what the service would tell it: the response headers
-with the served endpoint when the first token comes back, and, when the
-stream ends, its last event (the token usage) and its end.
+with the served endpoint and the first event when the first token comes
+back, and, when the stream ends, its last event (the token usage) and its end.
 
 Measured per run (workload × strategy, × rate for the swept workload), over
 the requests after the warm-up (``WARMUP``): time to first token (arrival to
@@ -59,6 +63,7 @@ current vLLM, to show what each one changes.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
@@ -83,17 +88,21 @@ from lwepp.picking import Followup, PickRequest
 from lwepp.pipeline import Pipeline
 from lwepp.plugins.metrics_source import MetricsDataSource
 from lwepp.plugins.pickers import RandomPicker
+from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
+from lwepp.plugins.prefix import PrecisePrefixCacheScorer
 from pods.model import Endpoint
 from protos.exchange import Refusal
 from simulator import metrics
 from simulator.clocks import VirtualEngine, VirtualLoop
 from simulator.engine import Engine, Event, Request, Scheduling
+from simulator.kv_events import KVEventLog
 from simulator.profiles import PROFILES, Profile
 from simulator.tokenizer import output_token_ids
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 CONFIGS: Final = Path(__file__).resolve().parent / "configs"
 PREFIX_AWARE: Final = ROOT / "demo" / "configs" / "prefix-aware.yaml"
+RECOMMENDED: Final = ROOT / "demo" / "configs" / "recommended.yaml"
 TRACES: Final = Path(os.environ.get("SWITCHYARD_TRACES", Path(__file__).parent / "traces"))
 """Where the trace slices are (``bench/traces/README.md``); ``SWITCHYARD_TRACES`` overrides it."""
 MOONCAKE_FILE: Final = "mooncake_synthetic_trace.last1000.jsonl"
@@ -105,7 +114,14 @@ ENGINES: Final = 8
 DEFAULT_SCHEDULING: Final = Scheduling()
 """The engines' scheduler switches: current vLLM's (``simulator.engine.Scheduling``)."""
 PROFILE: Final = "llama-3.1-8b-l4"
-PICKERS: Final = ("round-robin", "random", "least-queue", "prefix-aware")
+PICKERS: Final = (
+    "round-robin",
+    "random",
+    "least-queue",
+    "prefix-aware",
+    "recommended",
+    "precise",
+)
 """The strategies users run: the oracle envelope must not be beaten by any of them."""
 ORACLES: Final = ("oracle-lookahead", "oracle-estimate")
 """The two online references whose better p90, per run, is the oracle envelope."""
@@ -117,6 +133,8 @@ CONFIG_FILES: Final = {
     "random": CONFIGS / "random.yaml",
     "least-queue": CONFIGS / "least-queue.yaml",
     "prefix-aware": PREFIX_AWARE,
+    "recommended": RECOMMENDED,
+    "precise": CONFIGS / "precise.yaml",
 }
 
 
@@ -187,8 +205,9 @@ class PipelineRouter:
 
     def first_token(self, arrival: Arrival, index: int, handle: Any) -> None:
         followup: Followup | None = handle
-        if followup is not None:
+        if followup is not None:  # the stream's headers, then its first event, as vLLM sends them
             followup.headers(self.endpoints[index].hostport, _STREAM_HEADERS)
+            followup.chunk(_FIRST_EVENT)
 
     def complete(self, arrival: Arrival, index: int, handle: Any, request: Request) -> None:
         followup: Followup | None = handle
@@ -206,6 +225,7 @@ class PipelineRouter:
 
 _STREAM_HEADERS: Final = {":status": "200", "content-type": "text/event-stream"}
 _DONE: Final = b"\n\ndata: [DONE]\n\n"
+_FIRST_EVENT: Final = b'data: {"choices":[{"index":0,"delta":{"content":" "}}]}\n\n'
 
 
 def _request_side_failures(counter: Any) -> float:
@@ -318,7 +338,27 @@ def router(
     pipeline = config.pipeline(store=AttributeStore(), clock=clock, explain="off")
     if isinstance(pipeline.picker, RandomPicker):  # weighted-random-picker is one too
         pipeline.picker.rng = random.Random(seed)  # the pickers take an injected rng; seeded here
+    for source in pipeline.sources:
+        if isinstance(source, PrecisePrefixCacheProducer | PrecisePrefixCacheScorer):
+            subscribe(source if isinstance(source, PrecisePrefixCacheProducer) else source.source,
+                      engines, pool)  # fmt: skip
     return PipelineRouter(strategy, pipeline, pipeline.sources, pool)
+
+
+def subscribe(
+    producer: PrecisePrefixCacheProducer, engines: Sequence[Engine], pool: Sequence[Endpoint]
+) -> None:
+    """Each engine's KV-cache events straight into ``producer``, as its ZMQ subscriber would
+    receive them (``simulator.kv_events``: the same payloads and sequence numbers, no socket;
+    delivered at the end of the step that made them, no network delay)."""
+    for engine, endpoint in zip(engines, pool, strict=True):
+        topic = f"kv@{endpoint.hostport}@{workloads.MODEL}".encode()
+        numbers = itertools.count()
+
+        def sink(payload: bytes, topic: bytes = topic, numbers: Any = numbers) -> None:
+            producer.ingest(topic, next(numbers).to_bytes(8, "big"), payload)
+
+        engine.publish_kv_events(KVEventLog(engine.profile.block_size, sink))
 
 
 # --- one run -------------------------------------------------------------------------
@@ -859,6 +899,8 @@ def section(
         )
     tables.append(ratio_table(shared))
     tables.append(workload_table(by_workload, sizes.target_rate))
+    tables.append(workload_table(by_workload, sizes.target_rate, "recommended"))
+    tables.append(workload_table(by_workload, sizes.target_rate, "precise"))
     tables.append(bound_table(outcomes))
     if variants:
         tables.append(variant_table(outcomes, variants))
@@ -887,7 +929,12 @@ def section(
         command="python -m bench routing",
         tables=tables,
         plots=plots,
-        targets=[*targets(shared, sizes.target_rate), bound_target(outcomes)],
+        targets=[
+            *targets(shared, sizes.target_rate),
+            *recommended_targets(by_workload, sizes.target_rate),
+            *precise_targets(by_workload, sizes.target_rate),
+            bound_target(outcomes),
+        ],
         data={
             "profile": asdict(profile),
             "scheduling": asdict(DEFAULT_SCHEDULING),
@@ -1005,13 +1052,15 @@ def ratio_table(shared: Sequence[Outcome]) -> Table:
     )
 
 
-def workload_table(by_workload: Mapping[str, Sequence[Outcome]], target_rate: float) -> Table:
+def workload_table(
+    by_workload: Mapping[str, Sequence[Outcome]], target_rate: float, picker: str = "prefix-aware"
+) -> Table:
     """prefix-aware beside round-robin and the oracle envelope on every workload (shared
     prefix at the target rate)."""
     rows: list[list[object]] = []
     for workload, outcomes in by_workload.items():
         rate = target_rate if any(o.rate is not None for o in outcomes) else None
-        pa, rr = _find(outcomes, "prefix-aware", rate), _find(outcomes, "round-robin", rate)
+        pa, rr = _find(outcomes, picker, rate), _find(outcomes, "round-robin", rate)
         best = envelope(outcomes, workload, rate)
         if pa is None or rr is None or best is None:
             continue
@@ -1031,7 +1080,7 @@ def workload_table(by_workload: Mapping[str, Sequence[Outcome]], target_rate: fl
             ]
         )
     return Table(
-        "Every workload: prefix-aware beside round-robin and the oracle envelope",
+        f"Every workload: {picker} beside round-robin and the oracle envelope",
         [
             "workload",
             "TTFT p50 / RR",
@@ -1046,7 +1095,7 @@ def workload_table(by_workload: Mapping[str, Sequence[Outcome]], target_rate: fl
             "load max/mean",
         ],
         rows,
-        "Ratios below 1 favour prefix-aware. 'engines used': engines that served at least one "
+        f"Ratios below 1 favour {picker}. 'engines used': engines that served at least one "
         f"request, of {ENGINES}.",
     )
 
@@ -1207,6 +1256,68 @@ def targets(shared: Sequence[Outcome], rate: float) -> list[Target]:
             at_most=False,
         ),
     ]
+
+
+RECOMMENDED_LIMITS: Final = (
+    ("multi-turn", "ITL p90", lambda o: o.itl_p90, 1.0),
+    ("multi-turn", "TTFT p90", _p90, 1.0),
+    ("azure-code", "TTFT p50", lambda o: o.ttft_p50, 1.0),
+    ("azure-code", "TTFT p90", _p90, 1.0),
+    ("mooncake", "TTFT p90", _p90, 1.0),
+    ("shared-prefix", "TTFT p90", _p90, 0.1),
+)
+"""The recommended configuration against round-robin: never worse on any workload (real
+traces included), and a tenth of its p90 where prompts share long prefixes."""
+
+
+def recommended_targets(by_workload: Mapping[str, Sequence[Outcome]], rate: float) -> list[Target]:
+    """``RECOMMENDED_LIMITS``, each on the workloads this run has (shared prefix at ``rate``)."""
+    found = []
+    for workload, what, value, limit in RECOMMENDED_LIMITS:
+        outcomes = by_workload.get(workload, [])
+        at = rate if any(o.rate is not None for o in outcomes) else None
+        rec, rr = _find(outcomes, "recommended", at), _find(outcomes, "round-robin", at)
+        if rec is None or rr is None:
+            continue
+        ratio = versus(rec, rr, value)
+        where = workload if at is None else f"{workload} at {at:g} requests/s"
+        found.append(
+            Target(
+                f"recommended {what} / round-robin's, {where}",
+                ratio if isinstance(ratio, float) else math.nan,
+                limit,
+            )
+        )
+    return found
+
+
+def precise_targets(by_workload: Mapping[str, Sequence[Outcome]], rate: float) -> list[Target]:
+    """The precise prefix cache against the oracle envelope, on shared prefix (at ``rate``)
+    and the Mooncake trace: its hit rate at least 0.98× the envelope's, its TTFT p90 at most
+    1.05× the envelope's."""
+    found = []
+    for workload in ("shared-prefix", "mooncake"):
+        outcomes = by_workload.get(workload, [])
+        at = rate if any(o.rate is not None for o in outcomes) else None
+        precise, best = _find(outcomes, "precise", at), envelope(outcomes, workload, at)
+        if precise is None or best is None:
+            continue
+        where = workload if at is None else f"{workload} at {at:g} requests/s"
+        hits, p90 = versus(precise, best, _hits), versus(precise, best, _p90)
+        found += [
+            Target(
+                f"precise hit rate / oracle envelope's, {where}",
+                hits if isinstance(hits, float) else math.nan,
+                0.98,
+                at_most=False,
+            ),
+            Target(
+                f"precise TTFT p90 / oracle envelope's, {where}",
+                p90 if isinstance(p90, float) else math.nan,
+                1.05,
+            ),
+        ]
+    return found
 
 
 def workload_notes(sizes: Sizes) -> dict[str, str]:

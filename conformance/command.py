@@ -41,15 +41,19 @@ FIELDS: Final = {
 SWITCHYARD: Final = (
     "{python} -m lwepp --pods {pods} --selector {selector} --host {host} "
     "--grpc-port {grpc_port} --grpc-health-port {health_port} --metrics-port {metrics_port} "
-    "--secure-serving=false --log-level info"
+    "--secure-serving=false --log-level info "
+    "--enable-test-selection-header --report-served-endpoint"
 )
 """Switchyard's LWEPP, with the ports GIE's manifests give lwepp. Plaintext: this harness's
 gateway and picker client dial every picker under test in plaintext (GIE's gateways dial TLS;
-the demo and the end-to-end tests cover that hop)."""
+the demo and the end-to-end tests cover that hop). GIE's tests pin replicas with
+``test-epp-endpoint-selection`` and read ``x-conformance-test-served-endpoint``, two things
+GIE's lwepp always does and Switchyard does only when asked: both flags turn them on."""
 
 ONE_HOP: Final = (
     'sh -c \'exec "$0" -m lwepp.onehop --pods "$1" --pool-label app --pool "${{2#app=}}=*" '
     '--host "$3" --grpc-port "$4" --grpc-health-port "$5" --metrics-port "$6" '
+    "--enable-test-selection-header --report-served-endpoint "
     "--secure-serving=false --log-level info' "
     "{python} {pods} {selector} {host} {grpc_port} {health_port} {metrics_port}"
 )

@@ -13,7 +13,7 @@ from importlib import resources
 from pathlib import Path
 from types import FrameType
 
-from demo.topology import Topology, TopologyError
+from demo.topology import DEMO_PICKER_FLAGS, Topology, TopologyError
 from pods.file import PodFileError
 from pods.model import Pod
 
@@ -133,6 +133,11 @@ def banner(topology: Topology) -> str:
             "In the answers: x-conformance-test-served-endpoint is the server that answered, as",
             "Envoy reported it to the pool's picker. Errors, from any part, are OpenAI-style JSON.",
         ]
+    out += [
+        "",
+        f"The pickers run {' '.join(DEMO_PICKER_FLAGS)}: off by default, on here so that",
+        "there is something to see (docs/security.md says what each lets a client do).",
+    ]
     out += ["", "Logs (JSON lines):"]
     for name, service in topology.services.items():
         metrics = service.listening.get("metrics_port")

@@ -431,16 +431,31 @@ def one_hop_filter() -> hcm.HttpFilter:
     )
 
 
-def strip_client_routing_filter() -> hcm.HttpFilter:
-    """Drop a client's own ``x-gateway-destination-endpoint`` before anything reads it.
+GATEWAY_ONLY_HEADERS: Final = (
+    ENDPOINT_HEADER,
+    MODEL_HEADER,
+    SERVED_KEY,
+    "x-conformance-test-served-endpoint",
+    "x-echo-set-header",
+)
+"""Request headers only the gateway may set, which a client's request loses at the door:
+the destination (an ORIGINAL_DST cluster connects wherever it points), the model (routes
+match on it; BBR sets it from the body), and the served-endpoint report with the conformance
+echo server's request for it (the picker sets that, with ``--report-served-endpoint``)."""
 
-    An ORIGINAL_DST cluster connects wherever that header points, so only the
-    picker may set it. Otherwise a request to a FailOpen pool whose picker is
-    down would carry the client's address straight to the router.
+
+def strip_client_routing_filter() -> hcm.HttpFilter:
+    """Drop a client's own ``GATEWAY_ONLY_HEADERS`` before anything reads them.
+
+    First in the chain, so every route sees the request without them: the
+    picker's route, where BBR and the picker set them again, and a FailOpen
+    pool's fallback with its picker down, where nothing does (otherwise a
+    client's ``x-gateway-destination-endpoint`` would go straight to the
+    router, and to whatever address it names).
     """
-    remove = mutation_rules.HeaderMutation(remove=ENDPOINT_HEADER)
+    removals = [mutation_rules.HeaderMutation(remove=name) for name in GATEWAY_ONLY_HEADERS]
     config = header_mutation.HeaderMutation(
-        mutations=header_mutation.Mutations(request_mutations=[remove])
+        mutations=header_mutation.Mutations(request_mutations=removals)
     )
     return hcm.HttpFilter(name="strip-client-routing", typed_config=_any(config))
 

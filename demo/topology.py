@@ -50,6 +50,18 @@ HOST: Final = "127.0.0.1"
 STOP_TIMEOUT: Final = 15.0
 """SIGTERM, then SIGKILL after this long (pickers give open streams 10 s to finish)."""
 
+DEMO_PICKER_FLAGS: Final = (
+    "--enable-test-selection-header",  # pin a replica: curl -H 'test-epp-endpoint-selection: ip'
+    "--report-served-endpoint",  # each response names its replica
+    "--explain=header",  # x-switchyard-explain: 1 shows the decision (with --config)
+    "--enable-debug-pages",  # /debug/decisions, /debug/attributes, /debug/runtime
+)
+"""What the demo turns on in every picker so that there is something to see; all of it is
+off by default, since it lets a client choose or learn its replica (``docs/security.md``)."""
+
+DEMO_BBR_FLAGS: Final = ("--enable-debug-pages",)
+"""BBR's ``/debug/runtime``, for the soak run."""
+
 T = TypeVar("T")
 
 
@@ -303,10 +315,12 @@ class Topology(Processes):
     some pools' pickers, by pool name; ``bbr_args``: more flags for BBR.
     ``simulator``: False when the pods are servers already running (see the
     module docstring); ``on_server_change(pod, why)`` then hears each
-    readiness change (``why`` None: ready again). ``one_hop``: one
-    ``lwepp.onehop`` service (named ``onehop``) does BBR's job and every
-    pool's pick, and Envoy calls it once per request, in place of BBR and
-    the pickers (``picker_args`` and ``bbr_args`` then go to it).
+    readiness change (``why`` None: ready again). ``demo_flags``: start the
+    services with ``DEMO_PICKER_FLAGS`` and ``DEMO_BBR_FLAGS`` (False: with
+    their production defaults). ``one_hop``: one ``lwepp.onehop`` service
+    (named ``onehop``) does BBR's job and every pool's pick, and Envoy calls
+    it once per request, in place of BBR and the pickers (it gets the
+    pickers' demo flags; ``picker_args`` and ``bbr_args`` go to it too).
     """
 
     def __init__(
@@ -326,9 +340,11 @@ class Topology(Processes):
         bbr_args: Sequence[str] = (),
         simulator: bool = True,
         on_server_change: Callable[[Pod, str | None], None] | None = None,
+        demo_flags: bool = True,
         one_hop: bool = False,
     ) -> None:
         self.work_dir = work_dir
+        self._demo_flags = demo_flags
         self.one_hop = one_hop
         self._picker_args = dict(picker_args or {})
         self._bbr_args = list(bbr_args)
@@ -388,10 +404,13 @@ class Topology(Processes):
                 "lwepp",
                 *("--pods", pods, "--selector", f"pool={pool.name}"),
                 *(("--config", str(self.picker_config)) if self.picker_config else ()),
+                *(DEMO_PICKER_FLAGS if self._demo_flags else ()),
                 *self._picker_args.get(pool.name, ()),
             )
         if not self.one_hop:
-            self._ext_proc("bbr", "bbr", *self._bbr_args)
+            self._ext_proc(
+                "bbr", "bbr", *(DEMO_BBR_FLAGS if self._demo_flags else ()), *self._bbr_args
+            )
         # All started at once, so they come up in parallel; now wait for each.
         for service in self.services.values():
             service.listening = wait_for(
@@ -422,6 +441,7 @@ class Topology(Processes):
             pods,
             *(f"--pool={pool.name}={','.join(pool.models)}" for pool in self.pools),
             *(("--config", str(self.picker_config)) if self.picker_config else ()),
+            *(DEMO_PICKER_FLAGS if self._demo_flags else ()),
             *(arg for args in self._picker_args.values() for arg in args),
             *self._bbr_args,
         )

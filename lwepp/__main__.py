@@ -18,16 +18,17 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, Final, TextIO
+from typing import Any, Final, TextIO, cast
 
 import structlog
 from prometheus_client import CollectorRegistry
 
 from lwepp import config as picker_config
 from lwepp.leader import LeaderElector, LeaseTimings
+from lwepp.metrics import PickerMetrics
 from lwepp.picking import Pool, RoundRobin, Strategy
-from lwepp.pipeline import DecisionLog, Pipeline
-from lwepp.server import EndpointPickerService, PickerMetrics
+from lwepp.pipeline import DecisionLog, ExplainMode, Pipeline
+from lwepp.server import EndpointPickerService
 from pods.file import FileSource, PodFileError, load_pods
 from pods.kubeapi import KubeconfigError, load_kubeconfig
 from pods.kubernetes import DEFAULT_GROUP, InferencePoolSource
@@ -37,17 +38,20 @@ from protos.cli import (
     COMMON_IGNORED,
     Ignored,
     Parser,
+    add_bool,
     add_ignored_flags,
     add_serving_flags,
     duration,
     grpc_options,
     ignored_warnings,
     log_level,
+    metrics_auth,
     ports_of,
     server_tls,
     serving_problem,
 )
 from protos.logs import configure_logging
+from protos.metrics_auth import MetricsAuth
 from protos.server import EXT_PROC_SERVICE, Health, Ports, run_workers, serve
 from protos.tls import ServerTLS, TLSError, shared_tls
 
@@ -78,12 +82,6 @@ IGNORED: Final = (
         "--enable-grpc-stream-metrics",
         "bool",
         "no per-stream gRPC metrics; see llm_d_epp_request_total",
-        quiet=False,
-    ),
-    Ignored(
-        "--emit-endpoint-scores",
-        "bool",
-        "scores are explained on request (x-switchyard-explain: 1), in x-switchyard-decision",
         quiet=False,
     ),
     Ignored(
@@ -255,24 +253,48 @@ def build_parser() -> argparse.ArgumentParser:
     picking.add_argument(
         "--explain",
         choices=["header", "all", "off"],
-        default="header",
-        help="with --config: explain decisions in the response header x-switchyard-decision "
-        "when a request asks (x-switchyard-explain: 1), for every request, or never",
+        default=None,
+        help="with --config: explain decisions (every candidate's address, scores and "
+        "measurements) to the client, in the response header x-switchyard-decision, when a "
+        "request asks (x-switchyard-explain: 1), for every request, or never (default off)",
+    )
+    add_bool(
+        picking,
+        "--emit-endpoint-scores",
+        False,
+        "the llm-d router's switch for the same: --explain=all (default false)",
     )
     picking.add_argument(
         "--debug-decisions",
         type=int,
         default=100,
         metavar="N",
-        help="with --config: how many explained decisions and fallbacks "
-        "GET /debug/decisions on the metrics port keeps",
+        help="with --config and --enable-debug-pages: how many explained decisions and "
+        "fallbacks GET /debug/decisions on the metrics port keeps",
     )
-    picking.add_argument(
-        "--disable-test-selection-header",
+    conformance = parser.add_argument_group(
+        "GIE's conformance tests (both off: they let a client choose, or learn, its replica)"
+    )
+    conformance.add_argument(
+        "--enable-test-selection-header",
+        dest="test_selection",
         action="store_true",
-        help="ignore GIE's conformance header test-epp-endpoint-selection, with which any "
-        "client can choose the replicas of the pool that may serve it (honoured by default, "
-        "as GIE's lwepp does; turn it off in production)",
+        help="honour test-epp-endpoint-selection, the header with which a client names the "
+        "replicas that may serve it (GIE's lwepp always does; default: ignored)",
+    )
+    conformance.add_argument(
+        "--disable-test-selection-header",
+        dest="test_selection",
+        action="store_false",
+        help="ignore that header: the default; accepted for deployments that still say so "
+        "(of the two flags, the last one given wins)",
+    )
+    conformance.add_argument(
+        "--report-served-endpoint",
+        action="store_true",
+        help="name the replica that served each request in the response header "
+        "x-conformance-test-served-endpoint (with x-went-into-resp-headers), and ask GIE's "
+        "echo server to echo it, as GIE's lwepp always does (default: never)",
     )
     picking.add_argument(
         "--refresh-prometheus-metrics-interval",
@@ -318,6 +340,14 @@ def workers_problem(
             "would learn only its own share; run one worker per replica instead"
         )
     return None
+
+
+def explain_mode(args: argparse.Namespace) -> ExplainMode:
+    """``--explain``, else ``all`` with ``--emit-endpoint-scores``, else ``off``: a
+    decision shows every candidate's address and load, so no client sees one unasked."""
+    if args.explain is not None:
+        return cast(ExplainMode, args.explain)
+    return "all" if args.emit_endpoint_scores else "off"
 
 
 def warnings(args: argparse.Namespace) -> list[str]:
@@ -411,6 +441,7 @@ async def run(
     elector: LeaderElector | None = None,
     config: picker_config.PickerConfig | None = None,
     tls: ServerTLS | None = None,
+    auth: MetricsAuth | None = None,
 ) -> None:
     pool = Pool(source, args.selector)
     registry = CollectorRegistry()
@@ -423,7 +454,7 @@ async def run(
             log.warning("configuration", detail=warning)
         pipeline = config.pipeline(
             registry=registry,
-            explain=args.explain,
+            explain=explain_mode(args),
             decisions=DecisionLog(args.debug_decisions),
             pool=pool_label(args),
         )
@@ -439,7 +470,8 @@ async def run(
         strategy,
         metrics,
         args.max_body_bytes,
-        test_selection=not args.disable_test_selection_header,
+        test_selection=args.test_selection,
+        report_served=args.report_served_endpoint,
     )
     every = args.refresh_prometheus_metrics_interval
     jobs.append(lambda: refresh_metrics(every, metrics, pool, pipeline))
@@ -450,7 +482,8 @@ async def run(
         health_of(source, elector),
         registry,
         background=[source.run, *jobs] if elector is None else [source.run, elector.run, *jobs],
-        json_routes=pages,
+        json_routes=pages if args.enable_debug_pages else None,
+        metrics_auth=auth,
         grace=args.grace,
         trace=trace,
         tls=tls,
@@ -475,6 +508,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         source, elector = pod_source(args)
         tls = server_tls(args)
+        auth = metrics_auth(args, args.kubeconfig)
     except (PodFileError, KubeconfigError, ValueError, TLSError) as error:
         sys.exit(f"lwepp: {error}")
     if args.workers > 1:
@@ -482,7 +516,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(run_workers("lwepp", flags, args.workers, ports_of(args), shared_tls(tls)))
     with contextlib.ExitStack() as files:
         trace = files.enter_context(open(args.trace_messages, "a")) if args.trace_messages else None
-        asyncio.run(run(args, trace, source, elector, config, tls))
+        asyncio.run(run(args, trace, source, elector, config, tls, auth))
 
 
 if __name__ == "__main__":

@@ -79,7 +79,10 @@ import yaml
 
 from lwepp.pipeline import ROLES, Pipeline
 from lwepp.plugins import ALIASES, DEPRECATED, FOLDED, REGISTRY
+from lwepp.plugins.inflight import PRODUCER as IN_FLIGHT
+from lwepp.plugins.inflight import InFlightLoadProducer
 from lwepp.plugins.metrics_source import CoreMetricsExtractor, MetricsDataSource
+from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
 from lwepp.plugins.prefix import DEFAULT_PRODUCER, ApproxPrefixCacheProducer, PrefixCacheScorer
 from plugin import Built, ConfigError, Factory, Params, Role, build, needs_body
 
@@ -166,20 +169,17 @@ UNSUPPORTED: Final = {
     "a data-parallel profile handler (list each rank's port as an endpoint instead)": (
         "data-parallel-profile-handler",
     ),
-    "prompts tokenized by the model's tokenizer, and the precise prefix cache fed by the "
-    "engines' KV-cache events (prefix-cache-scorer estimates from the prompt text instead)": (
-        "precise-prefix-cache-producer", "precise-prefix-cache-scorer", "token-producer",
-        "tokenizer", "endpoint-notification-source", "k8s-notification-source",
+    "prompts tokenized by a separate token producer or the engine's render endpoint "
+    "(precise-prefix-cache-producer takes a local tokenizer instead)": (
+        "token-producer", "tokenizer", "endpoint-notification-source", "k8s-notification-source",
     ),
     "multimodal embedding-cache affinity": (
         "mm-embeddings-cache-producer", "mm-embeddings-cache-scorer",
     ),
     "burst co-location of prompt-sharing requests": ("burst-prefix-cache-producer",),
-    "load counted in flight or in tokens": (
-        "load-aware-scorer", "active-request-scorer", "token-load-scorer",
-        "running-requests-size-scorer", "inflight-load-producer", "context-length-aware",
+    "running-request and context-length scoring": (
+        "running-requests-size-scorer", "context-length-aware",
     ),
-    "cold-request spreading": ("no-hit-lru-scorer",),
     "endpoint attributes beyond the metrics source (DCGM GPU telemetry, attribute filters)": (
         "dcgm-data-source", "dcgm-extractor", "endpoint-attribute-filter",
         "endpoint-attribute-scorer", "utilization-filter",
@@ -203,6 +203,10 @@ UNSUPPORTED: Final = {
     ),
 }  # fmt: skip
 """Router features Switchyard does not implement, and the plugin types that need them."""
+
+TOKENS_FEATURE: Final = next(f for f in UNSUPPORTED if "token-producer" in UNSUPPORTED[f])
+"""The router's separate tokenizing plugins: a precise producer without a tokenizer of its
+own relies on them, and is reported through them."""
 
 FEATURE_OF: Final = {kind: feature for feature, kinds in UNSUPPORTED.items() for kind in kinds}
 
@@ -385,13 +389,23 @@ class _Decoder:
         folded: dict[str, Configured] = {}
         named: dict[str, str] = {}  # every plugin name in the file → its path
         needing: dict[str, list[str]] = {}  # unsupported feature → "type (line n)"
+        untokenized: list[ConfigError] = []  # precise producers with no tokenizer of their own
         for entry in entries:
             with self.checking():
-                made = self.plugin(entry, named, needing)
+                try:
+                    made = self.plugin(entry, named, needing)
+                except ConfigError as error:
+                    if not (error.field or "").endswith(".tokenizer"):
+                        raise
+                    untokenized.append(error)
+                    made = None
                 if made is not None and made.type in FOLDED:
                     folded[made.name] = made
                 elif made is not None:
                     plugins.append(made)
+        if TOKENS_FEATURE not in needing:  # else the token producer they rely on is reported
+            for missing in untokenized:
+                self.error(_keys(missing.field or ""), str(missing))
         skipped = {n for n, p in named.items() if n not in {c.name for c in plugins}}
         if needing:
             features = "; ".join(f"{f} ({', '.join(kinds)})" for f, kinds in needing.items())
@@ -405,6 +419,7 @@ class _Decoder:
         name, listed, weights = profile
         running = self.running(plugins, name, listed)
         self.defaults(plugins, running, folded, sections.get("dataLayer"))
+        self.in_flight(plugins, running)
         self.check_attributes(running)
         return PickerConfig(
             self.path,
@@ -505,6 +520,17 @@ class _Decoder:
         for p in by_name.values():
             if not isinstance(p.plugin, PrefixCacheScorer):
                 continue
+            precise = by_name.get(p.plugin.producer)
+            if precise is not None and isinstance(precise.plugin, PrecisePrefixCacheProducer):
+                if p.plugin.own_settings:
+                    self.error(
+                        _keys(p.path),
+                        f"plugin {p.name!r} ({p.type}): parameters: "
+                        f"{', '.join(p.plugin.own_settings)} belong to an approximate index; "
+                        f"{precise.name!r} indexes the engines' own blocks",
+                    )
+                p.plugin.use_precise(precise.plugin)
+                continue
             producer = folded.get(p.plugin.producer)
             if producer is not None:
                 if p.plugin.own_settings:
@@ -521,7 +547,8 @@ class _Decoder:
                 self.error(
                     _keys(f"{p.path}.parameters.prefixMatchInfoProducerName"),
                     f"plugin {p.name!r} ({p.type}): prefixMatchInfoProducerName: "
-                    f"{p.plugin.producer!r} names no approx-prefix-cache-producer",
+                    f"{p.plugin.producer!r} names no approx-prefix-cache-producer or "
+                    "precise-prefix-cache-producer",
                 )
         pairs = {
             str(e.get("pluginRef")): str(s.get("pluginRef"))
@@ -665,6 +692,29 @@ class _Decoder:
             f"{', '.join(sorted(missing))} (the router's default data source; "
             "dataLayer.injectDefaults: false refuses instead)",
         )
+
+    def in_flight(self, plugins: list[Configured], running: list[Configured]) -> None:
+        """Add the ``inflight-load-producer`` a running scorer reads, as the router's data
+        graph does; a producer named in ``inFlightLoadProducerName`` must exist."""
+        producers = {p.name for p in running if isinstance(p.plugin, InFlightLoadProducer)}
+        for p in list(running):
+            wanted = getattr(p.plugin, "in_flight_producer", None)
+            if wanted is None or wanted in producers:
+                continue
+            if wanted != IN_FLIGHT:
+                self.error(
+                    _keys(f"{p.path}.parameters.inFlightLoadProducerName"),
+                    f"plugin {p.name!r} ({p.type}): inFlightLoadProducerName: {wanted!r} "
+                    "names no inflight-load-producer",
+                )
+                continue
+            made = build(IN_FLIGHT, IN_FLIGHT, None, self.registry, ROLES)
+            added = Configured(IN_FLIGHT, IN_FLIGHT, made.plugin, made.roles, p.path)
+            plugins.append(added)
+            running.append(added)
+            producers.add(IN_FLIGHT)
+            self.warn(_keys(p.path), f"added {IN_FLIGHT}: {p.name} reads its counts "
+                      "(the router creates it for its consumers too)")  # fmt: skip
 
     def check_attributes(self, running: Sequence[Configured]) -> None:
         """Every attribute a running plugin reads must come from a configured data source."""

@@ -60,13 +60,12 @@ from bbr.plugins import DEFAULT_PLUGINS, PluginSpec
 from bbr.server import BodyBasedRouter
 from lwepp import config as picker_config
 from lwepp.__main__ import HEALTH_SERVICES, refresh_metrics
+from lwepp.metrics import MODEL_HEADER, PickerMetrics
 from lwepp.picking import Pool, RoundRobin, Strategy
 from lwepp.pipeline import DecisionLog, Pipeline
 from lwepp.server import (
     DESTINATION,
-    MODEL_HEADER,
     EndpointPickerService,
-    PickerMetrics,
     PickState,
     pass_chunk,
     routing_headers,
@@ -242,7 +241,7 @@ class OneHop:
             state.picker = picker
             state.candidates = picker.candidates_for(state.first, half.headers)
             endpoint = picker.choose(state, body)
-            set_headers = [*set_headers, *routing_headers(endpoint)]
+            set_headers = [*set_headers, *routing_headers(endpoint, picker.report_served)]
             metadata = {extproc.LB_NAMESPACE: {DESTINATION: endpoint}}
         if headers:
             return extproc.headers_response(
@@ -357,6 +356,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TYPE:NAME[:JSON]",
         help="BBR's request plugins, in order (as python -m bbr); default: the model extractor",
     )
+    add(
+        "--enable-test-selection-header",
+        dest="test_selection",
+        action="store_true",
+        help="honour test-epp-endpoint-selection, as python -m lwepp does (default: ignored)",
+    )
+    add(
+        "--report-served-endpoint",
+        action="store_true",
+        help="name the replica that served each request in x-conformance-test-served-endpoint, "
+        "as python -m lwepp does (default: never)",
+    )
     add_bool(
         parser,
         "--streaming",
@@ -414,7 +425,14 @@ def build(
             jobs += pipeline.background(functools.partial(endpoints_now, pool))
             pages |= {f"{path}/{name}": page for path, page in pipeline.debug_pages().items()}
         metrics = PickerMetrics(registry, name)
-        picker = EndpointPickerService(pool, strategy, metrics, args.max_body_bytes)
+        picker = EndpointPickerService(
+            pool,
+            strategy,
+            metrics,
+            args.max_body_bytes,
+            test_selection=args.test_selection,
+            report_served=args.report_served_endpoint,
+        )
         every = args.refresh_prometheus_metrics_interval
         jobs.append(functools.partial(refresh_metrics, every, metrics, pool, pipeline))
         for model in models:
@@ -441,7 +459,7 @@ async def run(
         Health(HEALTH_SERVICES, ready=lambda: source.synced),
         registry,
         background=jobs,
-        json_routes=pages,
+        json_routes=pages if args.enable_debug_pages else None,
         grace=args.grace,
         trace=trace,
         tls=tls,

@@ -41,8 +41,9 @@ standard deviation of the attributes the data sources measured:
 pool's ``name``. ``llm_d_epp_plugin_errors_total{plugin,stage}`` is
 Switchyard's own (the router has no such count).
 
-Explaining: a request with ``x-switchyard-explain: 1`` (or every request,
-with ``explain="all"``) gets ``x-switchyard-decision`` on its response:
+Explaining (off unless asked for: a decision names every candidate's address
+and load): with ``explain="header"`` a request with ``x-switchyard-explain: 1``
+(with ``explain="all"`` every request) gets ``x-switchyard-decision`` on its response:
 compact JSON of what each filter removed, every candidate's scores and the
 pick, or the failure that made it round-robin. The record is built only when
 asked for. The last ones, and every fallback, are kept for
@@ -216,7 +217,7 @@ class Pipeline:
         store: AttributeStore | None = None,
         clock: Callable[[], float] = time.monotonic,
         registry: CollectorRegistry | None = None,
-        explain: ExplainMode = "header",
+        explain: ExplainMode = "off",
         decisions: DecisionLog | None = None,
         types: Mapping[str, str] | None = None,
         pool: str = "",
@@ -488,7 +489,7 @@ class Pipeline:
     ) -> list[Callable[[], Coroutine[Any, Any, None]]]:
         """The data sources' tasks, for ``protos.server.serve`` to run (each restarted on failure).
 
-        A source that fails is counted as ``lwepp_plugin_errors_total{stage="source"}``.
+        A source that fails is counted as ``llm_d_epp_plugin_errors_total{stage="source"}``.
         """
 
         def failed(source: str, error: BaseException) -> None:

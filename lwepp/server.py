@@ -14,9 +14,10 @@ request_body chunks    In FULL_DUPLEX_STREAMED mode Envoy forwards only what
                        we send back, so chunks are held (at most 10 MiB) and,
                        at the end, the held headers reply goes out followed
                        by the body. In other modes each chunk is acknowledged.
-response_headers       Report the endpoint the gateway says served the
-                       request (``envoy.lb`` metadata) as a response header,
-                       with whatever the pick's followup adds.
+response_headers       With ``report_served`` (GIE's conformance tests), report
+                       the endpoint the gateway says served the request
+                       (``envoy.lb`` metadata) as a response header; add
+                       whatever the pick's followup adds.
 response_body chunks   Passed on, and to the pick's followup.
 anything else          Acknowledge unchanged.
 =====================  =====================================================
@@ -46,8 +47,8 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from lwepp.metrics import ERROR_CODES, PickerMetrics
 from lwepp.picking import (
     SUBSET_NAMESPACE,
     TEST_SELECTION_HEADER,
@@ -69,7 +70,7 @@ from protos.exchange import (
     header_value_problem,
 )
 from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse
-from protos.server import Stream, build_info
+from protos.server import Stream
 
 log = structlog.get_logger()
 
@@ -77,6 +78,9 @@ DESTINATION: Final = "x-gateway-destination-endpoint"
 SERVED: Final = "x-gateway-destination-endpoint-served"
 SERVED_REPORT: Final = "x-conformance-test-served-endpoint"
 ECHO_SET_HEADER: Final = "X-Echo-Set-Header"
+
+UNCHANGED_RESPONSE_HEADERS: Final = extproc.headers_response("response")
+"""The reply to response headers when nothing is reported or added: go on unchanged."""
 
 MODES: Final = (BodyMode.FULL_DUPLEX_STREAMED, BodyMode.NONE)
 """Body modes assumed when Envoy sends no ``protocol_config``: GIE's full-duplex request."""
@@ -93,87 +97,6 @@ class PickState(Exchange):
         self.followup: Followup | None = None
 
 
-class PickerMetrics:
-    """The picker's Prometheus metrics, with the llm-d router's names and labels.
-
-    What its dashboards query (``docs/metrics.md`` of llm-d-router v0.10), on a
-    registry of the caller's:
-
-    - ``llm_d_epp_request_total{model_name,target_model_name,fairness_id,priority}``:
-      requests routed. The model is the request's ``x-gateway-model-name``
-      (BBR's; Switchyard rewrites no model, so both names agree), the fairness
-      id the ``x-llm-d-inference-fairness-id`` header (else ``default-flow``),
-      the priority 0 (no InferenceObjective is read). A model or fairness id
-      past the 1,000th distinct one counts as ``other``, as in the router;
-    - ``llm_d_epp_request_error_total{...,error_code}``: requests refused, by
-      the router's code names (``ServiceUnavailable``, ``ResourceExhausted``...);
-    - ``llm_d_epp_scheduler_attempts_total{status,target_model_name,endpoint_name,namespace,port}``:
-      picks, with the pod and port of a success;
-    - ``llm_d_epp_ready_endpoints{name}``: endpoints in pool ``name``, set by
-      ``refresh`` (a background job, as the router's
-      ``--refresh-prometheus-metrics-interval``);
-    - ``llm_d_epp_info{commit,build_ref}``: 1.
-
-    Gauges say how ``--workers`` combine them (``multiprocess_mode``): the
-    workers read the same pool, so the largest value of the live ones.
-    """
-
-    CAP: Final = 1000
-
-    def __init__(self, registry: CollectorRegistry, pool: str = "", namespace: str = "") -> None:
-        def counter(name: str, about: str, *labels: str) -> Counter:
-            return Counter(f"llm_d_epp_{name}", about, labels, registry=registry)
-
-        def gauge(name: str, about: str, *labels: str) -> Gauge:
-            return Gauge(
-                f"llm_d_epp_{name}", about, labels, registry=registry, multiprocess_mode="livemax"
-            )
-
-        request = ("model_name", "target_model_name", "fairness_id", "priority")
-        self.namespace = namespace
-        self.requests = counter("request", "Total number of processed requests.", *request)
-        self.errors = counter(
-            "request_error", "Total number of request errors.", *request, "error_code"
-        )
-        self.attempts = counter(
-            "scheduler_attempts",
-            "Total number of scheduling attempts.",
-            *("status", "target_model_name", "endpoint_name", "namespace", "port"),
-        )
-        self.ready = gauge("ready_endpoints", "Ready endpoints in the pool.", "name").labels(pool)
-        gauge("info", "The current build.", "commit", "build_ref").labels(*build_info()).set(1)
-        self._seen: dict[str, set[str]] = {"model": set(), "fairness": set()}
-
-    def bounded(self, kind: str, value: str) -> str:
-        """``value``, or ``other`` once ``CAP`` distinct values of its kind were counted."""
-        seen = self._seen[kind]
-        if value not in seen and len(seen) >= self.CAP:
-            return "other"
-        seen.add(value)
-        return value
-
-    def labels(self, headers: Sequence[tuple[str, str]]) -> tuple[str, str, str, str]:
-        """``(model_name, target_model_name, fairness_id, priority)`` of a request."""
-        model = self.bounded("model", extproc.first_header(headers, MODEL_HEADER) or "")
-        fairness = extproc.first_header(headers, FAIRNESS_HEADER) or DEFAULT_FAIRNESS
-        return model, model, self.bounded("fairness", fairness), "0"
-
-    def refresh(self, endpoints: Sequence[Endpoint]) -> None:
-        self.ready.set(len(endpoints))
-
-
-MODEL_HEADER: Final = "x-gateway-model-name"
-FAIRNESS_HEADER: Final = "x-llm-d-inference-fairness-id"
-DEFAULT_FAIRNESS: Final = "default-flow"
-ERROR_CODES: Final = {
-    400: "BadRequest",
-    413: "ResourceExhausted",
-    431: "BadRequest",
-    503: "ServiceUnavailable",
-}
-"""HTTP status → the llm-d router's error code names; any other status is ``Internal``."""
-
-
 class EndpointPickerService:
     """The ext_proc handler: reads one stream top to bottom, answering each phase."""
 
@@ -184,20 +107,34 @@ class EndpointPickerService:
         metrics: PickerMetrics,
         max_body_bytes: int = MAX_BODY_BYTES,
         *,
-        test_selection: bool = True,
+        test_selection: bool = False,
+        report_served: bool = False,
     ) -> None:
-        """``test_selection``: honour GIE's ``test-epp-endpoint-selection`` header, with
-        which a client narrows the candidates (GIE's lwepp always does; its conformance
-        tests need it). Off, the header is ignored: a client cannot choose its replica."""
+        """Two switches for GIE's conformance tests, both off unless asked for.
+
+        ``test_selection``: honour GIE's ``test-epp-endpoint-selection`` header,
+        with which a client narrows the candidates (GIE's lwepp always does; its
+        conformance tests pin replicas with it). Off, the header is ignored: a
+        client cannot choose its replica.
+
+        ``report_served``: tell the client which replica served it, the way GIE's
+        lwepp does for its conformance tests: ``X-Echo-Set-Header`` on the request
+        (the conformance echo server copies it into its response) and
+        ``x-conformance-test-served-endpoint`` and ``x-went-into-resp-headers`` on
+        the response. Off, no response names a replica's address.
+        """
         self.pool = pool
         self.strategy = strategy
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.test_selection = test_selection
+        self.report_served = report_served
         # Speed, behind three names: a reply depends on the endpoint (or the report)
         # alone, and building its Struct is the costliest step of a stream, so each is
         # built once and reused; so are the counters' children. Bounded: pods come and go.
-        self.routing_reply = functools.lru_cache(maxsize=4096)(routing_reply)
+        self.routing_reply = functools.lru_cache(maxsize=4096)(
+            functools.partial(routing_reply, report=report_served)
+        )
         self.served_reply = functools.lru_cache(maxsize=4096)(served_endpoint_reply)
         self.request_counter = functools.lru_cache(maxsize=4096)(metrics.requests.labels)
         self.attempt_counter = functools.lru_cache(maxsize=4096)(metrics.attempts.labels)
@@ -327,7 +264,9 @@ class EndpointPickerService:
             endpoint = primary.hostport
         else:
             endpoint = ",".join(e.hostport for e in chosen.endpoints)
-        check_headers_fit("request", state.request.headers, routing_headers(endpoint))
+        check_headers_fit(
+            "request", state.request.headers, routing_headers(endpoint, self.report_served)
+        )
         labels = self.metrics.labels(state.request.headers)
         self.request_counter(*labels).inc()
         self.attempt_counter(
@@ -340,14 +279,18 @@ class EndpointPickerService:
     def on_response_headers(
         self, message: ProcessingRequest, state: PickState
     ) -> list[ProcessingResponse]:
-        """Report the served endpoint, with the headers the pick's followup adds."""
+        """Report the served endpoint (if asked to), with the headers the pick's followup adds."""
         if state.followup is None:
+            if not self.report_served:
+                return [UNCHANGED_RESPONSE_HEADERS]
             return [self.served_reply(served_report(message))]
         pairs = extproc.header_pairs(message.response_headers)
         added = state.followup.headers(served_endpoint(message), dict(reversed(pairs)))
         # The body comes to us only in a body mode other than NONE, and only if there is one.
         if message.response_headers.end_of_stream or state.response.mode == BodyMode.NONE:
             self.end_response(state)
+        if not self.report_served:
+            return [extproc.headers_response("response", added)]
         return [served_endpoint_reply(served_report(message), tuple(added))]
 
     def on_response_body(self, chunk: Any, state: PickState) -> list[ProcessingResponse]:
@@ -365,20 +308,19 @@ class EndpointPickerService:
             followup.end()
 
 
-def routing_headers(endpoint: str) -> list[tuple[str, str]]:
-    """The request headers that name ``endpoint`` (``ip:port``, or a list)."""
-    return [
-        (DESTINATION, endpoint),
-        # GIE's conformance echo server copies this into a response header.
-        (ECHO_SET_HEADER, f"{SERVED_REPORT}:{endpoint}"),
-    ]
+def routing_headers(endpoint: str, report: bool = False) -> list[tuple[str, str]]:
+    """The request headers that name ``endpoint`` (``ip:port``, or a list); with ``report``,
+    also the one that asks GIE's conformance echo server to name it in its response."""
+    if not report:
+        return [(DESTINATION, endpoint)]
+    return [(DESTINATION, endpoint), (ECHO_SET_HEADER, f"{SERVED_REPORT}:{endpoint}")]
 
 
-def routing_reply(endpoint: str) -> ProcessingResponse:
+def routing_reply(endpoint: str, report: bool = False) -> ProcessingResponse:
     """The headers reply that sends the request to ``endpoint`` (``ip:port``, or a list)."""
     return extproc.headers_response(
         "request",
-        routing_headers(endpoint),
+        routing_headers(endpoint, report),
         clear_route_cache=True,
         dynamic_metadata={extproc.LB_NAMESPACE: {DESTINATION: endpoint}},
     )

@@ -28,7 +28,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn
 
+from pods.kubeapi import load_kubeconfig
 from protos.exchange import MAX_BODY_BYTES
+from protos.metrics_auth import MetricsAuth
 from protos.server import Ports
 from protos.tls import ServerTLS
 
@@ -157,12 +159,6 @@ class Ignored:
 
 COMMON_IGNORED: Final = (
     Ignored("--tracing", "bool", "Switchyard emits no traces", quiet=False),
-    Ignored(
-        "--metrics-endpoint-auth",
-        "bool",
-        "/metrics is served without authentication; keep the metrics port inside the cluster",
-        quiet=False,
-    ),
     Ignored("--enable-pprof", "bool", "Python has no pprof handlers", quiet=False),
     Ignored("--zap-devel", "bool", "logging is set by --zap-encoder and -v", quiet=False),
     Ignored("--zap-stacktrace-level", "value", "errors are logged with their traceback"),
@@ -233,6 +229,23 @@ def add_serving_flags(parser: argparse.ArgumentParser, defaults: Ports) -> None:
         type=port,
         default=defaults.metrics,
         help="HTTP port serving Prometheus /metrics (default %(default)s)",
+    )
+    add_bool(
+        serving,
+        "--metrics-endpoint-auth",
+        False,
+        "answer the metrics port (/metrics, debug pages) only to a caller whose bearer token "
+        "the Kubernetes API authenticates (TokenReview) and authorizes for the path "
+        "(SubjectAccessReview), as the llm-d router does (default false here: it needs the "
+        "API; the manifests turn it on)",
+    )
+    add_bool(
+        serving,
+        "--enable-debug-pages",
+        False,
+        "serve /debug/* beside /metrics: /debug/runtime and, in LWEPP with --config, "
+        "/debug/decisions and /debug/attributes, which show recent routing decisions and "
+        "the endpoints' measurements to whoever reaches the port (default false)",
     )
     add_bool(
         serving,
@@ -376,6 +389,15 @@ def grpc_options(args: argparse.Namespace) -> list[tuple[str, int]]:
     return options
 
 
+def metrics_auth(args: argparse.Namespace, kubeconfig: str | None = None) -> MetricsAuth | None:
+    """The metrics port's guard (``--metrics-endpoint-auth``), asking the API server that
+    ``kubeconfig`` (else ``$KUBECONFIG``, else the pod's account) names; None when off.
+    Raises ``pods.kubeapi.KubeconfigError``."""
+    if not args.metrics_endpoint_auth:
+        return None
+    return MetricsAuth(load_kubeconfig(kubeconfig))
+
+
 def server_tls(args: argparse.Namespace) -> ServerTLS | None:
     """What the ext_proc port serves, or None for plaintext. Raises ``protos.tls.TLSError``."""
     if not args.secure_serving:
@@ -396,6 +418,8 @@ def serving_problem(args: argparse.Namespace) -> str | None:
         return "argument --workers: must be at least 1"
     if args.workers > 1 and args.trace_messages:
         return "argument --workers: trace one process (--workers 1) with --trace-messages"
+    if args.metrics_endpoint_auth and args.workers > 1:
+        return "argument --metrics-endpoint-auth: serve one process (--workers 1) with it"
     if args.cert_path is not None and not args.secure_serving:
         return "argument --cert-path: needs --secure-serving (it is what TLS serves)"
     if args.enable_cert_reload and args.cert_path is None:

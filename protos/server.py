@@ -43,6 +43,7 @@ from prometheus_client import CollectorRegistry, generate_latest, multiprocess, 
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from protos.extproc import ProcessingRequest, ProcessingResponse
+from protos.metrics_auth import MetricsAuth
 from protos.tls import ServerTLS
 
 WORKER_ENV: Final = "SWITCHYARD_WORKER"
@@ -239,19 +240,40 @@ def _json_page(render: Callable[[], bytes]) -> Callable[[web.Request], Awaitable
     return page
 
 
+def _guard(auth: MetricsAuth) -> Any:
+    """Middleware: every path of the metrics port answers only a caller ``auth`` allows."""
+
+    @web.middleware
+    async def guard(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        authorization = request.headers.get("Authorization", "")
+        denial = await auth.check(authorization, request.method, request.path)
+        if denial is not None:
+            return web.Response(status=denial.status, text=denial.message + "\n")
+        return await handler(request)
+
+    return guard
+
+
 async def _metrics_app(
-    registry: CollectorRegistry, host: str, port: int, json_routes: JsonRoutes
+    registry: CollectorRegistry,
+    host: str,
+    port: int,
+    json_routes: JsonRoutes | None,
+    auth: MetricsAuth | None,
 ) -> web.AppRunner:
     async def metrics(_request: web.Request) -> web.Response:
         # As a header: aiohttp refuses a content_type argument with a charset in it.
         headers = {"Content-Type": CONTENT_TYPE_PLAIN_0_0_4}
         return web.Response(body=generate_latest(registry), headers=headers)
 
-    app = web.Application()
+    app = web.Application(middlewares=[_guard(auth)] if auth is not None else [])
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/debug/runtime", _json_page(runtime))
-    for path, render in json_routes.items():
-        app.router.add_get(path, _json_page(render))
+    if json_routes is not None:
+        app.router.add_get("/debug/runtime", _json_page(runtime))
+        for path, render in json_routes.items():
+            app.router.add_get(path, _json_page(render))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
@@ -283,11 +305,16 @@ async def serve(
     drain: float = 0.0,
     grpc_options: Sequence[tuple[str, Any]] = (),
     health_on_ext_proc: bool = False,
+    metrics_auth: MetricsAuth | None = None,
 ) -> None:
     """Run a service until SIGTERM/SIGINT, or, when ``stop`` is given, until it is set.
 
-    ``json_routes`` adds debug pages beside ``/metrics`` (LWEPP's ``/debug/decisions``);
-    ``/debug/runtime`` (memory, file descriptors, asyncio tasks) is always there.
+    ``json_routes`` serves debug pages beside ``/metrics`` (LWEPP's
+    ``/debug/decisions``) with ``/debug/runtime`` (memory, file descriptors,
+    asyncio tasks); None, the default, serves no debug page at all (they tell
+    whoever reaches the port about the traffic: ``--enable-debug-pages``).
+    ``metrics_auth``: every path of the metrics port answers only the callers
+    the Kubernetes API allows (``--metrics-endpoint-auth``).
     ``tls``: serve the ext_proc port over TLS (``protos.tls``); the health port
     stays plaintext, for kubelet's probes. ``grpc_options`` go to the ext_proc
     server (message size limits). ``health_on_ext_proc`` also answers the
@@ -325,7 +352,7 @@ async def serve(
     health_port = health_server.add_insecure_port(f"{ports.host}:{ports.health}")
     await health_state.set_all(False)
 
-    metrics = await _metrics_app(registry, ports.host, ports.metrics, json_routes or {})
+    metrics = await _metrics_app(registry, ports.host, ports.metrics, json_routes, metrics_auth)
     await health_server.start()
     await server.start()
     tasks = [asyncio.create_task(job()) for job in background]

@@ -21,6 +21,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client import CollectorRegistry
 
 from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse, struct
+from protos.metrics_auth import MetricsAuth
 from protos.server import EXT_PROC_SERVICE, Handler, Health, JsonRoutes, Ports, serve
 from protos.tls import ServerTLS
 
@@ -199,6 +200,7 @@ async def running(
     grace: float = 2.0,
     json_routes: JsonRoutes | None = None,
     tls: ServerTLS | None = None,
+    metrics_auth: MetricsAuth | None = None,
 ) -> AsyncIterator[Ports]:
     """Serve ``handler`` in this event loop on free 127.0.0.1 ports; stop on exit."""
     stop = asyncio.Event()
@@ -216,6 +218,7 @@ async def running(
             on_listening=listening.set_result,
             json_routes=json_routes,
             tls=tls,
+            metrics_auth=metrics_auth,
         )
     )
     waiting: list[asyncio.Future[Any]] = [task, listening]

@@ -14,6 +14,7 @@ from pods.file import PodFileError, load_pods
 from pods.model import Pod, parse_selector
 from protos.logs import configure_logging
 from simulator.engine import Faults, Scheduling, Settings
+from simulator.kv_events import KVEventsConfig
 from simulator.metrics import ENGINES
 from simulator.profiles import DEFAULT_PROFILE, PROFILES
 from simulator.server import serve_pods
@@ -139,6 +140,23 @@ def _parser() -> argparse.ArgumentParser:
         add(flag, type=kind, default=None, help=f"{text} (default: the profile's)")
     add("--seed", type=int, default=0, help="seeds the fault draws (default: %(default)s)")
     add(
+        "--kv-events-config",
+        type=str,
+        default=None,
+        metavar="JSON",
+        help="publish each replica's KV-cache events as vLLM does (e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"topic": "kv@10.0.0.1@model"}\'); replica i publishes on the endpoint\'s port + i. '
+        "Block hashes use PYTHONHASHSEED as vLLM does (default: no events)",
+    )
+    add(
+        "--prefix-caching-hash-algo",
+        choices=["sha256", "sha256_cbor"],
+        default="sha256",
+        help="how block hashes in KV-cache events are computed, as vLLM's flag "
+        "(default: %(default)s)",
+    )
+    add(
         "--enable-prompt-tokens-details",
         action="store_true",
         help="usage carries prompt_tokens_details.cached_tokens, the prompt tokens that hit "
@@ -258,6 +276,7 @@ async def run(pods: Sequence[Pod], settings: Settings, args: argparse.Namespace)
         namespace=args.namespace,
         h2c_ports=frozenset(args.h2c_port),
         prompt_tokens_details=args.enable_prompt_tokens_details,
+        kv_events=args.kv_events,
     ):
         await stop.wait()
 
@@ -268,6 +287,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_logging(args.log_level)
     try:
         settings = settings_of(args)
+        args.kv_events = None
+        if args.kv_events_config is not None:
+            args.kv_events = KVEventsConfig.parse(
+                args.kv_events_config, args.prefix_caching_hash_algo
+            )
         pods = [pod for pod in load_pods(args.pods) if pod.matches(args.selector)]
     except (PodFileError, ValueError) as error:
         parser.error(str(error))

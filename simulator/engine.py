@@ -105,6 +105,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Final, Literal
 
+from simulator.kv_events import KVEventLog
 from simulator.kvcache import BlockPool, extend_hashes
 from simulator.profiles import DEFAULT_PROFILE, PROFILES, Profile
 from simulator.tokenizer import count_tokens, output_token, output_token_ids
@@ -349,6 +350,7 @@ class Engine:
         "errors_total",
         "faults",
         "generation_tokens_total",
+        "kv_events",
         "preemptions_total",
         "prefix_hits_total",
         "prefix_queries_total",
@@ -398,6 +400,14 @@ class Engine:
         self.prefix_queries_total = 0
         self.prefix_hits_total = 0
         self.preemptions_total = 0
+        self.kv_events: KVEventLog | None = None
+        """Where the block-cache events go, when published (``publish_kv_events``)."""
+
+    def publish_kv_events(self, log: KVEventLog) -> None:
+        """Report every block entering and leaving the prefix cache to ``log``, a batch a step,
+        as vLLM does with ``--kv-events-config`` (``simulator.kv_events``)."""
+        self.kv_events = log
+        self._pool.on_evict = log.removed
 
     # --- state ---------------------------------------------------------------------------
 
@@ -731,6 +741,8 @@ class Engine:
         self.generation_tokens_total += generated_now
         if done:
             self._running = [seq for seq in self._running if seq.live]
+        if self.kv_events is not None:
+            self.kv_events.flush(now)
         return events
 
     def fork(self) -> Engine:
@@ -754,6 +766,7 @@ class Engine:
         twin._jitter = random.Random()
         twin._jitter.setstate(self._jitter.getstate())
         twin._pool = self._pool.copy()
+        twin.kv_events = None
         seqs: dict[int, _Seq] = {}
         for seq in self._seqs.values():
             seqs[id(seq)] = seq.copy(seq.request.clone())
@@ -791,8 +804,17 @@ class Engine:
         hashes = seq.request.block_hashes(full, size)
         blocks = seq.blocks
         register = self._pool.register
-        for index in range(seq.hashed, full):
-            register(blocks[index], hashes[index])
+        log = self.kv_events
+        if log is None:
+            for index in range(seq.hashed, full):
+                register(blocks[index], hashes[index])
+        else:  # report each run of blocks that became the cached copy as one BlockStored
+            request, run = seq.request, seq.hashed
+            for index in range(seq.hashed, full):
+                if not register(blocks[index], hashes[index]):
+                    log.stored(hashes, run, index, request.sequence, request.adapter or "")
+                    run = index + 1
+            log.stored(hashes, run, full, request.sequence, request.adapter or "")
         seq.hashed = full
 
     def _preempt(self, seq: _Seq) -> None:

@@ -50,10 +50,12 @@ ROOT_HASH = 0
 class BlockPool:
     """``num_blocks`` KV blocks: reference counts, the hash table of full blocks, the free queue."""
 
-    __slots__ = ("_cached", "_free", "_hash", "_ref", "num_blocks")
+    __slots__ = ("_cached", "_free", "_hash", "_ref", "num_blocks", "on_evict")
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
+        self.on_evict: Callable[[int], None] | None = None
+        """Told the hash of each cached block evicted for reuse (KV-cache events)."""
         self._ref = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -67,6 +69,7 @@ class BlockPool:
         twin._hash = self._hash.copy()
         twin._free = self._free.copy()
         twin._cached = self._cached.copy()
+        twin.on_evict = None  # a copy's evictions are what-ifs: nothing to publish
         return twin
 
     @property
@@ -130,6 +133,8 @@ class BlockPool:
             if old is not None:
                 del cached[old]
                 hashes[block] = None
+                if self.on_evict is not None:
+                    self.on_evict(old)
             ref[block] = 1
             blocks.append(block)
         return blocks
@@ -142,16 +147,18 @@ class BlockPool:
             if ref[block] == 0:
                 free[block] = None
 
-    def register(self, block: int, digest: int) -> None:
+    def register(self, block: int, digest: int) -> bool:
         """Record that ``block`` is full and holds the prefix named by ``digest``.
 
         When two sequences computed the same block at once, the first one
         registered is the cached copy; the other stays an unhashed duplicate
-        and is simply freed later, as in vLLM.
+        and is simply freed later, as in vLLM. True when ``block`` became the cached copy.
         """
         if digest not in self._cached and self._hash[block] is None:
             self._cached[digest] = block
             self._hash[block] = digest
+            return True
+        return False
 
 
 def extend_hashes(

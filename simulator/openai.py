@@ -233,3 +233,25 @@ def render(request: Request, rid: Callable[[], str]) -> list[dict[str, Any]] | d
     if request.api == "chat":
         return rendered(request, rid(), request.tokens)
     return [rendered(request, rid(), part) for part in request.prompts]
+
+
+def prompt_token_ids(raw: bytes) -> list[int] | None:
+    """A request body's prompt token ids exactly as ``parse`` gives them to the engine, or None.
+
+    A local tokenizer for a router that indexes the engines' KV-cache events
+    in front of these simulators (``precise-prefix-cache-producer``'s
+    ``tokenizer``): chat ``messages`` through the chat template, a completions
+    ``prompt`` as the engine reads it. None when the body is not JSON, has
+    neither field, or ``parse`` would refuse it.
+    """
+    try:
+        body = orjson.loads(raw)
+        if not isinstance(body, dict):
+            return None
+        if "messages" in body:
+            return list(_chat_tokens(body))
+        if "prompt" in body:
+            return [token for part in _prompt_tokens(body) for token in part]
+    except (ApiError, orjson.JSONDecodeError):
+        return None
+    return None

@@ -13,7 +13,8 @@ the status line is written) with headers that let an end-to-end test see what
 reached which replica:
 
 - ``x-sim-pod: <pod name>`` and ``x-sim-endpoint: <ip:port>``;
-- ``x-sim-received-<name>: <value>`` for each request header ``x-gateway-*``
+- ``x-sim-received-<name>: <value>`` for each request header ``x-gateway-*`` or
+  ``x-conformance-*``
   (the model and destination headers a gateway adds);
 - the headers asked for by ``X-Echo-Set-Header: name:value,name:value``, as
   the Gateway API conformance echo server does.
@@ -45,6 +46,7 @@ from simulator import metrics, openai
 from simulator.clocks import EngineError, RealTimeEngine, Sleep
 from simulator.engine import Engine, Request, Settings
 from simulator.h2c import serve_h2c_echo
+from simulator.kv_events import BlockHasher, KVEventLog, KVEventsConfig, ZmqPublisher
 from simulator.openai import Api, ApiError
 from simulator.tokenizer import output_token
 
@@ -118,6 +120,7 @@ class Replica:
         "driver",
         "endpoint",
         "engine",
+        "kv_events_endpoint",
         "model",
         "namespace",
         "pod",
@@ -153,6 +156,8 @@ class Replica:
         """Steps ``engine`` in real time (``time_scale`` times each step's duration)."""
         self.stop_listening: Callable[[], Coroutine[Any, Any, None]] | None = None
         """Closes this replica's listener (set by ``serve_pods``); a crash calls it."""
+        self.kv_events_endpoint: str | None = None
+        """Where it publishes its KV-cache events (set by ``serve_pods`` when it does)."""
         self.model = pod.labels.get("model") or DEFAULT_MODEL
         adapters = pod.labels.get("adapters", "").split(",")
         self.adapters = tuple(name.strip() for name in adapters if name.strip())
@@ -196,7 +201,7 @@ class Replica:
         stamp += [
             (f"x-sim-received-{name.lower()}", value)
             for name, value in request_headers
-            if name.lower().startswith("x-gateway-")
+            if name.lower().startswith(("x-gateway-", "x-conformance-"))
         ]
         asked = [value for name, value in request_headers if name.lower() == "x-echo-set-header"]
         return stamp + list(echo_set_headers(asked).items())
@@ -423,6 +428,7 @@ async def serve_pods(
     namespace: str = "",
     h2c_ports: Collection[int] = (),
     prompt_tokens_details: bool = False,
+    kv_events: KVEventsConfig | None = None,
 ) -> AsyncIterator[tuple[Replica, ...]]:
     """Serve every port of every pod until the block exits; yields the replicas in file order.
 
@@ -439,13 +445,16 @@ async def serve_pods(
     ``h2c_ports`` serves only the echo, as echo-basic's h2c port does
     (``simulator.h2c``: cleartext HTTP/2, or HTTP/1.1 asking to upgrade).
     ``prompt_tokens_details`` adds the cached prompt tokens to every answer's
-    usage, as vLLM does with ``--enable-prompt-tokens-details``.
+    usage, as vLLM does with ``--enable-prompt-tokens-details``. ``kv_events``
+    (vLLM's ``--kv-events-config``, when enabled) makes each replica publish its
+    block-cache events on its own ZMQ endpoint (``simulator.kv_events``).
     """
     settings = settings or Settings()
     sockets: list[socket.socket] = []
     runners: list[web.AppRunner] = []
     h2c_servers: list[asyncio.Server] = []
     replicas: list[Replica] = []
+    publishers: list[ZmqPublisher] = []
     try:
         for pod in pods:
             for port in pod.ports:
@@ -462,6 +471,17 @@ async def serve_pods(
                     time_scale=settings.time_scale,
                     sleep=sleep,
                 )
+                if kv_events is not None and kv_events.enabled:
+                    publisher = ZmqPublisher(
+                        kv_events.endpoint_for(len(replicas)), kv_events.topic, kv_events.hwm
+                    )
+                    publishers.append(publisher)
+                    hasher = BlockHasher(kv_events.algorithm)
+                    engine = replica.engine
+                    engine.publish_kv_events(
+                        KVEventLog(engine.profile.block_size, publisher.send, hasher)
+                    )
+                    replica.kv_events_endpoint = publisher.endpoint
                 replicas.append(replica)
                 if port in h2c_ports:
                     http_port = _http_port(pod, h2c_ports)
@@ -492,4 +512,6 @@ async def serve_pods(
             await replica.driver.aclose()
         for sock in sockets:
             sock.close()
+        for publisher in publishers:
+            publisher.close()
         log.info("stopped")

@@ -40,8 +40,12 @@ Object = dict[str, Any]
 T = TypeVar("T")
 
 _PATH = re.compile(
-    r"^(?P<api>/api/v1|/apis/[^/]+/[^/]+)/namespaces/(?P<ns>[^/]+)/(?P<res>[^/]+)(?:/(?P<name>[^/]+))?$"
+    r"^(?P<api>/api/v1|/apis/[^/]+/[^/]+)(?:/namespaces/(?P<ns>[^/]+))?/(?P<res>[^/]+)"
+    r"(?:/(?P<name>[^/]+))?$"
 )
+
+TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
+ACCESS_REVIEWS = "/apis/authorization.k8s.io/v1/subjectaccessreviews"
 
 _END = "end"
 _DROP = "drop"
@@ -159,6 +163,12 @@ class FakeKube:
         """When set, every request is answered with this status (a broken API server)."""
         self.gone_as_status = False
         """Answer a too-old watch with HTTP 410 instead of an ERROR event."""
+        self.tokens: dict[str, Object] = {}
+        """Bearer token → the ``user`` a TokenReview answers for it (others: unauthenticated)."""
+        self.allowed: set[tuple[str, str, str]] = set()
+        """(user name, non-resource path, verb) a SubjectAccessReview allows; others denied."""
+        self.reviews: list[Object] = []
+        """The body of every TokenReview and SubjectAccessReview received, in order."""
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -268,7 +278,9 @@ class FakeKube:
             return web.json_response(
                 status(self.failing, "InternalError", "failing"), status=self.failing
             )
-        if not match:
+        if request.method == "POST" and request.path in (TOKEN_REVIEWS, ACCESS_REVIEWS):
+            return web.json_response(self._review(request.path, await request.json()), status=201)
+        if not match or not match["ns"]:
             return web.json_response(status(404, "NotFound", request.path), status=404)
         collection = request.path if not match["name"] else request.path.rsplit("/", 1)[0]
         store = self.collections.setdefault(collection, {})
@@ -310,6 +322,20 @@ class FakeKube:
                 )
             return web.json_response(self.put(collection, body))
         return web.json_response(status(405, "MethodNotAllowed", request.method), status=405)
+
+    def _review(self, path: str, review: Object) -> Object:
+        """The API server's answer to a TokenReview or a SubjectAccessReview: the review
+        with its ``status`` filled in from ``tokens`` and ``allowed``."""
+        self.reviews.append(copy.deepcopy(review))
+        spec = review.get("spec") or {}
+        if path == TOKEN_REVIEWS:
+            user = self.tokens.get(spec.get("token", ""))
+            answer = {"authenticated": True, "user": user} if user else {"authenticated": False}
+        else:
+            url = spec.get("nonResourceAttributes") or {}
+            asked = (spec.get("user", ""), url.get("path", ""), url.get("verb", ""))
+            answer = {"allowed": asked in self.allowed}
+        return {**review, "status": answer}
 
     async def _watch(
         self, request: web.Request, collection: str, resource: str, query: dict[str, str]

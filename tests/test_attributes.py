@@ -12,10 +12,11 @@ from prometheus_client import CollectorRegistry
 from lwepp.attributes import AttributeStore, keep_running
 from lwepp.config import load_config
 from lwepp.contracts import Measurement
+from lwepp.metrics import PickerMetrics
 from lwepp.picking import Pool
 from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER
 from lwepp.plugins import REGISTRY
-from lwepp.server import EndpointPickerService, PickerMetrics
+from lwepp.server import EndpointPickerService
 from pods.model import Endpoint
 from protos.testing import ExtProcClient, request_headers, response_headers, running, set_headers
 from tests.fakes import StaticPods, pod
@@ -85,7 +86,7 @@ def test_a_configured_picker_scores_on_what_its_source_measured(tmp_path: Path) 
         "table: {'10.0.0.2:80': 1.0}}}\n"
     )
     config = load_config(path, {**REGISTRY, "fake-source": fake_source, "fake-scorer": fake_scorer})
-    pipeline = config.pipeline(clock=lambda: 100.0)
+    pipeline = config.pipeline(clock=lambda: 100.0, explain="header")
     (source,) = pipeline.sources
     assert isinstance(source, FakeSource)
     pool = Pool(StaticPods(pod("p0", "10.0.0.1", 80), pod("p1", "10.0.0.2", 80)), {})

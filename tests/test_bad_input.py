@@ -2,8 +2,9 @@
 
 Each test is one row of the bad-input table in ``docs/reliability.md``
 (``tests.reliability.record``). Pool a is FailClose and honours GIE's
-``test-epp-endpoint-selection``; pool b is FailOpen, its picker started with
-``--disable-test-selection-header``.
+``test-epp-endpoint-selection`` (the demo's ``--enable-test-selection-header``);
+pool b is FailOpen, its picker started with ``--disable-test-selection-header``
+after it (the last of the two wins).
 """
 
 from __future__ import annotations
@@ -89,13 +90,14 @@ def runtime(gateway: Topology, service: str) -> dict[str, Any]:
 
 
 def counter(gateway: Topology, service: str, name: str) -> float:
-    """A counter's value on a service's ``/metrics``."""
+    """A counter's value on a service's ``/metrics``, summed over its label values."""
     port = gateway.services[service].listening["metrics_port"]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
-        for line in page.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise AssertionError(f"{name} not on {service}'s /metrics")
+        lines = page.read().decode().splitlines()
+    samples = [line for line in lines if line.startswith((name + " ", name + "{"))]
+    if not samples and f"# TYPE {name} counter" not in lines:
+        raise AssertionError(f"{name} not on {service}'s /metrics")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in samples)
 
 
 def tasks(before: dict[str, int], after: dict[str, int]) -> str:
@@ -325,11 +327,11 @@ def test_a_client_that_hangs_up_mid_stream_leaves_nothing_behind(gateway: Topolo
     names = ["bbr", "lwepp-a"]
     baseline = {name: runtime(gateway, name)["asyncio_tasks"] for name in names}
     body = json.dumps(good(max_tokens=400, stream=True)).encode()
-    streams = counter(gateway, "lwepp-a", "lwepp_requests_total")
+    streams = counter(gateway, "lwepp-a", "llm_d_epp_request_total")
     for _ in range(10):
         read_then_hang_up(gateway.port, PATH, body)
     after = settles(gateway, baseline)
-    assert counter(gateway, "lwepp-a", "lwepp_requests_total") - streams == 10
+    assert counter(gateway, "lwepp-a", "llm_d_epp_request_total") - streams == 10
     assert all(after[n] <= baseline[n] for n in names), (baseline, after)
     assert served_by(gateway, ask(gateway, good()), "a")
     record(
@@ -343,8 +345,9 @@ def test_a_client_that_hangs_up_mid_stream_leaves_nothing_behind(gateway: Topolo
 
 
 def test_the_test_selection_header_pins_a_replica_unless_turned_off(gateway: Topology) -> None:
-    """Honoured (pool a, GIE's default): a client chooses its replica within the pool, never
-    outside it. With --disable-test-selection-header (pool b) it changes nothing."""
+    """Honoured (pool a, enabled as GIE's lwepp and the demo do): a client chooses its replica
+    within the pool, never outside it. With --disable-test-selection-header (pool b) it changes
+    nothing."""
     a, b = gateway.pools
     chosen = a.endpoints[1]
     pinned = [
@@ -361,7 +364,7 @@ def test_the_test_selection_header_pins_a_replica_unless_turned_off(gateway: Top
     assert {answer.headers.get("x-sim-endpoint") for answer in ignored} == set(b.endpoints)
     record(
         "Bad input",
-        "`test-epp-endpoint-selection: <replica 2 of pool a>` (honoured: GIE's default)",
+        "`test-epp-endpoint-selection: <replica 2 of pool a>` (`--enable-test-selection-header`)",
         "**200** ×4, all from that replica: a client can choose its replica within the pool",
     )
     record(

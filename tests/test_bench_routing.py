@@ -487,7 +487,13 @@ def test_quick_run_measures_every_strategy_on_every_workload(quick: Section) -> 
         assert r["floor_p90"] <= r["ttft_p90"]
         assert 0.0 <= r["hit_rate"] <= 1.0
     assert [t.name for t in quick.targets]
-    assert len(quick.targets) == 4
+    recommended = [t for t in quick.targets if t.name.startswith("recommended")]
+    precise = [t for t in quick.targets if t.name.startswith("precise")]
+    assert len(quick.targets) - len(recommended) - len(precise) == 4
+    assert len(precise) == 2 * sum(w in workloads_run for w in ("shared-prefix", "mooncake"))
+    assert len(recommended) == sum(
+        w in workloads_run for w, *_ in routing.RECOMMENDED_LIMITS
+    )  # each limit whose workload ran
     assert any(t.title.startswith("Routing: shared-prefix") for t in quick.tables)
     assert {v["variant"] for v in quick.data["variants"]} == {n for n, _ in routing.VARIANTS[1:]}
 

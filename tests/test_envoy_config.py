@@ -155,9 +155,16 @@ def test_served_endpoint_goes_from_upstream_host_to_envoy_lb_metadata(
     assert rule["remove"] is True
 
 
-def test_client_cannot_choose_the_endpoint(config: dict[str, Any]) -> None:
+def test_client_cannot_set_the_gateways_own_headers(config: dict[str, Any]) -> None:
+    """The first filter removes every request header only the gateway may set."""
     mutations = http_filter(config, "strip-client-routing")["mutations"]
-    assert mutations["request_mutations"] == [{"remove": "x-gateway-destination-endpoint"}]
+    assert mutations["request_mutations"] == [
+        {"remove": "x-gateway-destination-endpoint"},
+        {"remove": "x-gateway-model-name"},
+        {"remove": "x-gateway-destination-endpoint-served"},
+        {"remove": "x-conformance-test-served-endpoint"},
+        {"remove": "x-echo-set-header"},
+    ]
 
 
 def test_routes_by_model_with_fail_open_fallback_then_404s(config: dict[str, Any]) -> None:

@@ -182,6 +182,18 @@ def metric(topology: Topology, name: str, sample: str) -> float:
     return 0.0
 
 
+def total(topology: Topology, name: str, family: str) -> float:
+    """The sum of every sample of a metric ``family`` (all its label values) on ``name``."""
+    port = topology.services[name].listening["metrics_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
+        lines = page.read().decode().splitlines()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith((family + "{", family + " "))
+    )
+
+
 def runtime(topology: Topology, name: str) -> dict[str, Any]:
     port = topology.services[name].listening["metrics_port"]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/debug/runtime", timeout=5) as page:
@@ -496,7 +508,7 @@ def test_a_plugin_raising_at_any_stage_never_loses_the_request(tmp_path: Path) -
                 assert answer.status == 200, (stage, answer)
                 assert answer.headers["x-sim-endpoint"] in pool.endpoints
             plugin = "faulty-picker" if stage == "pick" else "faulty"
-            sample = f'lwepp_plugin_errors_total{{plugin="{plugin}",stage="{stage}"}}'
+            sample = f'llm_d_epp_plugin_errors_total{{plugin="{plugin}",stage="{stage}"}}'
             counts[stage] = metric(gateway, "lwepp-a", sample)
             assert counts[stage] == 4, (stage, counts)
         refused = http1(
@@ -509,7 +521,7 @@ def test_a_plugin_raising_at_any_stage_never_loses_the_request(tmp_path: Path) -
         "Faults",
         "a picker plugin raising at each stage in turn: " + ", ".join(STAGES),
         "**200** for every request (4 per stage), routed round-robin over the candidates when the "
-        "request side failed; each counted once in `lwepp_plugin_errors_total{plugin,stage}`",
+        "request side failed; each counted once in `llm_d_epp_plugin_errors_total{plugin,stage}`",
     )
     record(
         "Faults",
@@ -549,7 +561,7 @@ def test_sigterm_lets_streams_in_flight_finish(tmp_path: Path) -> None:
         wait_for(
             gateway.services["lwepp-a"],
             "holding the slow streams",
-            lambda: True if metric(gateway, "lwepp-a", "lwepp_requests_total") >= 4 else None,
+            lambda: True if total(gateway, "lwepp-a", "llm_d_epp_request_total") >= 4 else None,
             10,
         )
         signalled = time.monotonic()
@@ -649,6 +661,7 @@ def test_a_hung_or_garbled_metrics_endpoint_does_not_delay_picks(tmp_path: Path)
         (tmp_path / "picker.yaml").write_text(METRICS_PICKER)
         args = ["--pods", str(tmp_path / "pods.yaml"), "--config", str(tmp_path / "picker.yaml")]
         ports = ["--grpc-port=0", "--grpc-health-port=0", "--metrics-port=0"]
+        ports.append("--secure-serving=false")  # the test dials it in plaintext
         picker = Service(
             "lwepp", [sys.executable, "-m", "lwepp", *args, *ports], tmp_path / "lwepp.log"
         )

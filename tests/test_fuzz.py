@@ -119,7 +119,8 @@ def start(log: Path, module: str, *args: str) -> Served:
             [
                 *(sys.executable, "-m", module, *args),
                 *("--grpc-port=0", "--grpc-health-port=0", "--metrics-port=0"),
-                *("--grace=2", f"--max-body-bytes={CAP}"),
+                *("--grace=2", f"--max-body-bytes={CAP}", "--secure-serving=false"),
+                "--enable-debug-pages",  # /debug/runtime: what the run leaves behind
             ],
             stderr=out,
         )

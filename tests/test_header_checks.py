@@ -15,9 +15,10 @@ from prometheus_client import CollectorRegistry
 from bbr.plugins import DEFAULT_PLUGINS, PLUGINS, PluginSpec
 from bbr.server import BodyBasedRouter
 from lwepp.__main__ import build_parser
+from lwepp.metrics import PickerMetrics
 from lwepp.picking import Pool, RoundRobin
 from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER, Pipeline, header_json
-from lwepp.server import EndpointPickerService, PickerMetrics
+from lwepp.server import EndpointPickerService
 from plugin import ConfigError, Params
 from protos.exchange import (
     HEADER_VALUE_LIMIT,
@@ -241,6 +242,7 @@ def lwepp_streams(
         strategy or RoundRobin(),
         PickerMetrics(CollectorRegistry()),
         test_selection=test_selection,
+        report_served=True,
     )
 
     async def go() -> list[list[ProcessingResponse]]:
@@ -295,11 +297,19 @@ def test_test_selection_header_can_be_turned_off(honoured: bool, allowed: set[st
     assert picked == (allowed or {"10.0.0.1:3000", "10.0.0.2:3000"})
 
 
-def test_the_flag_turns_the_test_header_off() -> None:
-    """``--disable-test-selection-header`` reaches the service's switch."""
-    args = build_parser().parse_args(["--pods", "p.yaml", "--disable-test-selection-header"])
-    assert args.disable_test_selection_header is True
-    assert build_parser().parse_args(["--pods", "p.yaml"]).disable_test_selection_header is False
+@pytest.mark.parametrize(
+    ("flags", "honoured"),
+    [
+        ([], False),
+        (["--enable-test-selection-header"], True),
+        (["--disable-test-selection-header"], False),
+    ],
+    ids=["default", "enabled", "old-flag"],
+)
+def test_the_test_header_is_honoured_only_when_enabled(flags: list[str], honoured: bool) -> None:
+    """Off by default; ``--enable-test-selection-header`` turns it on; the old flag still parses."""
+    args = build_parser().parse_args(["--pods", "p.yaml", *flags])
+    assert args.test_selection is honoured
 
 
 def test_an_explanation_too_long_for_a_header_keeps_the_best_rows() -> None:
@@ -325,7 +335,7 @@ def test_a_response_hook_adding_a_bad_value_is_skipped_and_counted() -> None:
     """The hook's header is dropped (Envoy would fail the response); the failure is counted."""
     registry = CollectorRegistry()
     hook = RecordingHook("bad", [], add_headers={"x-note": "a\r\nb"})
-    pipeline = Pipeline([hook], registry=registry)
+    pipeline = Pipeline([hook], registry=registry, explain="header")
     replies = lwepp_talk(
         request_headers({**POST, EXPLAIN_HEADER: "1"}, end_of_stream=True),
         response_headers({":status": "200"}),
@@ -335,16 +345,17 @@ def test_a_response_hook_adding_a_bad_value_is_skipped_and_counted() -> None:
     assert "x-note" not in added
     assert DECISION_HEADER in added
     count = registry.get_sample_value(
-        "lwepp_plugin_errors_total", {"plugin": "bad", "stage": "response_headers"}
+        "llm_d_epp_plugin_errors_total", {"plugin": "bad", "stage": "response_headers"}
     )
     assert count == 1
 
 
 def test_the_manifests_pickers_ignore_the_test_header() -> None:
     """In production (the Kubernetes manifests) no client may choose its replica."""
-    documents = yaml.safe_load_all((ROOT / "manifests" / "lwepp.yaml").read_text())
+    documents = yaml.safe_load_all((ROOT / "manifests" / "base" / "lwepp.yaml").read_text())
     pickers = [d for d in documents if d and d["kind"] == "Deployment"]
     assert pickers
     for picker in pickers:
         (container,) = picker["spec"]["template"]["spec"]["containers"]
-        assert "--disable-test-selection-header" in container["args"], picker["metadata"]["name"]
+        args = build_parser().parse_args(container["args"])
+        assert args.test_selection is False, picker["metadata"]["name"]

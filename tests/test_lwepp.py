@@ -15,8 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from lwepp.__main__ import HEALTH_SERVICES
+from lwepp.metrics import PickerMetrics
 from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, Pool, RoundRobin
-from lwepp.server import EndpointPickerService, PickerMetrics
+from lwepp.server import EndpointPickerService
 from protos.extproc import BodyMode, ProcessingResponse
 from protos.server import Health
 from protos.testing import (
@@ -48,8 +49,15 @@ async def picker(
 ) -> AsyncIterator[tuple[ExtProcClient, CollectorRegistry, StaticPods, int]]:
     source = StaticPods(*(pods or PODS), synced=synced)
     registry = CollectorRegistry()
+    # GIE's lwepp, whose behaviour these tests pin, honours the test header and
+    # reports the served endpoint on every request: both switches on.
     service = EndpointPickerService(
-        Pool(source, {"pool": "a"}), RoundRobin(), PickerMetrics(registry), max_body_bytes
+        Pool(source, {"pool": "a"}),
+        RoundRobin(),
+        PickerMetrics(registry),
+        max_body_bytes,
+        test_selection=True,
+        report_served=True,
     )
     health = Health(HEALTH_SERVICES, ready=lambda: source.synced)
     async with (

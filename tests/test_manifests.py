@@ -21,9 +21,11 @@ from bbr.__main__ import parser as bbr_parser
 from bbr.server import HEALTH_SERVICES as BBR_HEALTH
 from lwepp.__main__ import HEALTH_SERVICES as LWEPP_HEALTH
 from lwepp.__main__ import build_parser as lwepp_parser
+from lwepp.__main__ import explain_mode
 from lwepp.config import load_config
 from lwepp.leader import LeaderElector
 from pods.kubeapi import ClusterConfig, KubeApi
+from protos.metrics_auth import MetricsAuth
 from tests.fake_kube import FakeKube, eventually
 from tests.test_kubernetes import PODS, POOLS, k8s_pod, k8s_pool, tracking
 
@@ -124,6 +126,9 @@ BASE = {
     ("ServiceAccount", "bbr"),
     ("Role", "lwepp"),
     ("RoleBinding", "lwepp"),
+    ("ClusterRole", "switchyard-metrics-auth"),
+    ("ClusterRoleBinding", "switchyard-metrics-auth"),
+    ("ClusterRole", "switchyard-metrics-reader"),
     ("ConfigMap", "simulated-models"),
     ("Service", "bbr"),
     ("Service", "lwepp-llama"),
@@ -145,12 +150,14 @@ ENVOY_GATEWAY = BASE | {
     ("HTTPRouteFilter", "no-model"),
     ("HTTPRoute", "models"),
     ("HTTPRouteFilter", "models"),
-    ("HTTPRouteFilter", "model-llama-3-8b"),
-    ("HTTPRouteFilter", "model-mistral-7b"),
+    ("HTTPRouteFilter", "models-llama-3-8b"),
+    ("HTTPRouteFilter", "models-mistral-7b"),
+    ("HTTPRouteFilter", "model-not-found"),
 }
 ISTIO = BASE | {
     ("Gateway", "inference-gateway"),
     ("EnvoyFilter", "bbr"),
+    ("EnvoyFilter", "models"),
     ("DestinationRule", "bbr"),
     ("DestinationRule", "lwepp-llama"),
     ("DestinationRule", "lwepp-mistral"),
@@ -173,11 +180,13 @@ COMPONENTS = {
 
 @pytest.mark.parametrize("overlay", list(OVERLAYS))
 def test_each_overlay_builds_with_kubectl_into_the_objects_it_promises(overlay: str) -> None:
-    """``kubectl kustomize`` builds the overlay (no cycle), every object in namespace switchyard."""
+    """``kubectl kustomize`` builds the overlay (no cycle), every namespaced object in namespace
+    switchyard."""
     docs = built(overlay)
     assert names(docs) == OVERLAYS[overlay]
     assert len(docs) == len(OVERLAYS[overlay])  # no object twice
-    namespaced = [d for d in docs if d["kind"] != "Namespace"]
+    cluster_scoped = ("Namespace", "ClusterRole", "ClusterRoleBinding")
+    namespaced = [d for d in docs if d["kind"] not in cluster_scoped]
     assert {d["metadata"].get("namespace") for d in namespaced} == {"switchyard"}
 
 
@@ -565,3 +574,60 @@ def test_rbac_grants_exactly_what_the_code_calls(tmp_path: Path) -> None:
     assert granted(elected, account) == source_verbs | elector_verbs
     assert granted(base, "bbr") == set()
     assert one(base, "ServiceAccount", "bbr")["automountServiceAccountToken"] is False
+
+
+def cluster_granted(docs: list[Doc], service_account: str) -> set[tuple[str, str, str]]:
+    """(api group, resource, verb) the ClusterRoles bound to ``service_account`` grant."""
+    rights: set[tuple[str, str, str]] = set()
+    for binding in find(docs, "ClusterRoleBinding"):
+        if ("ServiceAccount", service_account) in [
+            (s["kind"], s["name"]) for s in binding["subjects"]
+        ]:
+            role = one(docs, "ClusterRole", binding["roleRef"]["name"])
+            for rule in role["rules"]:
+                rights |= {
+                    (g, r, v)
+                    for g in rule["apiGroups"]
+                    for r in rule["resources"]
+                    for v in rule["verbs"]
+                }
+    return rights
+
+
+def used_by_metrics_auth() -> set[tuple[str, str, str]]:
+    """The (group, resource, verb) requests one allowed and one refused scrape make."""
+
+    async def scenario() -> set[tuple[str, str, str]]:
+        async with FakeKube() as fake:
+            fake.tokens = {"t": {"username": "prometheus"}}
+            fake.allowed = {("prometheus", "/metrics", "get")}
+            auth = MetricsAuth(ClusterConfig(fake.url))
+            assert await auth.check("Bearer t", "GET", "/metrics") is None
+            assert await auth.check("Bearer t", "GET", "/debug/runtime") is not None
+            return fake.verbs()
+
+    return asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+def test_the_pickers_guard_their_metrics_with_exactly_the_rbac_it_needs(tmp_path: Path) -> None:
+    """Every picker runs --metrics-endpoint-auth with the closed defaults; its account may
+    create the two reviews the guard makes, and nothing more cluster-wide; the monitoring
+    component's scrapes carry Prometheus' own token."""
+    monitored = with_components(tmp_path, "base", "components/monitoring")
+    (endpoint,) = one(monitored, "ServiceMonitor", "switchyard")["spec"]["endpoints"]
+    token = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    assert endpoint["bearerTokenFile"] == token
+    base = built("base")
+    for deployment in find(base, "Deployment"):
+        if not deployment["metadata"]["name"].startswith("lwepp-"):
+            continue
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        args = lwepp_parser().parse_args(container["args"])
+        assert args.metrics_endpoint_auth is True
+        on = [args.test_selection, args.report_served_endpoint, args.enable_debug_pages]
+        assert on == [False, False, False]
+        assert explain_mode(args) == "off"
+        account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+        assert cluster_granted(base, account) == used_by_metrics_auth()
+    reader = one(base, "ClusterRole", "switchyard-metrics-reader")
+    assert reader["rules"] == [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]

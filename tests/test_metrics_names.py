@@ -15,9 +15,10 @@ from bbr.plugins import DEFAULT_PLUGINS
 from bbr.server import BodyBasedRouter
 from lwepp.config import load_config
 from lwepp.contracts import Measurement
+from lwepp.metrics import PickerMetrics
 from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, PickRequest, Pool
 from lwepp.pipeline import Pipeline
-from lwepp.server import EndpointPickerService, PickerMetrics
+from lwepp.server import EndpointPickerService
 from pods.model import Endpoint
 from protos.testing import (
     ExtProcClient,

@@ -14,9 +14,10 @@ from google.protobuf import json_format
 from prometheus_client import CollectorRegistry, generate_latest
 
 from bbr.server import BodyBasedRouter
+from lwepp.metrics import PickerMetrics
 from lwepp.onehop import OneHop, Registries, build_parser, main, with_changes
 from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, Pool, RoundRobin
-from lwepp.server import EndpointPickerService, PickerMetrics
+from lwepp.server import EndpointPickerService
 from protos.extproc import BodyMode, ProcessingResponse
 from protos.testing import (
     ExtProcClient,
@@ -49,9 +50,15 @@ async def one_hop(
     source = StaticPods(*(pods or PODS))
     bbr_registry, picker_registry = CollectorRegistry(), CollectorRegistry()
     metrics = PickerMetrics(picker_registry, "a")
-    picker_a = EndpointPickerService(Pool(source, {"pool": "a"}), RoundRobin(), metrics)
+    # As GIE's conformance tests run them: the served endpoint reported back.
+    picker_a = EndpointPickerService(
+        Pool(source, {"pool": "a"}), RoundRobin(), metrics, report_served=True
+    )
     picker_b = EndpointPickerService(
-        Pool(source, {"pool": "b"}), RoundRobin(), PickerMetrics(CollectorRegistry(), "b")
+        Pool(source, {"pool": "b"}),
+        RoundRobin(),
+        PickerMetrics(CollectorRegistry(), "b"),
+        report_served=True,
     )
     router = BodyBasedRouter(bbr_registry, streaming=True, max_body_bytes=max_body_bytes)
     handler = OneHop(router, {"m-a": picker_a, "m-b": picker_b}, max_body_bytes)

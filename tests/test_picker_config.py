@@ -194,14 +194,13 @@ ERRORS = [
     ),
     ("plugins:\n- type: no-such\n", "picker.yaml:4: plugin 'no-such' (no-such): type: unknown"),
     (
-        "plugins:\n- type: fake-scorer\n- type: load-aware-scorer\n- type: token-producer\n"
+        "plugins:\n- type: fake-scorer\n- type: context-length-aware\n- type: token-producer\n"
         "- type: precise-prefix-cache-producer\nschedulingProfiles:\n- name: p\n  plugins:\n"
-        "  - pluginRef: load-aware-scorer\n",
-        "picker.yaml: needs what Switchyard does not implement: load counted in flight or in "
-        "tokens (load-aware-scorer (line 5)); prompts tokenized by the model's tokenizer, and "
-        "the precise prefix cache fed by the engines' KV-cache events (prefix-cache-scorer "
-        "estimates from the prompt text instead) (token-producer (line 6), "
-        "precise-prefix-cache-producer (line 7))",
+        "  - pluginRef: context-length-aware\n",
+        "picker.yaml: needs what Switchyard does not implement: running-request and "
+        "context-length scoring (context-length-aware (line 5)); prompts tokenized by a "
+        "separate token producer or the engine's render endpoint (precise-prefix-cache-producer "
+        "takes a local tokenizer instead) (token-producer (line 6))",
     ),
     (
         "plugins:\n- type: max-score-picker\n  parameters:\n    maxNumOfEndpoints: x\n",
@@ -395,7 +394,8 @@ def test_the_demo_configuration_checks_out() -> None:
 
 
 def test_lwepp_runs_with_a_configuration_and_explains_on_request(tmp_path: Path) -> None:
-    """``python -m lwepp --config``: the pipeline picks, and the explain header says why."""
+    """``python -m lwepp --config --explain=header``: the pipeline picks, and the explain
+    header says why."""
     pods = tmp_path / "pods.yaml"
     pods.write_text(
         "pods:\n- {name: a, address: 127.0.0.1, ports: [18001]}\n"
@@ -416,7 +416,8 @@ def test_lwepp_runs_with_a_configuration_and_explains_on_request(tmp_path: Path)
                 ]
             )
 
-    with service("lwepp", "--pods", str(pods), "--config", str(config)) as (_, listening):
+    flags = ["--pods", str(pods), "--config", str(config), "--explain=header"]
+    with service("lwepp", *flags) as (_, listening):
         replies = asyncio.run(ask(listening["grpc_port"]))
     picked = dict(set_headers(replies[0]))["x-gateway-destination-endpoint"]
     assert picked == "127.0.0.1:18002,127.0.0.1:18001"

@@ -14,10 +14,11 @@ from google.protobuf import json_format
 from prometheus_client import CollectorRegistry
 
 from lwepp.contracts import Usage
+from lwepp.metrics import PickerMetrics
 from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, Pool, RoundRobin, Strategy
 from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER, DecisionLog, Pipeline
 from lwepp.plugins.pickers import MaxScorePicker
-from lwepp.server import EndpointPickerService, PickerMetrics
+from lwepp.server import EndpointPickerService
 from plugin import Params
 from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse
 from protos.server import Handler
@@ -51,10 +52,16 @@ def pool() -> Pool:
     return Pool(StaticPods(*PODS), {"pool": "a"})
 
 
-def service(strategy: Strategy, max_body_bytes: int = 1024) -> EndpointPickerService:
+def service(
+    strategy: Strategy, max_body_bytes: int = 1024, *, report_served: bool = False
+) -> EndpointPickerService:
     """The core service with ``strategy`` plugged in: the one seam."""
     return EndpointPickerService(
-        pool(), strategy, PickerMetrics(CollectorRegistry()), max_body_bytes
+        pool(),
+        strategy,
+        PickerMetrics(CollectorRegistry()),
+        max_body_bytes,
+        report_served=report_served,
     )
 
 
@@ -124,6 +131,8 @@ def without_decision(serialised: bytes) -> bytes:
     kept = [h for h in mutation.set_headers if h.header.key != DECISION_HEADER]
     del mutation.set_headers[:]
     mutation.set_headers.extend(kept)
+    if not kept:  # the decision was all it said: the core's "go on unchanged"
+        reply.response_headers.response.ClearField("header_mutation")
     return bytes(reply.SerializeToString())
 
 
@@ -177,6 +186,7 @@ def test_an_explained_request_gets_the_decision_in_a_response_header() -> None:
         [FakeFilter("no-a", [A]), FakeScorer("queue", {C: 1.0, B: 0.5})],
         weights={"queue": 2.0},
         decisions=decisions,
+        explain="header",
     )
 
     async def scenario() -> None:
@@ -220,7 +230,7 @@ def test_an_explained_request_gets_the_decision_in_a_response_header() -> None:
 
 def test_when_filters_leave_nobody_the_503_carries_the_explanation() -> None:
     """No candidate left: 503, and an explained request learns which filter removed whom."""
-    picker = service(Pipeline([FakeFilter("nobody", [A, B, B2, C])]))
+    picker = service(Pipeline([FakeFilter("nobody", [A, B, B2, C])], explain="header"))
 
     async def scenario() -> None:
         async with serving(picker) as (client, _):
@@ -330,7 +340,7 @@ def test_a_failing_response_hook_is_skipped_and_counted() -> None:
     )
 
     async def scenario() -> None:
-        async with serving(service(pipeline)) as (client, _):
+        async with serving(service(pipeline, report_served=True)) as (client, _):
             replies = await client.exchange(
                 [
                     request_headers(POST, end_of_stream=True),

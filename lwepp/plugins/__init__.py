@@ -17,13 +17,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final
 
+from lwepp.plugins.inflight import InFlightLoadProducer
 from lwepp.plugins.kv_cache_scorer import KVCacheUtilizationScorer
 from lwepp.plugins.label_selector import LabelSelectorFilter
+from lwepp.plugins.load_scorers import ActiveRequestScorer, LoadAwareScorer, TokenLoadScorer
 from lwepp.plugins.lora_affinity import LoraAffinityScorer
 from lwepp.plugins.metrics_source import CoreMetricsExtractor, MetricsDataSource
 from lwepp.plugins.models_source import ModelsDataSource
+from lwepp.plugins.no_hit_lru import NoHitLRUScorer
 from lwepp.plugins.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
-from lwepp.plugins.prefix import ApproxPrefixCacheProducer, PrefixCacheScorer
+from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
+from lwepp.plugins.prefix import (
+    ApproxPrefixCacheProducer,
+    PrecisePrefixCacheScorer,
+    PrefixCacheScorer,
+)
 from lwepp.plugins.queue_scorer import QueueScorer
 from lwepp.plugins.role_filters import ByLabelFilter, DecodeFilter, EncodeFilter, PrefillFilter
 from lwepp.plugins.session_affinity import SessionAffinityScorer
@@ -33,6 +41,9 @@ REGISTRY: Final[Mapping[str, Factory]] = {
     # data sources
     "metrics-data-source": MetricsDataSource,
     "models-data-source": ModelsDataSource,
+    # producers (request-path data for the scorers after them)
+    "inflight-load-producer": InFlightLoadProducer,
+    "precise-prefix-cache-producer": PrecisePrefixCacheProducer,
     # filters
     "label-selector-filter": LabelSelectorFilter,
     "decode-filter": DecodeFilter,
@@ -43,8 +54,13 @@ REGISTRY: Final[Mapping[str, Factory]] = {
     "queue-scorer": QueueScorer,
     "kv-cache-utilization-scorer": KVCacheUtilizationScorer,
     "prefix-cache-scorer": PrefixCacheScorer,
+    "precise-prefix-cache-scorer": PrecisePrefixCacheScorer,
     "session-affinity-scorer": SessionAffinityScorer,
     "lora-affinity-scorer": LoraAffinityScorer,
+    "active-request-scorer": ActiveRequestScorer,
+    "token-load-scorer": TokenLoadScorer,
+    "load-aware-scorer": LoadAwareScorer,
+    "no-hit-lru-scorer": NoHitLRUScorer,
     # pickers
     "max-score-picker": MaxScorePicker,
     "random-picker": RandomPicker,

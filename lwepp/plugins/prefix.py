@@ -47,6 +47,19 @@ The scorer's own (router v0.10):
   the score becomes ``w × min(1, matched tokens / scale)² + (1 − w) × ratio``,
   so a long match counts for more than a short one of the same ratio.
 
+With ``prefixMatchInfoProducerName`` naming a ``precise-prefix-cache-producer``
+(``lwepp.plugins.precise_prefix``), the scorer reads that producer instead:
+the prompt's blocks as the engines' own tokenizer cuts them, matched against
+the blocks each engine reported in its KV-cache events; it then hashes
+nothing and learns nothing from its picks (the engines say what they hold).
+``precise-prefix-cache-scorer``, the router's older single plugin, is both.
+
+What it found is left for the plugins after it, as the router's producer
+leaves ``PrefixCacheMatchInfo`` on each endpoint: ``request.state`` under
+``"<producer>.match"`` (the producer named above) holds a ``PrefixMatch``, the
+blocks each candidate holds in a row, the prompt's blocks and their size.
+``no-hit-lru-scorer`` and ``inflight-load-producer`` read it.
+
 Endpoints are keyed by ``ip:port`` (a data-parallel pod runs one cache per
 port). Endpoints that left are forgotten: every 120 s (on the pipeline's
 clock) the index drops those that were not a candidate since the last sweep.
@@ -60,11 +73,12 @@ are optional: a configuration with no metrics source still works.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from lwepp.contracts import Candidate, LLMRequest, Usage
+from lwepp.contracts import AttributeWriter, Candidate, LLMRequest, Usage
+from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
 from lwepp.plugins.prefix_index import PrefixIndex, block_hashes, seed
 from plugin import NO_PARAMS, Params
 from plugin.frozen import dumps
@@ -104,6 +118,24 @@ class Prepared:
     hashes: list[int]
     candidates: Sequence[Candidate] = ()
     learned: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """What the prefix index found for one request (the router's ``PrefixCacheMatchInfo``).
+
+    ``matched``: blocks each candidate (``ip:port``) holds in a row from the
+    start; ``total``: the prompt's blocks; ``block_tokens``: tokens per block.
+    """
+
+    matched: Mapping[str, int]
+    total: int
+    block_tokens: int
+
+
+def match_key(producer: str) -> str:
+    """The ``request.state`` key a prefix scorer leaves its ``PrefixMatch`` under."""
+    return f"{producer}.match"
 
 
 INDEX_PARAMETERS: Final = (
@@ -169,6 +201,9 @@ class PrefixCacheScorer:
         self.use(IndexSettings.read(params))
         self.index = PrefixIndex()
         self._key = f"{name}.prompt"
+        self._match = match_key(self.producer)
+        self.precise: PrecisePrefixCacheProducer | None = None
+        """The precise producer this scorer reads, when its producer is one (``use_precise``)."""
         self._seen: set[str] = set()
         self._swept: float | None = None
 
@@ -182,9 +217,16 @@ class PrefixCacheScorer:
         # the last one the candidates reported (they rarely change).
         self._tuned_tokens = self.block_tokens
 
+    def use_precise(self, producer: PrecisePrefixCacheProducer) -> None:
+        """Score by the blocks the engines report (``lwepp.plugins.precise_prefix``) instead
+        of the approximate index; the pick then teaches nothing."""
+        self.precise = producer
+
     # --- prepare ---------------------------------------------------------------
 
     def prepare(self, request: LLMRequest) -> None:
+        if self.precise is not None:
+            return  # the producer tokenizes the prompt
         body = request.parsed
         if body is None:
             return
@@ -209,6 +251,8 @@ class PrefixCacheScorer:
         self, request: LLMRequest, candidates: Sequence[Candidate], now: float
     ) -> Sequence[float]:
         keys = [c.endpoint.hostport for c in candidates]
+        if self.precise is not None:
+            return self._precise(request, candidates, keys)
         self._sweep(keys, now)
         prepared: Prepared | None = request.state.get(self._key)
         if prepared is None:
@@ -223,12 +267,25 @@ class PrefixCacheScorer:
         if not total:
             return [0.0] * len(keys)
         matched = self.index.match(prepared.hashes, keys)
+        request.state[self._match] = PrefixMatch(matched, total, prepared.block_tokens)
         ratios = [matched[key] / total for key in keys]
         if self.length_weight == 0:
             return ratios
         w, scale = self.length_weight, self.length_scale
         lengths = [min(1.0, matched[key] * prepared.block_tokens / scale) ** 2 for key in keys]
         return [w * length + (1 - w) * ratio for length, ratio in zip(lengths, ratios, strict=True)]
+
+    def _precise(
+        self, request: LLMRequest, candidates: Sequence[Candidate], keys: list[str]
+    ) -> list[float]:
+        """Blocks each candidate's engine reported holding, in a row, over the prompt's."""
+        assert self.precise is not None
+        blocks = self.precise.request_keys(request)
+        if not blocks:
+            return [0.0] * len(keys)
+        matched = self.precise.match(blocks, [c.endpoint for c in candidates])
+        request.state[self._match] = PrefixMatch(matched, len(blocks), self.precise.block_size)
+        return [matched[key] / len(blocks) for key in keys]
 
     @staticmethod
     def _reported(candidates: Sequence[Candidate], attribute: str) -> int:
@@ -263,9 +320,32 @@ class PrefixCacheScorer:
         """Record the prompt's blocks as held by ``endpoint`` (once per request and endpoint)."""
         prepared: Prepared | None = request.state.get(self._key)
         if prepared is None or not prepared.hashes or endpoint in (None, prepared.learned):
-            return
+            return  # (always so with a precise producer: prepare left nothing)
         same = [c for c in prepared.candidates if c.endpoint.hostport == endpoint]
         capacity = self._reported(same, "cache_num_blocks") or self.lru_capacity
         self.index.add(endpoint, prepared.hashes, capacity)
         self._seen.add(endpoint)
         prepared.learned = endpoint
+
+
+class PrecisePrefixCacheScorer(PrefixCacheScorer):
+    """The router's older ``precise-prefix-cache-scorer``: one plugin that is both the precise
+    producer (its parameters) and the prefix scorer reading it."""
+
+    produces = PrecisePrefixCacheProducer.produces
+
+    def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
+        self.source = PrecisePrefixCacheProducer(name, params)
+        super().__init__(name)
+        self.use_precise(self.source)
+
+    def prepare(self, request: LLMRequest) -> None:
+        self.source.prepare(request)
+
+    async def run(
+        self,
+        endpoints: Callable[[], Sequence[Endpoint]],
+        store: AttributeWriter,
+        clock: Callable[[], float],
+    ) -> None:
+        await self.source.run(endpoints, store, clock)

@@ -1,0 +1,82 @@
+"""``no-hit-lru-scorer``: send cold requests (no cached prefix anywhere) least recently used first.
+
+A request that hits no endpoint's cache will fill new KV blocks wherever it
+goes; sending such requests in turn, to the endpoint that took a cold one
+longest ago, spreads the cache's growth (and the prefill work) evenly
+instead of piling it where the other scorers happen to tie. The llm-d
+router's scorer, with its rules:
+
+- cold or warm: the request is cold when the prefix scorer's ``PrefixMatch``
+  (``lwepp.plugins.prefix``, left in ``request.state`` by the
+  ``prefix-cache-scorer`` reading ``prefixMatchInfoProducerName``) shows no
+  candidate holding any block, or when there is none. The prefix scorer must
+  therefore run first: list it before this one in the profile.
+- warm: every candidate scores 0.5 (neutral: cache affinity decides).
+- cold, with ``n`` candidates: the ones never given a cold request score
+  ``1 - i/(n-1)`` in candidate order; each one that was scores
+  ``1 - (never + position)/(n-1)``, at least 0, where ``position`` is its
+  place in the LRU (0: least recently used) and ``never`` how many have
+  never had one. A single candidate scores 1.
+- picked: when the request was cold, the primary pick becomes the most
+  recently used. The LRU remembers at most ``lruSize`` endpoints (1024).
+
+Parameters: ``lruSize`` (1024; <= 0 means the default, as in the router),
+``prefixMatchInfoProducerName`` (the prefix producer, default
+``approx-prefix-cache-producer``), and the router's deprecated
+``prefixPluginType``/``prefixPluginName``, accepted and unused (as there).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+from lwepp.contracts import Candidate, LLMRequest
+from lwepp.plugins.prefix import DEFAULT_PRODUCER, PrefixMatch, match_key
+from plugin import NO_PARAMS, Params
+from pods.model import Endpoint
+
+
+class NoHitLRUScorer:
+    def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
+        self.name = name
+        params.get("prefixPluginType", str, "")  # deprecated in the router: never used there
+        params.get("prefixPluginName", str, "")
+        size = params.get("lruSize", int, 1024)
+        self.size = size if size > 0 else 1024
+        producer = params.get("prefixMatchInfoProducerName", str, "") or DEFAULT_PRODUCER
+        self._match, self._cold = match_key(producer), f"{name}.cold"
+        self.lru: collections.OrderedDict[str, None] = collections.OrderedDict()
+        """Endpoints (``ip:port``) that took a cold request, least recently first."""
+
+    def score(
+        self, request: LLMRequest, candidates: Sequence[Candidate], now: float
+    ) -> Sequence[float]:
+        match: PrefixMatch | None = request.state.get(self._match)
+        cold = match is None or not any(match.matched.values())
+        request.state[self._cold] = cold
+        n = len(candidates)
+        if not cold:
+            return [0.5] * n
+        if n == 1:
+            return [1.0]
+        position = {endpoint: i for i, endpoint in enumerate(self.lru)}
+        keys = [c.endpoint.hostport for c in candidates]
+        never = sum(1 for key in keys if key not in position)
+        scores, unused, span = [], 0, n - 1
+        for key in keys:
+            if key in position:
+                scores.append(max(0.0, 1.0 - (never + position[key]) / span))
+            else:
+                scores.append(1.0 - unused / span)
+                unused += 1
+        return scores
+
+    def picked(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None:
+        if not endpoints or not request.state.pop(self._cold, False):
+            return
+        key = endpoints[0].hostport
+        self.lru[key] = None
+        self.lru.move_to_end(key)
+        if len(self.lru) > self.size:
+            self.lru.popitem(last=False)

@@ -1,0 +1,188 @@
+"""The precise prefix cache: an index of the engines' own KV-cache events, read by the scorer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgpack
+import orjson
+import pytest
+
+from lwepp.config import ConfigErrors, load_text
+from lwepp.contracts import Candidate, LLMRequest
+from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer, chain
+from lwepp.plugins.prefix import PrecisePrefixCacheScorer, PrefixCacheScorer
+from plugin import Params
+from pods.model import Endpoint
+from simulator.engine import Settings
+from simulator.kv_events import KVEventsConfig
+from simulator.openai import prompt_token_ids
+from simulator.server import serve_pods
+from tests.test_simulator import pod, post
+
+TOKENIZER = "simulator.openai.prompt_token_ids"
+A, B = Endpoint("a", "10.0.0.1", 8000, {}), Endpoint("b", "10.0.0.2", 8000, {})
+TOPIC_A, TOPIC_B = b"kv@10.0.0.1@m", b"kv@10.0.0.2@m"
+
+
+def producer(block: int = 4, **extra: Any) -> PrecisePrefixCacheProducer:
+    params = {
+        "tokenizer": TOKENIZER,
+        "indexerConfig": {"tokenProcessorConfig": {"blockSizeTokens": block}},
+        **extra,
+    }
+    return PrecisePrefixCacheProducer("precise", Params(params, "plugin 'precise'"))
+
+
+def stored(hashes: list[int], parent: int | None, ids: list[int], size: int = 4) -> list[Any]:
+    return ["BlockStored", hashes, parent, ids, size, None, "GPU", None]
+
+
+def send(made: PrecisePrefixCacheProducer, topic: bytes, number: int, *events: Any) -> None:
+    made.ingest(topic, number.to_bytes(8, "big"), msgpack.packb([1.0, list(events)]))
+
+
+def keys(made: PrecisePrefixCacheProducer, ids: list[int]) -> list[int]:
+    return chain(made.root, ids, made.block_size)
+
+
+def test_stored_blocks_match_and_removed_ones_do_not() -> None:
+    """BlockStored indexes blocks by their tokens (chained on the parent's key); BlockRemoved
+    and AllBlocksCleared take them out."""
+    made, ids = producer(), list(range(12))
+    send(made, TOPIC_A, 0, stored([101, 102], None, ids[:8]))
+    send(made, TOPIC_A, 1, stored([103], 102, ids[8:12]))
+    assert made.match(keys(made, ids), [A, B]) == {A.hostport: 3, B.hostport: 0}
+    send(made, TOPIC_A, 2, ["BlockRemoved", [102], "GPU"])
+    assert made.match(keys(made, ids), [A])[A.hostport] == 1
+    send(made, TOPIC_A, 3, ["AllBlocksCleared"])
+    assert made.match(keys(made, ids), [A])[A.hostport] == 0
+
+
+def test_a_restart_a_gap_and_a_late_batch() -> None:
+    """Sequence 0 after others: the engine restarted (forgotten, then applied); a gap: blocks
+    forgotten and the loss reported; an old number: dropped and reported."""
+    made, ids = producer(), list(range(8))
+    send(made, TOPIC_A, 0, stored([1, 2], None, ids))
+    send(made, TOPIC_A, 1)
+    send(made, TOPIC_A, 0, stored([5], None, ids[:4]))  # restarted: only its new block
+    assert made.match(keys(made, ids), [A])[A.hostport] == 1
+    send(made, TOPIC_A, 3)  # batches 1 and 2 lost
+    assert made.match(keys(made, ids), [A])[A.hostport] == 0
+    assert "batches 1–2 lost" in made.problems["10.0.0.1"]
+    send(made, TOPIC_A, 2, stored([9, 10], None, ids))  # late: must not be applied
+    assert made.match(keys(made, ids), [A])[A.hostport] == 0
+    assert "arrived after 3: dropped" in made.problems["10.0.0.1"]
+
+
+def test_a_block_size_that_does_not_match_is_an_error_not_silent_misses() -> None:
+    """Events with another block size are refused, the problem naming both sizes."""
+    made = producer(block=16)
+    send(made, TOPIC_B, 0, stored([1], None, list(range(4)), size=4))
+    assert made.index.blocks("10.0.0.2") == 0
+    problem = made.problems["10.0.0.2"]
+    assert "block_size 4" in problem
+    assert "blockSizeTokens 16" in problem
+
+
+def test_the_scorer_reads_the_producer_it_names() -> None:
+    """prefix-cache-scorer with prefixMatchInfoProducerName naming a precise producer scores
+    blocks held / prompt blocks, and learns nothing from its picks."""
+    config = load_text(
+        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n"
+        f"- type: precise-prefix-cache-producer\n  parameters: {{tokenizer: {TOKENIZER}}}\n"
+        "- type: prefix-cache-scorer\n"
+        "  parameters: {prefixMatchInfoProducerName: precise-prefix-cache-producer}\n"
+    )
+    [scorer] = [p for p in config.running if isinstance(p, PrefixCacheScorer)]
+    [made] = [p for p in config.running if isinstance(p, PrecisePrefixCacheProducer)]
+    assert scorer.precise is made
+    body = orjson.dumps({"model": "m", "prompt": "alpha beta " * 20})
+    ids = prompt_token_ids(body) or []
+    whole = len(ids) // 16
+    send(made, TOPIC_A, 0, stored(list(range(whole)), None, ids[: whole * 16], size=16))
+    request = LLMRequest("r", {}, body=body)
+    made.prepare(request)
+    scores = scorer.score(request, [Candidate(A), Candidate(B)], 0.0)
+    assert list(scores) == [1.0, 0.0]
+    scorer.picked(request, [B])
+    assert list(scorer.score(request, [Candidate(A), Candidate(B)], 0.0)) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ("{}", "tokenizer: required"),
+        ("{tokenizer: no.such.function}", "tokenizer: cannot load 'no.such.function'"),
+        (
+            "{tokenizer: " + TOKENIZER + ", indexerConfig: {tokenProcessorConfig: {blocksize: 4}}}",
+            "unknown field 'blocksize'",
+        ),
+    ],
+    ids=["no-tokenizer", "bad-tokenizer", "typo"],
+)
+def test_bad_producer_parameters_name_the_field(parameters: str, message: str) -> None:
+    """Each problem is refused at load, naming the field."""
+    with pytest.raises(ConfigErrors, match=message):
+        load_text(
+            "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n"
+            f"- type: precise-prefix-cache-producer\n  parameters: {parameters}\n"
+        )
+
+
+def test_the_older_single_plugin_loads() -> None:
+    """precise-prefix-cache-scorer: the producer and the scorer in one plugin."""
+    config = load_text(
+        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n"
+        f"- type: precise-prefix-cache-scorer\n  parameters: {{tokenizer: {TOKENIZER}}}\n"
+    )
+    [scorer] = config.running
+    assert isinstance(scorer, PrecisePrefixCacheScorer)
+    assert scorer.precise is scorer.source
+    assert config.pipeline().sources == (scorer,)
+
+
+def test_a_simulator_s_events_reach_the_index_over_zmq(tmp_path: Path) -> None:
+    """A simulator publishing as vLLM does, the producer subscribed: after one request the
+    engine's blocks of that prompt match it in full."""
+    endpoint = f"ipc://{tmp_path}/kv"
+    events = KVEventsConfig(enabled=True, endpoint=endpoint, topic="kv@127.0.0.1@m")
+    made = producer(block=16, kvEventsConfig={"zmqEndpoint": endpoint})
+
+    async def scenario() -> dict[str, int]:
+        async with serve_pods((pod(),), Settings(time_scale=0), grace=1.0, kv_events=events) as (
+            replica,
+        ):
+            task = asyncio.create_task(made.run(lambda: (), NoStore(), lambda: 0.0))
+            endpoint_of = Endpoint("pod-a", "127.0.0.1", replica.port, {})
+            body = {"model": replica.model, "prompt": "", "max_tokens": 1}
+            try:
+                async with aiohttp.ClientSession() as session:
+                    for attempt in range(200):  # PUB drops what it sends before SUB joins
+                        body["prompt"] = f"try {attempt} " * 30
+                        await post(session, replica, "/v1/completions", body)
+                        await asyncio.sleep(0.02)  # a poll with a deadline: the SUB is async
+                        request = LLMRequest("r", {}, body=orjson.dumps(body))
+                        made.prepare(request)
+                        found = made.match(made.request_keys(request), [endpoint_of])
+                        if found[endpoint_of.hostport]:
+                            return {"matched": found[endpoint_of.hostport],
+                                    "blocks": len(made.request_keys(request))}  # fmt: skip
+                    return {}
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    result = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert result
+    assert result["matched"] == result["blocks"] > 0
+
+
+class NoStore:
+    def write(self, endpoint: str, values: Any) -> None:
+        raise AssertionError("the precise producer writes no attribute")

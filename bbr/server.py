@@ -130,7 +130,7 @@ class BodyBasedRouter:
             for reply in replies:
                 await stream.send(reply)
 
-    def refusal(self, state: RouteState, error: Exception) -> ProcessingResponse:
+    def refusal(self, state: Exchange, error: Exception) -> ProcessingResponse:
         """The one place an error becomes an HTTP answer (an ``ImmediateResponse``)."""
         if isinstance(error, Refusal):
             log.debug(
@@ -159,7 +159,11 @@ class BodyBasedRouter:
         return self.finish_request(state, end_of_stream=True)
 
     def finish_request(self, state: RouteState, *, end_of_stream: bool) -> list[ProcessingResponse]:
-        """Parse once (if a plugin needs it), run the chain, send its changes on."""
+        """Run the chain on the held body, send its changes on."""
+        return changed(state.request, self.read_request(state), end_of_stream)
+
+    def read_request(self, state: Exchange) -> Message:
+        """Parse the held request body once (if a plugin needs it) and run the request chain."""
         half = state.request
         message = Message("request", dict(half.headers), half.take())
         if self.request_chain.needs_body:
@@ -169,7 +173,7 @@ class BodyBasedRouter:
             message.set_content_length()
         self.metrics.success.inc()
         log.debug("request processed", body_bytes=len(message.raw), request_id=state.request_id)
-        return changed(half, message, end_of_stream)
+        return message
 
     # --- the response ---
 

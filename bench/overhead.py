@@ -14,7 +14,20 @@ noop-both               two do-nothing servers, in BBR's mode then the picker's
 bbr+lwepp               BBR then LWEPP: the demo's request path
 noop-bbr                a do-nothing server in BBR's processing mode
 bbr                     BBR alone
+one-hop                 ``lwepp.onehop``: BBR's job and LWEPP's pick in one hop
+                        (the filter's processing mode is the picker's: ``noop-picker``
+                        is its do-nothing hop)
+direct                  no proxy at all: the load generator straight at one replica
+sglang-router,          the peers (``bench/peers.py``, round_robin) in place of Envoy,
+vllm-router             in front of the same replicas; left out when not installed
+                        (``make peers``)
 ======================  ==============================================================
+
+**Where the time goes.** A breakdown table reads each piece of the path
+off the same rounds as a difference of two cases: Envoy as a proxy (plain −
+direct), a do-nothing hop (noop-picker − plain), each service's own work
+(service − its do-nothing hop), the second hop (noop-both − noop-picker), and
+each gateway's and peer's whole cost over the upstream itself (− direct).
 
 The services run plaintext (``--secure-serving=false``) except in
 ``lwepp-tls``, whose added latency over ``lwepp``'s is what TLS between Envoy
@@ -80,14 +93,16 @@ from envoy_data_plane.envoy.extensions.filters.http.router import v3 as router
 from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager import v3 as hcm
 from envoy_data_plane.google.protobuf import Any as AnyMessage
 
-from bench import loadgen, streams
+from bench import loadgen, peers, streams
 from bench.report import Options, Plot, Section, Series, Table, Target, progress
 from demo.envoy import (
+    ONE_HOP,
     ROUTE_TIMEOUT,
     GatewayPool,
     bbr_filter,
     fallback_cluster,
     grpc_cluster,
+    one_hop_filter,
     picked_endpoint_cluster,
     picker_filter,
     served_endpoint_filter,
@@ -133,8 +148,17 @@ class Case:
     bbr: str | None = None
     """Behind the ``bbr`` filter: ``"bbr"`` or ``"noop-bbr"``; None: no such filter."""
     picker: str | None = None
-    """Behind the ``lwepp-p`` filter: ``"lwepp"``, ``"lwepp-tls"`` or ``"noop-picker"``; None:
-    no such filter."""
+    """Behind the ``lwepp-p`` filter: ``"lwepp"``, ``"lwepp-tls"`` or ``"noop-picker"``; behind
+    the one-hop filter: ``"onehop"``; None: no such filter."""
+    peer: str | None = None
+    """A peer router (``bench.peers``) in place of Envoy."""
+    direct: bool = False
+    """No proxy: the upstream itself."""
+
+    @property
+    def envoy(self) -> bool:
+        """Whether this case runs through an Envoy of its own."""
+        return self.peer is None and not self.direct
 
 
 CASES: Final = (
@@ -146,12 +170,46 @@ CASES: Final = (
     Case("bbr+lwepp", "+ BBR + LWEPP", bbr="bbr", picker="lwepp"),
     Case("noop-bbr", "+ do-nothing hop, BBR's mode", bbr="noop-bbr"),
     Case("bbr", "+ BBR", bbr="bbr"),
+    Case("one-hop", "+ one hop: BBR's job and LWEPP's pick", picker="onehop"),
+    Case("direct", "no proxy: the upstream itself", direct=True),
+    Case("sglang-router", "sglang-router (round_robin), no Envoy", peer="sglang-router"),
+    Case("vllm-router", "vllm-router (round_robin), no Envoy", peer="vllm-router"),
 )
+
+PEERS: Final = {peer.name: peer for peer in peers.PEERS}
+
+BREAKDOWN: Final = (
+    ("Envoy as a proxy", "plain", "direct"),
+    ("a do-nothing ext_proc hop (picker's mode)", "noop-picker", "plain"),
+    ("a do-nothing ext_proc hop (BBR's mode)", "noop-bbr", "plain"),
+    ("the second hop (two do-nothing hops − one)", "noop-both", "noop-picker"),
+    ("LWEPP's own work (round-robin)", "lwepp", "noop-picker"),
+    ("BBR's own work", "bbr", "noop-bbr"),
+    ("the one hop's own work (BBR's chain + the pick)", "one-hop", "noop-picker"),
+    ("two-hop gateway (Envoy + BBR + LWEPP), over the upstream", "bbr+lwepp", "direct"),
+    ("one-hop gateway (Envoy + one hop), over the upstream", "one-hop", "direct"),
+    ("sglang-router, over the upstream", "sglang-router", "direct"),
+    ("vllm-router, over the upstream", "vllm-router", "direct"),
+)
+"""(what, case, base case): each piece of the path as the difference of two cases' latency."""
+
+ONE_HOP_TARGETS: Final = (
+    ("one-hop", "sglang-router", 1.5),
+    ("one-hop", "vllm-router", 1.5),
+)
+"""(gateway case, peer case, limit): the gateway's added p50 at concurrency 1 over the upstream,
+as a multiple of the peer's over the same upstream."""
+
+ONE_HOP_RATE: Final = 1.6
+"""Requests per Python core-second, the one hop's over the two hops' (BBR's stream and LWEPP's
+stream for every request), both read off whole streams on one core (``bench/streams.py``):
+the Python process is the ceiling of every ext_proc case, so this is the gateway's rate per
+core of Python, measured as CPU time, which a busy machine disturbs less than a rate."""
 
 COMPARISONS: Final = (
     ("lwepp", "noop-picker", 1.15, "LWEPP"),
     ("bbr", "noop-bbr", 1.25, "BBR"),
-    ("bbr+lwepp", "noop-both", 1.2, "BBR + LWEPP"),
+    ("bbr+lwepp", "noop-both", 1.1, "BBR + LWEPP"),
 )
 """(service case, its do-nothing case, the target ratio of added latency, name)."""
 
@@ -304,7 +362,7 @@ def _routes(case: Case) -> list[route.Route]:
     round-robin cluster over the same replicas (``fallback_cluster``, what a
     FailOpen pool uses while its picker is down).
     """
-    picks = case.picker in ("lwepp", "lwepp-tls")
+    picks = case.picker in ("lwepp", "lwepp-tls", "onehop")
     target = f"pool-{POOL.name}" if picks else f"pool-{POOL.name}-fallback"
     direct = _json_answer(DIRECT_BODY)
     direct.match = route.RouteMatch(path="/direct")
@@ -327,7 +385,10 @@ def bootstrap(case: Case, ports: dict[str, int], upstreams: Sequence[str]) -> di
     if case.bbr is not None:
         filters.append(bbr_filter())
         clusters.append(grpc_cluster("bbr", HOST, ports[case.bbr]))
-    if case.picker is not None:
+    if case.picker == "onehop":
+        filters.append(one_hop_filter())
+        clusters.append(grpc_cluster(ONE_HOP, HOST, ports[case.picker]))
+    elif case.picker is not None:
         filters.append(picker_filter(pool))
         tls = case.picker == "lwepp-tls"
         clusters.append(grpc_cluster(f"lwepp-{pool.name}", HOST, ports[case.picker], tls=tls))
@@ -374,7 +435,15 @@ class Rig:
         self.services: list[Service] = []
         self.ports: dict[str, int] = {}
         self.envoys: dict[str, int] = {}
+        """The port each case's load goes to: its Envoy's, a peer's, or a replica's."""
         self.upstreams: list[str] = []
+        self.missing: dict[str, str] = {}
+        """Cases left out (a peer not installed, or that did not start), and why."""
+
+    @property
+    def cases(self) -> list[Case]:
+        """The cases this run measures."""
+        return [case for case in CASES if case.key not in self.missing]
 
     def _spawn(self, name: str, argv: Sequence[str], cpus: frozenset[int]) -> Service:
         with pinned(cpus):
@@ -400,6 +469,7 @@ class Rig:
         ports = ["--host", HOST, "--grpc-port", "0", "--grpc-health-port", "0"]
         ports += ["--metrics-port", "0", "--log-level", "info"]
         plaintext = [*ports, "--secure-serving=false"]
+        one_pool = ["--pool", f"{POOL.name}=*"]
         upstream_dir = self.work_dir / "upstream"
         upstream_dir.mkdir(exist_ok=True)
         path = upstream_dir / "envoy-bootstrap.json"
@@ -426,13 +496,18 @@ class Rig:
                 self.placement.python,
             ),
             "bbr": self._spawn("bbr", [python, "-m", "bbr", *plaintext], self.placement.python),
+            "onehop": self._spawn(
+                "onehop",
+                [python, "-m", "lwepp.onehop", "--pods", str(pods), *one_pool, *plaintext],
+                self.placement.python,
+            ),
         }
         wait_envoy_ready(upstream, upstream_dir, self.timeout)
         for kind, service in servers.items():
             self._wait(service, _first_line_port if kind.startswith("noop") else listening_line)
             self.ports[kind] = int(service.listening["grpc_port"])
         envoys: dict[str, Service] = {}
-        for case in CASES:
+        for case in [case for case in CASES if case.envoy]:
             case_dir = self.work_dir / case.key
             case_dir.mkdir(exist_ok=True)
             path = case_dir / "envoy-bootstrap.json"
@@ -446,6 +521,23 @@ class Rig:
             admin = wait_envoy_ready(envoy, self.work_dir / key, self.timeout)
             ((_, port),) = listeners(admin).values()
             self.envoys[key] = port
+        self.envoys["direct"] = upstream_ports[0]
+        for case in CASES:
+            if case.peer is not None:
+                self._start_peer(case.key, PEERS[case.peer])
+
+    def _start_peer(self, key: str, peer: peers.Peer) -> None:
+        """A peer router in front of the replicas, on the Python services' CPU: like them, a
+        process with a core of its own beside Envoy's."""
+        workers = [f"http://{upstream}" for upstream in self.upstreams]
+        try:
+            with pinned(self.placement.python):
+                router = peers.start(peer, "round_robin", workers, self.work_dir / "peers")
+        except peers.PeerError as error:
+            self.missing[key] = str(error).splitlines()[0]
+            return
+        self.services.append(router.service)
+        self.envoys[key] = int(router.url.rpartition(":")[2])
 
     def close(self) -> None:
         stop_all(list(reversed(self.services)))
@@ -491,10 +583,10 @@ def _open(port: int, body: bytes, rate: float, seconds: float) -> Run:
 
 def latency_rounds(rig: Rig, sizes: Sizes, body: bytes) -> dict[str, dict[int, list[Run]]]:
     """Closed-loop runs at concurrency 1 and 8, every case once per round, in order."""
-    runs: dict[str, dict[int, list[Run]]] = {c.key: {1: [], 8: []} for c in CASES}
+    runs: dict[str, dict[int, list[Run]]] = {c.key: {1: [], 8: []} for c in rig.cases}
     for number in range(sizes.rounds):
         progress(f"overhead: latency round {number + 1}/{sizes.rounds}")
-        for case in CASES:
+        for case in rig.cases:
             for concurrency in (1, 8):
                 run = _closed(rig.envoys[case.key], body, concurrency, sizes.seconds)
                 runs[case.key][concurrency].append(run)
@@ -503,8 +595,8 @@ def latency_rounds(rig: Rig, sizes: Sizes, body: bytes) -> dict[str, dict[int, l
 
 def sweep(rig: Rig, sizes: Sizes, body: bytes) -> dict[str, list[tuple[float, Run]]]:
     """Rising open-loop rates, every case still passing at each; a case stops at its first miss."""
-    steps: dict[str, list[tuple[float, Run]]] = {c.key: [] for c in CASES}
-    alive = [c.key for c in CASES]
+    steps: dict[str, list[tuple[float, Run]]] = {c.key: [] for c in rig.cases}
+    alive = [c.key for c in rig.cases]
     rate = sizes.sweep_start
     for _ in range(sizes.sweep_steps):
         if not alive:
@@ -569,10 +661,10 @@ def run(options: Options) -> Section:
     started = time.monotonic()
     rig = Rig(work_dir, placement)
     try:
-        progress("overhead: starting 5 ext_proc servers and 9 Envoys")
+        progress("overhead: starting 6 ext_proc servers, 10 Envoys and the peers")
         rig.start()
         with pinned(placement.gateway):
-            for case in CASES:  # warm up: connections, first-stream costs
+            for case in rig.cases:  # warm up: connections, first-stream costs
                 _closed(rig.envoys[case.key], chat, 8, min(0.5, sizes.seconds / 2))
             ceiling = generator_ceiling(rig, sizes)
             latency = latency_rounds(rig, sizes, chat)
@@ -581,7 +673,7 @@ def run(options: Options) -> Section:
         rig.close()
     progress("overhead: streams per core")
     per_core = streams.measure(
-        ["noop-rw", "lwepp", "bbr"],
+        ["noop-rw", "noop-gen", "noop-sync", "lwepp", "bbr", "onehop"],
         streams=sizes.stream_count,
         rounds=sizes.stream_rounds,
     )
@@ -590,13 +682,25 @@ def run(options: Options) -> Section:
         (1, 2), streams=sizes.stream_count, rounds=sizes.stream_rounds
     )
     return section(
-        latency, steps, ceiling, per_core, scaling, placement, time.monotonic() - started
+        latency,
+        steps,
+        ceiling,
+        per_core,
+        scaling,
+        placement,
+        time.monotonic() - started,
+        rig.missing,
     )
 
 
-def _added(latency: dict[str, dict[int, list[Run]]], key: str, c: int, q: str) -> float:
-    """Median over rounds of (case − plain proxy) for percentile ``q`` ("p50"/"p99"), seconds."""
-    pairs = zip(latency[key][c], latency["plain"][c], strict=True)
+def _added(
+    latency: dict[str, dict[int, list[Run]]], key: str, c: int, q: str, base: str = "plain"
+) -> float:
+    """Median over rounds of (case − ``base``, the plain proxy by default) for percentile ``q``
+    ("p50"/"p99"), seconds."""
+    if key not in latency or base not in latency:
+        return float("nan")
+    pairs = zip(latency[key][c], latency[base][c], strict=True)
     return _median([getattr(run, q) - getattr(base, q) for run, base in pairs])
 
 
@@ -608,19 +712,23 @@ def section(
     scaling: list[streams.WorkersResult],
     placement: Placement,
     seconds: float,
+    missing: dict[str, str] | None = None,
 ) -> Section:
     """Lay the measurements out: tables, targets, plots, raw data."""
+    missing = missing or {}
+    cases = [case for case in CASES if case.key not in missing]
     latency_rows: list[list[object]] = []
     rate_rows: list[list[object]] = []
-    for case in CASES:
+    for case in cases:
         row: list[object] = [case.label]
+        over_envoy = case.envoy and case.key != "plain"
         for c in (1, 8):
             runs = latency[case.key][c]
             row += [
                 _ms(_median([r.p50 for r in runs])),
                 _ms(_median([r.p99 for r in runs])),
-                None if case.key == "plain" else _ms(_added(latency, case.key, c, "p50")),
-                None if case.key == "plain" else _ms(_added(latency, case.key, c, "p99")),
+                _ms(_added(latency, case.key, c, "p50")) if over_envoy else None,
+                _ms(_added(latency, case.key, c, "p99")) if over_envoy else None,
             ]
         latency_rows.append(row)
         rate_rows.append(
@@ -671,6 +779,27 @@ def section(
     base_rate = sustained(steps[plain_case])
     rate = sustained(steps[tls_case]) / base_rate if base_rate else float("nan")
     ratio_rows.append([tls_name, "sustained rate (TLS / plaintext)", rate, None, None])
+    breakdown_rows = [
+        [what, *(_ms(_added(latency, key, c, q, base)) for q in ("p50", "p99") for c in (1, 8))]
+        for what, key, base in BREAKDOWN
+        if key in latency and base in latency
+    ]
+    for gateway, peer, limit in ONE_HOP_TARGETS:
+        if peer not in latency:
+            continue
+        ratio = _added(latency, gateway, 1, "p50", "direct") / _added(
+            latency, peer, 1, "p50", "direct"
+        )
+        targets.append(
+            Target(
+                f"one-hop gateway added p50 over the upstream vs {peer}'s, concurrency 1",
+                ratio,
+                limit,
+            )
+        )
+    base_rate = sustained(steps["bbr+lwepp"])
+    rate = sustained(steps["one-hop"]) / base_rate if base_rate else float("nan")
+    ratio_rows.append(["one hop vs BBR + LWEPP", "sustained rate", rate, None, None])
     by_kind = {r.kind: r for r in per_core}
     base = by_kind["noop-rw"]
     stream_rows = [
@@ -683,6 +812,15 @@ def section(
         ]
         for r in per_core
     ]
+    two_hops = by_kind["lwepp"].cpu_us_per_stream + by_kind["bbr"].cpu_us_per_stream
+    targets.append(
+        Target(
+            "one-hop requests per Python core-second vs two hops' (BBR's + LWEPP's stream)",
+            two_hops / by_kind["onehop"].cpu_us_per_stream,
+            ONE_HOP_RATE,
+            at_most=False,
+        )
+    )
     for kind, limit, name in (("lwepp", 0.8, "LWEPP"), ("bbr", 0.7, "BBR")):
         targets.append(
             Target(
@@ -711,7 +849,7 @@ def section(
                     [rate for rate, _ in steps[case.key]],
                     [_ms(r.p99) for _, r in steps[case.key]],
                 )
-                for case in CASES
+                for case in cases
             ]
             + [Series(f"pass mark: p99 {P99_BOUND * 1e3:.0f} ms", offered, [P99_BOUND * 1e3] * 2)],
             logy=True,
@@ -735,9 +873,15 @@ def section(
         "still passing at the last step sustains at least that rate; 0: it missed the first).",
         "Streams per core: `bench/streams.py`, each server pinned to one CPU, headers + 4 KB "
         "body full-duplex; the ratio is server CPU per stream, the do-nothing server's over the "
-        "service's.",
+        "service's. The server loops, each doing nothing: noop-rw is grpc.aio with "
+        "context.read/write (what protos.server runs), noop-gen grpc.aio with an async "
+        "generator, noop-sync grpc's synchronous server (a thread per stream).",
         "Workers: `python -m lwepp --workers N`, streams/s from 8 client connections; with two "
         "CPUs the client shares them with the workers, so 2 workers cannot double it here.",
+        "Where the time goes: each row is the difference of two cases' latency (median over "
+        "rounds of the paired difference); 'over the upstream' is against the load generator "
+        "straight at one replica. The peers run round_robin on the Python services' CPU.",
+        *(f"Left out: {key}: {why}." for key, why in missing.items()),
         f"Whole run: {seconds:.0f} s.",
     ]
     data = {
@@ -757,6 +901,7 @@ def section(
             for w in scaling
         ],
         "seconds": seconds,
+        "missing": missing,
     }
     return Section(
         key="overhead",
@@ -769,6 +914,17 @@ def section(
                 latency_rows,
             ),
             Table("Throughput through Envoy", rate_columns, rate_rows),
+            Table(
+                "Where the time goes: added latency of each piece (ms; paired differences)",
+                [
+                    "piece",
+                    "p50 (c=1)",
+                    "p50 (c=8)",
+                    "p99 (c=1)",
+                    "p99 (c=8)",
+                ],
+                breakdown_rows,
+            ),
             Table(
                 "Added latency: each service over the do-nothing hop of its processing mode",
                 ["service", "concurrency", "p50 ratio", "p99 ratio", "target (p50)"],

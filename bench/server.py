@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from concurrent import futures
 from typing import Any
 
 import grpc
@@ -13,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from bbr.server import BodyBasedRouter
 from bench.hooks import STREAM_KINDS
 from bench.hooks import service as picker_service
+from lwepp.onehop import OneHop
 from protos import extproc
 from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse
 from protos.logs import configure_logging
@@ -104,6 +106,36 @@ def generator_handler() -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {"Process": method})
 
 
+def sync_handler() -> grpc.GenericRpcHandler:
+    """The same do-nothing server for grpc's synchronous server: a thread per stream.
+
+    The other server loop grpc offers in Python. ``bench/overhead.py`` measures it
+    against ``noop-rw`` (grpc.aio, what ``protos.server`` runs) on whole
+    full-duplex streams, the mode every filter of the gateway uses.
+    """
+
+    def process(requests: Iterator[Any], _context: Any) -> Iterator[Any]:
+        for message in requests:
+            yield from _noop_replies(message)
+
+    method = grpc.stream_stream_rpc_method_handler(
+        process,
+        request_deserializer=ProcessingRequest.FromString,
+        response_serializer=ProcessingResponse.SerializeToString,
+    )
+    return grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {"Process": method})
+
+
+def serve_sync() -> None:
+    """``noop-sync``: the synchronous server, with threads enough for the benchmark's streams."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
+    server.add_generic_rpc_handlers((sync_handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(port, flush=True)
+    server.wait_for_termination()
+
+
 def handler_for(kind: str) -> grpc.GenericRpcHandler:
     service: Handler
     match kind:
@@ -117,6 +149,8 @@ def handler_for(kind: str) -> grpc.GenericRpcHandler:
             service = picker_service(None)
         case "bbr":
             service = BodyBasedRouter(CollectorRegistry())
+        case "onehop":  # BBR's chain, then LWEPP's round-robin pick, in one stream
+            service = OneHop(BodyBasedRouter(CollectorRegistry()), {"*": picker_service(None)})
         case hooked if hooked in STREAM_KINDS:  # the pipelines of bench/hooks.py
             service = picker_service(int(hooked.removeprefix("lwepp-hooks-")))
         case _:
@@ -135,4 +169,7 @@ async def main(kind: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1]))
+    if sys.argv[1] == "noop-sync":
+        serve_sync()
+    else:
+        asyncio.run(main(sys.argv[1]))

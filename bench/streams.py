@@ -40,7 +40,7 @@ from protos.extproc import BodyMode
 from protos.server import EXT_PROC_SERVICE
 from protos.testing import request_body, request_headers
 
-KINDS = ("noop-rw", "noop-gen", "lwepp", "bbr")
+KINDS = ("noop-rw", "noop-gen", "noop-sync", "lwepp", "bbr", "onehop")
 HEADERS = [
     (":method", "POST"),
     (":path", "/v1/chat/completions"),

@@ -48,6 +48,14 @@ def _parser() -> argparse.ArgumentParser:
         "gateway runs",
     )
     add(
+        "--one-hop",
+        action="store_true",
+        help="one ext_proc service (python -m lwepp.onehop) does BBR's job and every pool's "
+        "pick, so Envoy calls Python once per request instead of twice (BBR, then the pool's "
+        "picker, GIE's topology and the default); FailOpen then has no meaning: the one "
+        "service reads every body, and fails closed as BBR does",
+    )
+    add(
         "--fail-open",
         action="append",
         metavar="POOL",
@@ -104,9 +112,10 @@ def banner(topology: Topology) -> str:
     out = [f"Gateway: {topology.url}   Envoy admin: {topology.admin_url}", "", "Pools:"]
     for pool in topology.pools:
         mode = "FailOpen " if pool.fail_open else "FailClose"
+        picker = "in the one hop" if topology.one_hop else f"127.0.0.1:{pool.picker_port}"
         out.append(
             f"  {pool.name}  {mode}  models {', '.join(pool.models)}  "
-            f"replicas {', '.join(pool.endpoints)}  picker 127.0.0.1:{pool.picker_port}"
+            f"replicas {', '.join(pool.endpoints)}  picker {picker}"
         )
     if not topology.simulator:
         out += ["", "Your servers (checked at start; probed for readiness every second):"]
@@ -162,6 +171,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Ctrl-C raises KeyboardInterrupt even if SIGINT came in ignored (a background job).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     fail_open = args.fail_open if args.fail_open is not None else ([] if args.pods else ["b"])
+    if args.one_hop and args.fail_open:
+        sys.exit("demo: --fail-open has no meaning with --one-hop: the one service fails closed")
+    if args.one_hop:
+        fail_open = []
     if args.no_simulator and args.pods is None:
         sys.exit("demo: --no-simulator needs --pods: the pod file naming your servers")
     with resources.as_file(DEFAULT_PODS) as default_pods:
@@ -176,6 +189,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 picker_config=args.picker_config,
                 simulator=not args.no_simulator,
                 on_server_change=server_change,
+                one_hop=args.one_hop,
             )
             print(f"Starting the gateway (logs in {args.work_dir}) ...", flush=True)
             with topology:

@@ -128,6 +128,9 @@ class Gateway:
     created: int = 0
     tls: bool = True
     """Dial BBR and the pickers over TLS (they serve it by default, as GIE's lwepp)."""
+    one_hop_port: int | None = None
+    """The one-hop service's port (``lwepp.onehop``): one ext_proc filter in place of BBR
+    and the pickers (``bbr_port`` and the pools' picker ports are then unused)."""
 
 
 def _any(message: betterproto2.Message) -> AnyMessage:
@@ -289,8 +292,18 @@ def fallback_cluster(pool: GatewayPool) -> cluster.Cluster:
 
 
 def clusters(gateway: Gateway) -> list[cluster.Cluster]:
-    """BBR, and per pool: its picker, its picked endpoints, and for FailOpen its replicas."""
+    """BBR, and per pool: its picker, its picked endpoints, and for FailOpen its replicas.
+
+    One hop: the one service instead of BBR and the pickers.
+    """
     host, tls = gateway.host, gateway.tls
+    if gateway.one_hop_port is not None:
+        result = [grpc_cluster(ONE_HOP, host, gateway.one_hop_port, tls=tls)]
+        for pool in gateway.pools:
+            result.append(picked_endpoint_cluster(pool))
+            if pool.fail_open:
+                result.append(fallback_cluster(pool))
+        return result
     result = [grpc_cluster("bbr", host, gateway.bbr_port, tls=tls)]
     for pool in gateway.pools:
         picker = grpc_cluster(
@@ -384,6 +397,40 @@ def picker_filter(pool: GatewayPool) -> hcm.HttpFilter:
     )
 
 
+ONE_HOP: Final = "onehop"
+"""The one-hop filter's name, and its cluster's."""
+
+
+def one_hop_filter() -> hcm.HttpFilter:
+    """BBR's job and the picker's in one filter (``lwepp.onehop``): the picker's processing mode.
+
+    The request body comes FULL_DUPLEX_STREAMED, as to both services: the
+    service holds the headers answer until it has read the body, then sends
+    the model header and the endpoint together. The response headers come
+    too (the served-endpoint report), the response body does not. FailClose,
+    as BBR: there is no request it could route without reading the body.
+    """
+    mode = ext_proc.ProcessingMode(
+        request_header_mode=_Send.SEND,
+        request_body_mode=_Body.FULL_DUPLEX_STREAMED,
+        request_trailer_mode=_Send.SEND,
+        response_header_mode=_Send.SEND,
+        response_body_mode=_Body.NONE,
+        response_trailer_mode=_Send.SKIP,
+    )
+    namespaces = ext_proc.MetadataOptionsMetadataNamespaces
+    return _ext_proc(
+        ONE_HOP,
+        mode,
+        fail_open=False,
+        metadata_options=ext_proc.MetadataOptions(
+            forwarding_namespaces=namespaces(untyped=["envoy.lb", "envoy.lb.subset_hint"]),
+            receiving_namespaces=namespaces(untyped=["envoy.lb"]),
+        ),
+        status_on_error=types.HttpStatus(code=types.StatusCode.ServiceUnavailable),
+    )
+
+
 GATEWAY_ONLY_HEADERS: Final = (
     ENDPOINT_HEADER,
     MODEL_HEADER,
@@ -432,12 +479,15 @@ def served_endpoint_filter() -> hcm.HttpFilter:
     return hcm.HttpFilter(name="served-endpoint", typed_config=_any(config))
 
 
-def http_filters(pools: Sequence[GatewayPool]) -> list[hcm.HttpFilter]:
-    """The chain in request order; the router, which sends upstream, is last."""
+def http_filters(pools: Sequence[GatewayPool], *, one_hop: bool = False) -> list[hcm.HttpFilter]:
+    """The chain in request order; the router, which sends upstream, is last.
+
+    ``one_hop``: the one-hop filter where BBR and the pickers would be.
+    """
+    processors = [one_hop_filter()] if one_hop else [bbr_filter(), *map(picker_filter, pools)]
     return [
         strip_client_routing_filter(),
-        bbr_filter(),
-        *(picker_filter(pool) for pool in pools),
+        *processors,
         served_endpoint_filter(),
         hcm.HttpFilter(name="envoy.filters.http.router", typed_config=_any(router.Router())),
     ]
@@ -476,17 +526,17 @@ def picker_on(pool: GatewayPool) -> dict[str, AnyMessage]:
 
 
 def _to_cluster(
-    pool: GatewayPool, name: str, match: list[route.HeaderMatcher], target: str
+    pool: GatewayPool, name: str, match: list[route.HeaderMatcher], target: str, one_hop: bool
 ) -> route.Route:
     return route.Route(
         name=name,
         match=route.RouteMatch(prefix="/", headers=match),
         route=route.RouteAction(cluster=target, timeout=ROUTE_TIMEOUT),
-        typed_per_filter_config=picker_on(pool),
+        typed_per_filter_config={} if one_hop else picker_on(pool),
     )
 
 
-def _pool_routes(pool: GatewayPool) -> list[route.Route]:
+def _pool_routes(pool: GatewayPool, one_hop: bool = False) -> list[route.Route]:
     """Per model, a route to the picked endpoint; FailOpen pools get a fallback too.
 
     GIE FailOpen: when the picker is unavailable, the gateway picks an
@@ -498,10 +548,12 @@ def _pool_routes(pool: GatewayPool) -> list[route.Route]:
     for model in pool.models:
         by_model = _header(MODEL_HEADER, model)
         picked = [by_model, _header(ENDPOINT_HEADER)] if pool.fail_open else [by_model]
-        routes.append(_to_cluster(pool, f"{pool.name}/{model}", picked, f"pool-{pool.name}"))
+        target = f"pool-{pool.name}"
+        routes.append(_to_cluster(pool, f"{pool.name}/{model}", picked, target, one_hop))
         if pool.fail_open:
             fallback = f"pool-{pool.name}-fallback"
-            routes.append(_to_cluster(pool, f"{pool.name}/{model}/fail-open", [by_model], fallback))
+            name = f"{pool.name}/{model}/fail-open"
+            routes.append(_to_cluster(pool, name, [by_model], fallback, one_hop))
     return routes
 
 
@@ -533,7 +585,9 @@ def model_card(model: str, pool: GatewayPool, created: int) -> dict[str, object]
     return {"id": model, "object": "model", "created": created, "owned_by": pool.name}
 
 
-def _json_answer(name: str, match: route.RouteMatch, body: object) -> route.Route:
+def _json_answer(
+    name: str, match: route.RouteMatch, body: object, front: str = "bbr"
+) -> route.Route:
     """A fixed JSON answer (200) from Envoy itself, with BBR switched off on the route.
 
     The body is a literal (``body``, not a format string), so no character of a
@@ -552,16 +606,18 @@ def _json_answer(name: str, match: route.RouteMatch, body: object) -> route.Rout
             status=200, body=core.DataSource(inline_string=json.dumps(body))
         ),
         response_headers_to_add=[content_type],
-        typed_per_filter_config=bbr_off(),
+        typed_per_filter_config=bbr_off(front),
     )
 
 
-def bbr_off() -> dict[str, AnyMessage]:
-    """A route's ``typed_per_filter_config`` that switches BBR off on it."""
-    return {"bbr": _any(ext_proc.ExtProcPerRoute(disabled=True))}
+def bbr_off(front: str = "bbr") -> dict[str, AnyMessage]:
+    """A route's ``typed_per_filter_config`` that switches BBR (or the one hop: ``front``) off."""
+    return {front: _any(ext_proc.ExtProcPerRoute(disabled=True))}
 
 
-def model_routes(pools: Sequence[GatewayPool], created: int) -> list[route.Route]:
+def model_routes(
+    pools: Sequence[GatewayPool], created: int, front: str = "bbr"
+) -> list[route.Route]:
     """``GET /v1/models``: the union of the pools' models; ``/v1/models/{id}``: one of them.
 
     What clients ask first (the OpenAI SDK's ``models.list()``, Open WebUI,
@@ -573,19 +629,19 @@ def model_routes(pools: Sequence[GatewayPool], created: int) -> list[route.Route
     cards = [model_card(model, pool, created) for pool in pools for model in pool.models]
     routes = [
         _json_answer(
-            "models", route.RouteMatch(path=MODELS_PATH), {"object": "list", "data": cards}
+            "models", route.RouteMatch(path=MODELS_PATH), {"object": "list", "data": cards}, front
         )
     ]
     for card in cards:
         model = str(card["id"])
         for path in dict.fromkeys((model, quote(model, safe=""))):
             match = route.RouteMatch(path=f"{MODELS_PATH}/{path}")
-            routes.append(_json_answer(f"models/{path}", match, card))
+            routes.append(_json_answer(f"models/{path}", match, card, front))
     unknown = (
         f"no pool serves the model this path names, '%PATH(NQ)%' (GET {MODELS_PATH} lists them)"
     )
     match = route.RouteMatch(prefix=f"{MODELS_PATH}/")
-    routes.append(_not_found("models/unknown", unknown, match, bbr_off()))
+    routes.append(_not_found("models/unknown", unknown, match, bbr_off(front)))
     return routes
 
 
@@ -602,11 +658,14 @@ def served_endpoint_header() -> core.HeaderValueOption:
     )
 
 
-def route_config(pools: Sequence[GatewayPool], created: int = 0) -> route.RouteConfiguration:
+def route_config(
+    pools: Sequence[GatewayPool], created: int = 0, *, one_hop: bool = False
+) -> route.RouteConfiguration:
     """The model list, the pool routes by model, then the two 404s; Envoy takes the first
-    route that matches."""
-    routes = model_routes(pools, created)
-    routes += [r for pool in pools for r in _pool_routes(pool)]
+    route that matches. ``one_hop``: no picker to switch on or off per route; the model
+    list switches the one-hop filter off, as it does BBR."""
+    routes = model_routes(pools, created, ONE_HOP if one_hop else "bbr")
+    routes += [r for pool in pools for r in _pool_routes(pool, one_hop)]
     served = f"GET {MODELS_PATH} lists the served ones"
     unknown = f"no pool serves model '%REQ({MODEL_HEADER})%' ({served})"
     by_model = route.RouteMatch(prefix="/", headers=[_header(MODEL_HEADER)])
@@ -618,7 +677,7 @@ def route_config(pools: Sequence[GatewayPool], created: int = 0) -> route.RouteC
         domains=["*"],
         routes=routes,
         response_headers_to_add=[served_endpoint_header()],
-        typed_per_filter_config=pickers_off(pools),
+        typed_per_filter_config={} if one_hop else pickers_off(pools),
     )
     return route.RouteConfiguration(name="gateway", virtual_hosts=[gateway])
 
@@ -716,10 +775,11 @@ def access_log(path: str) -> accesslog.AccessLog:
 
 def bootstrap(gateway: Gateway) -> dict[str, Any]:
     """The whole static configuration, as the JSON object ``envoy -c`` reads."""
+    one_hop = gateway.one_hop_port is not None
     manager = hcm.HttpConnectionManager(
         stat_prefix="gateway",
-        route_config=route_config(gateway.pools, gateway.created),
-        http_filters=http_filters(gateway.pools),
+        route_config=route_config(gateway.pools, gateway.created, one_hop=one_hop),
+        http_filters=http_filters(gateway.pools, one_hop=one_hop),
         local_reply_config=local_replies(),
         access_log=[access_log(gateway.access_log)] if gateway.access_log else [],
     )

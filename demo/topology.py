@@ -317,7 +317,10 @@ class Topology(Processes):
     module docstring); ``on_server_change(pod, why)`` then hears each
     readiness change (``why`` None: ready again). ``demo_flags``: start the
     services with ``DEMO_PICKER_FLAGS`` and ``DEMO_BBR_FLAGS`` (False: with
-    their production defaults).
+    their production defaults). ``one_hop``: one ``lwepp.onehop`` service
+    (named ``onehop``) does BBR's job and every pool's pick, and Envoy calls
+    it once per request, in place of BBR and the pickers (it gets the
+    pickers' demo flags; ``picker_args`` and ``bbr_args`` go to it too).
     """
 
     def __init__(
@@ -338,9 +341,11 @@ class Topology(Processes):
         simulator: bool = True,
         on_server_change: Callable[[Pod, str | None], None] | None = None,
         demo_flags: bool = True,
+        one_hop: bool = False,
     ) -> None:
         self.work_dir = work_dir
         self._demo_flags = demo_flags
+        self.one_hop = one_hop
         self._picker_args = dict(picker_args or {})
         self._bbr_args = list(bbr_args)
         self.picker_config = picker_config.resolve() if picker_config else None
@@ -391,7 +396,9 @@ class Topology(Processes):
             self._python("simulator", "simulator", "--pods", pods, *self._simulator_args)
         else:
             pods = str(self._own_servers())
-        for pool in self.pools:
+        if self.one_hop:
+            self._start_one_hop(pods)
+        for pool in [] if self.one_hop else self.pools:
             self._ext_proc(
                 f"lwepp-{pool.name}",
                 "lwepp",
@@ -400,7 +407,10 @@ class Topology(Processes):
                 *(DEMO_PICKER_FLAGS if self._demo_flags else ()),
                 *self._picker_args.get(pool.name, ()),
             )
-        self._ext_proc("bbr", "bbr", *(DEMO_BBR_FLAGS if self._demo_flags else ()), *self._bbr_args)
+        if not self.one_hop:
+            self._ext_proc(
+                "bbr", "bbr", *(DEMO_BBR_FLAGS if self._demo_flags else ()), *self._bbr_args
+            )
         # All started at once, so they come up in parallel; now wait for each.
         for service in self.services.values():
             service.listening = wait_for(
@@ -409,17 +419,32 @@ class Topology(Processes):
             if "health_port" in service.listening:
                 serving = functools.partial(_serving, service.listening["health_port"])
                 wait_for(service, "SERVING", serving, self._timeout)
-        self.pools = [
-            dataclasses.replace(
-                pool,
-                picker_port=self.services[f"lwepp-{pool.name}"].listening["grpc_port"],
-                health_port=self.services[f"lwepp-{pool.name}"].listening["health_port"],
-            )
-            for pool in self.pools
-        ]
+        if not self.one_hop:
+            self.pools = [
+                dataclasses.replace(
+                    pool,
+                    picker_port=self.services[f"lwepp-{pool.name}"].listening["grpc_port"],
+                    health_port=self.services[f"lwepp-{pool.name}"].listening["health_port"],
+                )
+                for pool in self.pools
+            ]
         self._start_envoy()
         if self.readiness is not None:
             self.readiness.start()
+
+    def _start_one_hop(self, pods: str) -> None:
+        """The one service of ``one_hop``: every pool and its models, as ``--pool`` flags."""
+        self._ext_proc(
+            "onehop",
+            "lwepp.onehop",
+            "--pods",
+            pods,
+            *(f"--pool={pool.name}={','.join(pool.models)}" for pool in self.pools),
+            *(("--config", str(self.picker_config)) if self.picker_config else ()),
+            *(DEMO_PICKER_FLAGS if self._demo_flags else ()),
+            *(arg for args in self._picker_args.values() for arg in args),
+            *self._bbr_args,
+        )
 
     def _own_servers(self) -> Path:
         """Check the servers, and write the pickers' pod file with those that answer ready."""
@@ -438,10 +463,12 @@ class Topology(Processes):
     def _start_envoy(self) -> None:
         access_log = self.work_dir / "envoy-access.log"
         access_log.unlink(missing_ok=True)  # Envoy appends; each run starts afresh
+        one_hop = self.services.get("onehop")
         gateway = Gateway(
             port=self.port,
             admin_port=self.admin_port,
-            bbr_port=self.services["bbr"].listening["grpc_port"],
+            bbr_port=0 if one_hop else self.services["bbr"].listening["grpc_port"],
+            one_hop_port=one_hop.listening["grpc_port"] if one_hop else None,
             pools=tuple(self.pools),
             host=HOST,
             access_log=str(access_log),

@@ -244,7 +244,11 @@ class EndpointPickerService:
         return found
 
     def pick(self, state: PickState, body: bytes | None = None) -> ProcessingResponse:
-        """Ask the strategy (given the body, when it was held), then route to its choice.
+        """Ask the strategy (given the body, when it was held), then route to its choice."""
+        return self.routing_reply(self.choose(state, body))
+
+    def choose(self, state: PickState, body: bytes | None = None) -> str:
+        """The strategy's choice as the destination header's value, counted in the metrics.
 
         Several endpoints travel as one ordered list, ``ip:port,ip:port`` (GIE
         protocol v0.4.0): the proxy uses the first and walks the list on retries.
@@ -268,7 +272,7 @@ class EndpointPickerService:
         self.attempt_counter(
             "success", labels[1], primary.pod, self.metrics.namespace, str(primary.port)
         ).inc()
-        return self.routing_reply(endpoint)
+        return endpoint
 
     # --- response side ----------------------------------------------------------
 

@@ -15,28 +15,36 @@ from bench.report import Options
 def test_overhead_smoke_run_measures_every_case_and_every_request_succeeds(
     tmp_path: Path,
 ) -> None:
-    """A quick run starts every Envoy and service, measures each case at concurrency 1
-    and 8 and in the open-loop sweep, streams per core and 1 and 2 workers; its section
-    has every table and target, and not one request failed."""
+    """A quick run starts every Envoy, service and installed peer, measures each case at
+    concurrency 1 and 8 and in the open-loop sweep, streams per core and 1 and 2 workers; its
+    section has every table, breakdown row and target, and not one request failed."""
     section = overhead.run(Options(quick=True, out=tmp_path))
     assert section.key == "overhead"
+    missing = section.data["missing"]
+    assert set(missing) <= {"sglang-router", "vllm-router"}  # only a peer may be left out
+    cases = [case for case in overhead.CASES if case.key not in missing]
+    pieces = [row for row in overhead.BREAKDOWN if not {row[1], row[2]} & set(missing)]
     assert [len(t.rows) for t in section.tables] == [
-        len(overhead.CASES),
-        len(overhead.CASES),
-        3 * len(overhead.COMPARISONS) + 3,  # and the TLS hop's: two concurrencies, the rate
-        3,
+        len(cases),
+        len(cases),
+        len(pieces),
+        3 * len(overhead.COMPARISONS) + 4,  # the TLS hop's (two concurrencies, the rate), one hop's
+        6,  # three server loops doing nothing, LWEPP, BBR, the one hop
         2,
     ]
+    assert [row[0] for row in section.tables[2].rows] == [what for what, _, _ in pieces]
+    assert all(math.isfinite(float(str(value))) for value in section.tables[2].rows[0][1:])
     [tls_rows] = [
-        [r for r in t.rows if r[0] == overhead.TLS_COMPARISON[2]] for t in section.tables[2:3]
+        [r for r in t.rows if r[0] == overhead.TLS_COMPARISON[2]] for t in section.tables[3:4]
     ]
     assert [row[1] for row in tls_rows] == [1, 8, "sustained rate (TLS / plaintext)"]
     assert all(
         math.isfinite(float(str(row[2]))) for row in tls_rows[:2]
     )  # measured, whatever its value
-    assert len(section.targets) == 2 * len(overhead.COMPARISONS) + 2
+    peers_here = [peer for _, peer, _ in overhead.ONE_HOP_TARGETS if peer not in missing]
+    assert len(section.targets) == 2 * len(overhead.COMPARISONS) + 2 + len(peers_here) + 1
     latency = section.data["latency"]
-    assert set(latency) == {case.key for case in overhead.CASES}
+    assert set(latency) == {case.key for case in cases}
     for key, by_concurrency in latency.items():
         for runs in by_concurrency.values():
             assert runs
@@ -47,7 +55,8 @@ def test_overhead_smoke_run_measures_every_case_and_every_request_succeeds(
     assert section.data["generator_ceiling"]["failed"] == 0
     assert [w["workers"] for w in section.data["workers"]] == [1, 2]
     assert len(section.data["workers"][1]["served"]) == 2
-    assert not (tmp_path / "overhead-run" / "lwepp.log").read_text().count('"error"')
+    for service in ("lwepp", "onehop"):
+        assert not (tmp_path / "overhead-run" / f"{service}.log").read_text().count('"error"')
     assert '"tls": true' in (tmp_path / "overhead-run" / "lwepp-tls.log").read_text()
 
 

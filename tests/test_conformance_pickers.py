@@ -19,7 +19,7 @@ import pytest
 from conformance import report
 from conformance.cases import CASES, NOT_APPLICABLE
 from conformance.client import Timing
-from conformance.command import SWITCHYARD, PickerCommand
+from conformance.command import ONE_HOP, SWITCHYARD, PickerCommand
 from conformance.run import run_suite
 
 pytestmark = pytest.mark.e2e
@@ -87,3 +87,16 @@ def test_lwepp_with_the_recommended_config_passes(tmp_path: Path) -> None:
     for r in suite.results:
         assert r.gateway.outcome in ("passed", "skipped"), (r.name, r.gateway.detail)
         assert r.picker.outcome in ("passed", "skipped"), (r.name, r.picker.detail)
+
+
+def test_the_one_hop_service_as_each_pools_picker_passes(tmp_path: Path) -> None:
+    """lwepp.onehop (BBR's chain, then the pick, in one stream) held to the same tests passes
+    them both ways: the model header it adds changes no pick, no report, no failure mode."""
+    only = [c.name for c in CASES if c.name != "GatewayWeightedAcrossTwoInferencePools"]
+    timing = Timing(max_time_to_consistency=30.0, delay_after_failure=0.1)
+    suite = asyncio.run(run_suite(tmp_path, timing, only, PickerCommand.parse(ONE_HOP)))
+    assert [r.name for r in suite.results if not r.status_only] == only
+    for r in suite.results:
+        assert r.gateway.outcome in ("passed", "skipped"), (r.name, r.gateway.detail)
+        assert r.picker.outcome in ("passed", "skipped"), (r.name, r.picker.detail)
+    assert "passed" in {r.gateway.outcome for r in suite.results}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -345,3 +346,24 @@ def test_admin_and_listener_bind_loopback(config: dict[str, Any]) -> None:
     }
     listener = config["static_resources"]["listeners"][0]
     assert listener["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 8080}
+
+
+def test_one_hop_puts_one_ext_proc_filter_where_bbr_and_the_pickers_were() -> None:
+    """With a one-hop port: one ext_proc filter and cluster, no picker switched per route, and
+    the model list switches the one hop off as it does BBR."""
+    config = bootstrap(dataclasses.replace(GATEWAY, one_hop_port=9100))
+    names = [f["name"] for f in manager(config)["http_filters"]]
+    assert names == [
+        "strip-client-routing",
+        "onehop",
+        "served-endpoint",
+        "envoy.filters.http.router",
+    ]
+    mode = http_filter(config, "onehop")["processing_mode"]
+    assert mode["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert mode["response_header_mode"] == "SEND"
+    clusters = {c["name"] for c in config["static_resources"]["clusters"]}
+    assert clusters == {"onehop", "pool-a", "pool-b", "pool-b-fallback"}
+    found = routes(config)
+    assert set(found["models"]["typed_per_filter_config"]) == {"onehop"}
+    assert found["a/model-a"].get("typed_per_filter_config", {}) == {}

@@ -578,10 +578,18 @@ def test_sigterm_lets_streams_in_flight_finish(tmp_path: Path) -> None:
         ]
         for thread in threads:
             thread.start()
+        # Signal only once every request is in: the picker has picked the 4 slow ones and BBR
+        # has opened all 6 streams (a trickle still on its way to Envoy at the signal would
+        # meet a BBR that no longer accepts streams: a 503 this test is not about).
         wait_for(
             gateway.services["lwepp-a"],
-            "holding the slow streams",
-            lambda: True if total(gateway, "lwepp-a", "llm_d_epp_request_total") >= 4 else None,
+            "holding the slow streams, and BBR all six",
+            lambda: (
+                True
+                if total(gateway, "lwepp-a", "llm_d_epp_request_total") >= 4
+                and total(gateway, "bbr", "bbr_requests_total") >= 6
+                else None
+            ),
             10,
         )
         signalled = time.monotonic()

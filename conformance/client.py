@@ -240,26 +240,29 @@ async def eventually(
     """
     deadline = clock() + timing.max_time_to_consistency
     streak = attempts = 0
-    problem: str | None = None
+    problem: str | None = None  # the latest failed attempt's, kept through later passes
 
     def timed_out() -> Failed:
+        # The latest failure says why the streak broke, even when the attempts after it
+        # passed (a picker that is right by chance now and then ends on a pass).
         return Failed(
             f"{expected.request.method} {expected.request.path}: not "
             f"{timing.required_consecutive_successes} passes in a row within "
-            f"{timing.max_time_to_consistency:g} s ({attempts} attempts); last: {problem}"
+            f"{timing.max_time_to_consistency:g} s ({attempts} attempts); "
+            f"last failure: {problem or 'none (every attempt passed)'}"
         )
 
     while True:
         if clock() >= deadline:
             raise timed_out()
-        seen, problem = await _attempt(transport, expected)
+        seen, failure = await _attempt(transport, expected)
         attempts += 1
-        if problem is None and seen is not None:
+        if failure is None and seen is not None:
             streak += 1
             if streak >= timing.required_consecutive_successes:
                 return seen
             continue  # no wait after a pass
-        streak = 0
+        streak, problem = 0, failure
         left = deadline - clock()
         if left <= timing.delay_after_failure:
             await sleep(max(left, 0.0))

@@ -91,11 +91,21 @@ def test_the_deadline_is_checked_before_every_attempt_even_in_a_streak() -> None
     assert transport.sent == 2
 
 
+def test_a_timed_out_check_names_its_latest_failure_even_after_passes() -> None:
+    """Wrong, then right by chance until the deadline: the failure says what was wrong."""
+    time = FakeTime()
+    transport = Scripted(time, [WRONG, PASS, PASS], takes=0.5)
+    with pytest.raises(Failed, match=r"\(3 attempts\); last failure: expected a pod named pod-a"):
+        run_eventually(
+            time, transport, Timing(max_time_to_consistency=1.2, delay_after_failure=0.1)
+        )
+
+
 def test_the_deadline_cuts_the_wait_after_a_failure_short() -> None:
     """The wait after the last failure ends at the deadline, and the check fails there."""
     time = FakeTime()
     transport = Scripted(time, [WRONG] * 10)
-    with pytest.raises(Failed, match="last: expected a pod named pod-a"):
+    with pytest.raises(Failed, match="last failure: expected a pod named pod-a"):
         run_eventually(time, transport, Timing(max_time_to_consistency=2.5))
     assert time.sleeps == [1.0, 1.0, 0.5]
     assert time.now == 2.5

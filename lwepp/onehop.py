@@ -72,6 +72,7 @@ from lwepp.server import (
 )
 from plugin import ConfigError
 from pods.file import FileSource, PodFileError, load_pods
+from pods.kubeapi import KubeconfigError
 from pods.model import Endpoint
 from protos import extproc
 from protos.cli import (
@@ -82,6 +83,7 @@ from protos.cli import (
     add_serving_flags,
     grpc_options,
     log_level,
+    metrics_auth,
     ports_of,
     server_tls,
     serving_problem,
@@ -89,6 +91,7 @@ from protos.cli import (
 from protos.exchange import MAX_BODY_BYTES, Refusal, check_headers_fit
 from protos.extproc import ProcessingRequest, ProcessingResponse
 from protos.logs import configure_logging
+from protos.metrics_auth import MetricsAuth
 from protos.server import Health, Ports, Stream, run_workers, serve
 from protos.tls import TLSError, shared_tls
 
@@ -448,6 +451,7 @@ async def run(
     source: FileSource,
     trace: TextIO | None,
     tls: Any,
+    auth: MetricsAuth | None = None,
 ) -> None:
     handler, registries, jobs, pages = built
     registry = CollectorRegistry()
@@ -460,6 +464,7 @@ async def run(
         registry,
         background=jobs,
         json_routes=pages if args.enable_debug_pages else None,
+        metrics_auth=auth,
         grace=args.grace,
         trace=trace,
         tls=tls,
@@ -488,14 +493,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         load_pods(args.pods)  # fail fast on a broken file
         source.reload()
         tls = server_tls(args)
-    except (PodFileError, TLSError) as error:
+        auth = metrics_auth(args)
+    except (PodFileError, TLSError, KubeconfigError) as error:
         sys.exit(f"onehop: {error}")
     if args.workers > 1:
         flags = list(sys.argv[1:] if argv is None else argv)
         sys.exit(run_workers("lwepp.onehop", flags, args.workers, ports_of(args), shared_tls(tls)))
     with contextlib.ExitStack() as files:
         trace = files.enter_context(open(args.trace_messages, "a")) if args.trace_messages else None
-        asyncio.run(run(args, built, source, trace, tls))
+        asyncio.run(run(args, built, source, trace, tls, auth))
 
 
 if __name__ == "__main__":

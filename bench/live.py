@@ -1,10 +1,22 @@
-"""``python -m bench live``: the demo gateway beside peer routers, over HTTP, on one workload.
+"""``python -m bench live``: the demo gateway beside peer routers, over HTTP.
 
-Every arm serves the same seeded shared-prefix workload (``bench.workloads``:
-``groups`` system prompts shared by ``users`` users each, a fresh question per
-request, Poisson arrivals) as streamed ``/v1/completions``, open loop, to a
-fresh set of model servers (cold caches), through one router. The servers
-are one of two engines (``--engine``):
+Every arm serves the same seeded workload, streamed, open loop, to a fresh
+set of model servers (cold caches), through one router. The workloads
+(``bench.workloads``):
+
+shared prefix
+    ``groups`` system prompts shared by ``users`` users each, a fresh
+    question per request, Poisson arrivals, as ``/v1/completions``;
+multi-turn chat (simulator only)
+    sessions that start at Poisson times and send ``turns`` turns each as
+    ``/v1/chat/completions``, every turn resending the conversation so far,
+    sent an exponential think time after the turn before (open loop: it does
+    not wait for the answer); one system prompt for all sessions.
+    A router that follows the longest cached prefix alone sends every new
+    session where the system prompt already is, and keeps the session there:
+    the load decides the tail.
+
+The servers are one of two engines (``--engine``):
 
 ``simulator`` (the default)
     ``python -m simulator``, 8 replicas in one process, the
@@ -21,10 +33,13 @@ The routers:
 
 - Switchyard's demo gateway (``demo.topology`` with ``simulator=False``: a
   real Envoy, BBR, one LWEPP, in front of the servers the arm started) with
-  plain round-robin, and with its prefix-aware configuration for the engine
+  plain round-robin, with its prefix-aware configuration for the engine
   (``demo/configs/prefix-aware.yaml``: prefix-cache affinity 3, queue 2,
   KV-cache use 2; ``demo/configs/llamacpp.yaml``: the same without the
-  KV-cache scorer, which llama.cpp cannot feed);
+  KV-cache scorer, which llama.cpp cannot feed), and with the recommended
+  configuration (``demo/configs/recommended.yaml``: prefix affinity held in
+  check by the requests and prompt tokens the picker itself has in flight
+  on each replica);
 - ``vllm-router`` and ``sglang-router`` (``bench.peers``), each with
   ``round_robin`` and ``cache_aware`` (only ``cache_aware`` on llama.cpp,
   whose run is long).
@@ -76,7 +91,7 @@ import orjson
 
 from bench import peers
 from bench.report import Options, Plot, Section, Series, Table, Target, percentile, progress
-from bench.workloads import Arrival, SharedPrefix, shared_prefix
+from bench.workloads import Arrival, MultiTurn, SharedPrefix, multi_turn, shared_prefix
 from demo import llamacpp
 from demo.topology import HOST, Service, Topology, free_ports, listening_line, wait_for
 from lwepp.plugins.prometheus import parse
@@ -87,6 +102,14 @@ from simulator.profiles import PROFILES
 CONFIGS: Final = Path(__file__).resolve().parent.parent / "demo/configs"
 PREFIX_AWARE: Final = CONFIGS / "prefix-aware.yaml"
 """The demo's prefix-aware picker configuration, benchmarked as shipped."""
+RECOMMENDED: Final = CONFIGS / "recommended.yaml"
+"""The recommended picker configuration (prefix affinity and in-flight load), as shipped."""
+
+ROUND_ROBIN: Final = "round-robin"
+PREFIX_AWARE_POLICY: Final = "prefix-aware"
+RECOMMENDED_POLICY: Final = "recommended"
+"""Switchyard's arms: no configuration (round-robin), the engine's prefix-aware one, the
+recommended one."""
 
 QUERIES: Final = "vllm:prefix_cache_queries_total"
 HITS: Final = "vllm:prefix_cache_hits_total"
@@ -99,21 +122,33 @@ together (32 x 2,048), so a replica that sees every prompt must keep evicting; a
 67 ms engine step dwarfs the hops' Python overhead."""
 
 
+SHARED_PREFIX: Final = "shared-prefix"
+MULTI_TURN: Final = "multi-turn"
+
+
 @dataclass(frozen=True, slots=True)
 class Size:
     """How big a run is: the workload, its rate and length, the replicas and the time scale.
 
-    ``rate`` is requests per *modelled* second; the wall-clock rate is
-    ``rate / time_scale``. ``warmup`` is the share of arrivals left out of the
-    latency statistics.
+    For a shared-prefix ``shape``, ``rate`` is requests per *modelled* second
+    (the wall-clock rate is ``rate / time_scale``) and ``count`` the number of
+    requests; a multi-turn shape carries its own session rate, and ``count``
+    is its sessions times its turns. ``warmup`` is the share of arrivals left
+    out of the latency statistics.
     """
 
-    shape: SharedPrefix
+    shape: SharedPrefix | MultiTurn
     rate: float
     count: int
     replicas: int
     time_scale: float
     warmup: float
+    name: str = SHARED_PREFIX
+    """The key of this size's results (work folders, plots, targets)."""
+    policies: tuple[str, ...] = ()
+    """Switchyard's arms on this workload; empty: the backend's ``policies``."""
+    peer_policies: tuple[str, ...] = ()
+    """The peers' arms on this workload; empty: the backend's ``peer_policies``."""
 
     @property
     def wall_rate(self) -> float:
@@ -122,6 +157,21 @@ class Size:
     @property
     def warmup_count(self) -> int:
         return int(self.count * self.warmup)
+
+    @property
+    def workload(self) -> str:
+        """``shared-prefix`` or ``multi-turn``: the key of this size's results."""
+        return MULTI_TURN if isinstance(self.shape, MultiTurn) else SHARED_PREFIX
+
+    def arrivals(self, seed: int) -> list[Arrival]:
+        """The workload's requests for ``seed``, in arrival order."""
+        if isinstance(self.shape, MultiTurn):
+            arrivals = multi_turn(self.shape, seed)
+        else:
+            arrivals = shared_prefix(self.shape, self.rate, self.count, seed)
+        if len(arrivals) != self.count:
+            raise ValueError(f"{self.name}: {len(arrivals)} arrivals, size says {self.count}")
+        return arrivals
 
 
 FULL: Final = Size(
@@ -139,6 +189,22 @@ replicas, the same request mostly hits and costs one step. The first 30% of the 
 (96 requests, about 5 modelled seconds) let nearly every group's prompt reach a cache: with
 fewer, the p90 of the prefix-aware arms sits on the knee where the first sight of a
 group's prompt (a miss) begins, and swings from run to run with a handful of requests."""
+HEAVY: Final = Size(
+    FULL.shape,
+    rate=30.0,
+    count=FULL.count,
+    replicas=FULL.replicas,
+    time_scale=FULL.time_scale,
+    warmup=FULL.warmup,
+    name="shared-prefix-heavy",
+    policies=(PREFIX_AWARE_POLICY, RECOMMENDED_POLICY),
+    peer_policies=("cache_aware",),
+)
+"""The same workload half as fast again. At 20 a modelled second every prefix-aware router
+reaches the engines' own floor (a hit's prefill and the step it waits for), whichever
+replica it keeps each group on; at 30, where the groups land decides the tail: the replica
+with the most groups runs near its limit. Round-robin does not run here (at 20 it already
+queues for seconds)."""
 QUICK: Final = Size(
     SharedPrefix(groups=4, prefix_tokens=128, users=2, question_tokens=16, max_tokens=4),
     rate=20.0,
@@ -146,6 +212,43 @@ QUICK: Final = Size(
     replicas=8,
     time_scale=1.0,
     warmup=0.0,
+)
+
+CHAT_FULL: Final = Size(
+    MultiTurn(
+        sessions=48,
+        turns=6,
+        session_rate=2.0,
+        system_tokens=256,
+        user_tokens=96,
+        max_tokens=32,
+        think_seconds=4.0,
+    ),
+    rate=2.0 * 6,
+    count=48 * 6,
+    replicas=8,
+    time_scale=2.0,
+    warmup=0.1,
+    name=MULTI_TURN,
+    policies=(ROUND_ROBIN, RECOMMENDED_POLICY),
+    peer_policies=("cache_aware",),
+)
+"""48 sessions started at 2 a modelled second, six turns each, 4 s of thinking between turns:
+about 10 requests a modelled second while most sessions are open, each turn a prompt of
+400 to 1,100 tokens (the conversation so far) and 32 tokens of answer. Spread over 8
+replicas that is light work, a handful of requests each; piled onto the replica that
+holds the shared system prompt it is a queue. ``rate`` here is the nominal request rate
+(sessions a second times turns), for the notes only."""
+CHAT_QUICK: Final = Size(
+    MultiTurn(
+        sessions=4, turns=2, session_rate=8.0, system_tokens=64, user_tokens=16, max_tokens=4
+    ),
+    rate=8.0 * 2,
+    count=4 * 2,
+    replicas=8,
+    time_scale=1.0,
+    warmup=0.0,
+    name=MULTI_TURN,
 )
 
 LLAMACPP_SLOTS: Final = 1
@@ -206,12 +309,16 @@ class Backend:
     of prompt tokens computed and of the seconds spent on them, whose ratio is
     the prefill rate the engines reached (a shared machine's CPU varies from arm
     to arm; empty when the time is modelled). ``extra_body``: fields every
-    request carries. ``peer_policies``: the peers' policies run.
+    request carries. ``policies``: Switchyard's configurations run (see
+    ``switchyard``). ``peer_policies``: the peers' policies run on the shared-prefix
+    workload (on multi-turn chat only their ``cache_aware`` runs: round-robin is
+    round-robin, whoever routes it).
     """
 
     name: str
-    full: Size
-    quick: Size
+    full: tuple[Size, ...]
+    quick: tuple[Size, ...]
+    policies: tuple[str, ...]
     prefix_config: Path
     queries: tuple[str, ...]
     hits: tuple[str, ...]
@@ -224,17 +331,27 @@ class Backend:
         """The counter groups read from every replica: queries, hits, then prefill's two."""
         return (self.queries, self.hits, *((name,) for name in self.prefill))
 
-    def size(self, quick: bool) -> Size:
+    def sizes(self, quick: bool) -> tuple[Size, ...]:
+        """The workloads to run, one size each."""
         return self.quick if quick else self.full
 
 
 SIMULATOR: Final = Backend(
-    "simulator", FULL, QUICK, PREFIX_AWARE, (QUERIES,), (HITS,), {}, peers.POLICIES
+    "simulator",
+    (FULL, HEAVY, CHAT_FULL),
+    (QUICK, CHAT_QUICK),
+    (ROUND_ROBIN, PREFIX_AWARE_POLICY, RECOMMENDED_POLICY),
+    PREFIX_AWARE,
+    (QUERIES,),
+    (HITS,),
+    {},
+    peers.POLICIES,
 )
 LLAMACPP: Final = Backend(
     "llamacpp",
-    LLAMACPP_FULL,
-    LLAMACPP_QUICK,
+    (LLAMACPP_FULL,),
+    (LLAMACPP_QUICK,),
+    (ROUND_ROBIN, PREFIX_AWARE_POLICY),
     CONFIGS / "llamacpp.yaml",
     ("llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total"),
     ("llamacpp:prompt_tokens_cached_total",),
@@ -262,7 +379,6 @@ LAG_LIMIT: Final = 0.02
 """A client lagging its schedule by more than this (p99, seconds) was starved of CPU."""
 
 SWITCHYARD: Final = "switchyard"
-SWITCHYARD_POLICIES: Final = ("round-robin", "prefix-aware")
 
 
 @dataclass(slots=True)
@@ -343,18 +459,25 @@ class ArmResult:
             return None
         return sum(max(replicas.values()) for replicas in groups.values()) / total
 
-    def spread(self) -> float | None:
-        """Requests on the busiest replica over the mean per replica (1.0 = even)."""
+    def spread(self, replicas: int) -> float | None:
+        """Requests on the busiest replica over the mean per replica (1.0 = even; ``replicas``
+        at most: a router that leaves some idle gets their share counted as 0)."""
         counts: dict[str, int] = {}
         for outcome in self.measured():
             if outcome.replica is not None:
                 counts[outcome.replica] = counts.get(outcome.replica, 0) + 1
         if not counts:
             return None
-        return max(counts.values()) / (sum(counts.values()) / len(counts))
+        return max(counts.values()) / (sum(counts.values()) / max(replicas, len(counts)))
 
 
 # --- the client ----------------------------------------------------------------------
+
+
+def _text(choice: Mapping[str, object]) -> object:
+    """The text a streamed choice carries: ``text`` (completions) or ``delta.content`` (chat)."""
+    delta = choice.get("delta")
+    return choice.get("text") or (delta.get("content") if isinstance(delta, dict) else None)
 
 
 async def _send(
@@ -386,9 +509,10 @@ async def _send(
                 chunk = orjson.loads(payload)
                 if isinstance(usage := chunk.get("usage"), dict):
                     reported = usage.get("completion_tokens")
-                # A token is a chunk with text: llama.cpp's last chunk only says why it
-                # stopped, and the usage chunk carries no choice at all.
-                if not any(choice.get("text") for choice in chunk.get("choices") or ()):
+                # A token is a chunk with text (a completion's ``text``, a chat answer's
+                # ``delta.content``): llama.cpp's last chunk only says why it stopped, and
+                # the usage chunk carries no choice at all.
+                if not any(_text(choice) for choice in chunk.get("choices") or ()):
                     continue
                 now = time.perf_counter()
                 if outcome.ttft is None:
@@ -465,7 +589,8 @@ async def drive(
             now = time.perf_counter()
             outcome = Outcome(
                 arrival.request_id,
-                arrival.group,
+                # Placement is judged per system prompt, or per conversation in a chat.
+                arrival.session if size.workload == MULTI_TURN else arrival.group,
                 measured=n >= size.warmup_count,
                 sent=now - start,
                 late=max(0.0, now - due),
@@ -587,13 +712,16 @@ def replicas(
 def switchyard(
     work_dir: Path, pods: Path, policy: str, backend: Backend, notes: list[str]
 ) -> Iterator[str]:
-    """The demo gateway in front of ``pods`` with ``policy`` (round-robin or the backend's
-    prefix-aware config); its URL. A replica its readiness probe drops is noted."""
+    """The demo gateway in front of ``pods`` with ``policy`` (round-robin, the backend's
+    prefix-aware config, or the recommended one); its URL. A replica its readiness probe
+    drops is noted."""
 
     def changed(pod: Pod, why: str | None) -> None:
         notes.append(f"switchyard {policy}: replica {pod.name} " + (why or "answers again"))
 
-    config = backend.prefix_config if policy == "prefix-aware" else None
+    config = {PREFIX_AWARE_POLICY: backend.prefix_config, RECOMMENDED_POLICY: RECOMMENDED}.get(
+        policy
+    )
     with Topology(
         work_dir / "gateway",
         pods,
@@ -652,9 +780,17 @@ def run_arm(
 # --- the report ----------------------------------------------------------------------
 
 
-def arms(quick: bool, backend: Backend = SIMULATOR) -> tuple[list[Arm], list[str]]:
-    """The arms to run, and a note for each peer that cannot run here (and why)."""
-    chosen = [Arm(SWITCHYARD, p) for p in (("prefix-aware",) if quick else SWITCHYARD_POLICIES)]
+def arms(
+    quick: bool, backend: Backend = SIMULATOR, size: Size = FULL
+) -> tuple[list[Arm], list[str]]:
+    """The arms to run on ``size``'s workload, and a note for each peer that cannot run here
+    (and why).
+
+    Quick: Switchyard's recommended configuration and the first installed peer's
+    cache_aware. Otherwise the size's own policies, else the backend's.
+    """
+    policies = (RECOMMENDED_POLICY,) if quick else size.policies or backend.policies
+    chosen = [Arm(SWITCHYARD, p) for p in policies]
     notes = []
     runnable = []
     for peer in peers.PEERS:
@@ -665,9 +801,9 @@ def arms(quick: bool, backend: Backend = SIMULATOR) -> tuple[list[Arm], list[str
     if quick and len(runnable) > 1:
         notes.append(f"Quick size: only {runnable[0].name} of the installed peers runs.")
         runnable = runnable[:1]
+    peer_policies = ("cache_aware",) if quick else size.peer_policies or backend.peer_policies
     for peer in runnable:
-        policies = ("cache_aware",) if quick else backend.peer_policies
-        chosen += [Arm(peer.name, policy) for policy in policies]
+        chosen += [Arm(peer.name, policy) for policy in peer_policies]
     return chosen, notes
 
 
@@ -679,9 +815,10 @@ def _share(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.0%}"
 
 
-def _row(result: ArmResult, time_scale: float, real: bool = False) -> list[object]:
+def _row(result: ArmResult, size: Size, real: bool = False) -> list[object]:
+    time_scale, replicas = size.time_scale, size.replicas
     ttft, gaps = result.ttfts(), result.gaps()
-    spread = result.spread()
+    spread = result.spread(replicas)
     rate = [math.nan if result.prefill_rate is None else result.prefill_rate] if real else []
     return [
         result.arm.label,
@@ -751,98 +888,166 @@ def llamacpp_targets(by_label: Mapping[str, ArmResult]) -> list[Target]:
     return targets
 
 
+def _servers(backend: Backend) -> str:
+    if backend is LLAMACPP:
+        return (
+            f"llama.cpp, Gemma 3 270M, 1 CPU thread, {LLAMACPP_SLOTS} slot and a "
+            f"{LLAMACPP_PROMPT_CACHE_MIB} MiB prompt cache each"
+        )
+    return PROFILE
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]
+
+
+def _size_data(size: Size) -> dict[str, object]:
+    data: dict[str, object] = {**asdict(size), "shape": asdict(size.shape)}
+    return data
+
+
+def _described(size: Size, backend: Backend) -> tuple[str, str]:
+    """A workload's table title and the note saying what it was."""
+    real = backend is LLAMACPP
+    servers = f"{size.replicas} replicas ({_servers(backend)})"
+    window = (
+        f" over the last {size.count - size.warmup_count} requests (the first "
+        f"{size.warmup_count} warm the caches). Hit rate: prompt tokens served from the "
+        "replicas' caches / prompt tokens asked for, over the same window."
+    )
+    scale = (
+        "Latencies are wall milliseconds"
+        if real
+        else f"Latencies are wall milliseconds at time scale {size.time_scale:g} (divide by "
+        f"{size.time_scale:g} for modelled time)"
+    )
+    shape = size.shape
+    if isinstance(shape, MultiTurn):
+        title = (
+            f"Multi-turn chat over HTTP: {servers}, {shape.sessions} sessions of "
+            f"{shape.turns} turns, {shape.session_rate:g} sessions/s modelled"
+        )
+        note = (
+            f"Workload: one {shape.system_tokens}-token system prompt shared by every "
+            f"session, {shape.user_tokens}-token user turns, {shape.max_tokens}-token "
+            f"answers resent with the next turn, {shape.think_seconds:g} s mean think time "
+            "(modelled), streamed /v1/chat/completions. " + scale + window
+        )
+        return title, note
+    rate = f"{size.rate:g}/s" if real else f"{size.rate:g}/s modelled ({size.wall_rate:g}/s wall)"
+    title = f"Shared prefix over HTTP: {servers}, {size.count} streamed requests at {rate}"
+    if real:
+        note = (
+            f"Workload: {shape.groups} system prompts of {shape.prefix_tokens} words "
+            f"(about {9 * shape.prefix_tokens} of Gemma's tokens), {shape.users} users "
+            f"each, {shape.question_tokens}-word questions, {shape.max_tokens} output "
+            "tokens, Poisson arrivals. "
+        )
+    else:
+        note = (
+            f"Workload: {shape.groups} system prompts of {shape.prefix_tokens} "
+            f"tokens, {shape.users} users each, {shape.question_tokens}-token questions, "
+            f"{shape.max_tokens} output tokens, Poisson arrivals. "
+        )
+    return title, note + scale + window
+
+
+def workload_targets(
+    by_label: Mapping[str, ArmResult], workload: str, real: bool = False
+) -> list[Target]:
+    """On simulated engines: the recommended configuration's p90 TTFT at least 10% under the
+    best peer cache_aware's and under round-robin's; the prefix-aware one's against the best
+    peer (where it ran). On real engines, ``llamacpp_targets``."""
+    if real:
+        return llamacpp_targets(by_label)
+    peer_best = sorted(
+        (
+            r
+            for r in by_label.values()
+            if r.arm.router != SWITCHYARD and r.arm.policy == "cache_aware"
+        ),
+        key=_p90,
+    )
+    baseline = by_label.get(f"{SWITCHYARD} {ROUND_ROBIN}")
+    targets = []
+    for policy, share in ((RECOMMENDED_POLICY, 0.9), (PREFIX_AWARE_POLICY, 1.0)):
+        if (ours := by_label.get(f"{SWITCHYARD} {policy}")) is None:
+            continue
+        if peer_best:
+            best = peer_best[0]
+            times = f"{share:g} × " if share != 1.0 else ""
+            targets.append(
+                Target(
+                    f"{workload}: Switchyard {policy} TTFT p90 ≤ {times}the best peer "
+                    f"cache_aware's ({best.arm.label})",
+                    _p90(ours),
+                    share * _p90(best),
+                    unit=" ms",
+                )
+            )
+        if baseline is not None:
+            targets.append(
+                Target(
+                    f"{workload}: Switchyard {policy} TTFT p90 ≤ Switchyard round-robin's",
+                    _p90(ours),
+                    _p90(baseline),
+                    unit=" ms",
+                )
+            )
+    return targets
+
+
 def section(
-    size: Size,
-    results: Sequence[ArmResult],
+    runs: Sequence[tuple[Size, Sequence[ArmResult]]],
     notes: list[str],
     quick: bool,
     backend: Backend = SIMULATOR,
 ) -> Section:
-    """The report: one table row per arm, a TTFT CDF, the targets, the raw numbers."""
-    by_label = {r.arm.label: r for r in results}
-    shape = size.shape
+    """The report: per workload a table (one row per arm), a TTFT CDF and the targets; the
+    raw numbers."""
     real = backend is LLAMACPP
-    servers = (
-        f"llama.cpp, Gemma 3 270M, 1 CPU thread, {LLAMACPP_SLOTS} slot and a "
-        f"{LLAMACPP_PROMPT_CACHE_MIB} MiB prompt cache each"
-        if real
-        else PROFILE
-    )
-    rate = f"{size.rate:g}/s" if real else f"{size.rate:g}/s modelled ({size.wall_rate:g}/s wall)"
-    table = Table(
-        f"Shared prefix over HTTP: {size.replicas} replicas ({servers}), {size.count} streamed "
-        f"requests at {rate}",
-        [
-            "router / policy",
-            "TTFT p50 ms",
-            "TTFT p90 ms",
-            "TTFT p99 ms",
-            "ITL p50 ms",
-            "E2E p90 ms",
-            "output tok/s" if real else "output tok/s (modelled)",
-            "prefix-cache hit rate",
-            "on the group's main replica",
-            "busiest replica / mean",
-            "answered",
-            "errors",
-            "client lag p99 ms",
-            *(["engine prefill tok/s"] if real else []),
-        ],
-        [_row(r, size.time_scale, real) for r in results],
-        note=(
-            (
-                f"Workload: {shape.groups} system prompts of {shape.prefix_tokens} words "
-                f"(about {9 * shape.prefix_tokens} of Gemma's tokens), {shape.users} users "
-                f"each, {shape.question_tokens}-word questions, {shape.max_tokens} output "
-                "tokens, Poisson arrivals. Latencies are wall milliseconds"
-                if real
-                else f"Workload: {shape.groups} system prompts of {shape.prefix_tokens} "
-                f"tokens, {shape.users} users each, {shape.question_tokens}-token questions, "
-                f"{shape.max_tokens} output tokens, Poisson arrivals. Latencies are wall "
-                f"milliseconds at time scale {size.time_scale:g} (divide by "
-                f"{size.time_scale:g} for modelled time)"
-            )
-            + f" over the last {size.count - size.warmup_count} requests (the "
-            f"first {size.warmup_count} warm the caches). Hit rate: prompt tokens served from "
-            "the replicas' caches / prompt tokens asked for, over the same window."
-        ),
-    )
-    cdf = Plot(
-        "live-llamacpp-ttft-cdf" if real else "live-ttft-cdf",
-        "Time to first token, shared prefix over HTTP (the CDF, axes swapped)",
-        "share of requests",
-        "TTFT, wall ms (log scale)",
-        [Series(r.arm.label, *_quantiles(r.ttfts())) for r in results],
-        logy=True,
-    )
-    targets = llamacpp_targets(by_label) if real else []
-    ours = by_label.get(f"{SWITCHYARD} prefix-aware")
-    peer_best = sorted(
-        (r for r in results if r.arm.router != SWITCHYARD and r.arm.policy == "cache_aware"),
-        key=_p90,
-    )
-    if ours is not None and peer_best and not real:
-        best = peer_best[0]
-        targets.append(
-            Target(
-                f"Switchyard prefix-aware TTFT p90 ≤ the best peer cache_aware's "
-                f"({best.arm.label})",
-                _p90(ours),
-                _p90(best),
-                unit=" ms",
+    tables, plots, targets = [], [], []
+    for size, results in runs:
+        title, note = _described(size, backend)
+        tables.append(
+            Table(
+                title,
+                [
+                    "router / policy",
+                    "TTFT p50 ms",
+                    "TTFT p90 ms",
+                    "TTFT p99 ms",
+                    "ITL p50 ms",
+                    "E2E p90 ms",
+                    "output tok/s" if real else "output tok/s (modelled)",
+                    "prefix-cache hit rate",
+                    "on the group's main replica"
+                    if size.workload == SHARED_PREFIX
+                    else "on the session's main replica",
+                    "busiest replica / mean",
+                    "answered",
+                    "errors",
+                    "client lag p99 ms",
+                    *(["engine prefill tok/s"] if real else []),
+                ],
+                [_row(r, size, real) for r in results],
+                note=note,
             )
         )
-    baseline = by_label.get(f"{SWITCHYARD} round-robin")
-    if ours is not None and baseline is not None and not real:
-        targets.append(
-            Target(
-                "Switchyard prefix-aware TTFT p90 ≤ Switchyard round-robin's",
-                _p90(ours),
-                _p90(baseline),
-                unit=" ms",
+        key = "live-llamacpp" if real else "live"
+        plots.append(
+            Plot(
+                f"{key}-ttft-cdf" if size.name == SHARED_PREFIX else f"{key}-{size.name}-ttft-cdf",
+                f"Time to first token, {_lower_first(title.split(':')[0])} (the CDF, axes swapped)",
+                "share of requests",
+                "TTFT, wall ms (log scale)",
+                [Series(r.arm.label, *_quantiles(r.ttfts())) for r in results],
+                logy=True,
             )
         )
-    starved = [f"{r.arm.label} ({_ms(r.lag()):.0f} ms)" for r in results if r.lag() > LAG_LIMIT]
+        targets += workload_targets({r.arm.label: r for r in results}, size.name, real)
+    every = [r for _, results in runs for r in results]
+    starved = [f"{r.arm.label} ({_ms(r.lag()):.0f} ms)" for r in every if r.lag() > LAG_LIMIT]
     step = PROFILES[PROFILE].step_overhead
     timing = (
         "Real time: each engine computes on one CPU thread; a miss prefills the whole "
@@ -850,17 +1055,17 @@ def section(
         "gateway's hops (Python, Envoy) add per request on this 2-core machine, where the "
         "client, the routers and the engines share the CPU."
         if real
-        else f"Time scale {size.time_scale:g}: every modelled second of the simulator lasts "
-        f"{size.time_scale:g} wall seconds, so one engine step of the {PROFILE} profile "
-        f"({step * 1000:.0f} ms modelled, at least) lasts {step * 1000 * size.time_scale:.0f} ms, "
-        f"and a miss on a {shape.prefix_tokens}-"
-        "token prefix far longer, against about 10 ms that the gateway's hops (Python, Envoy) "
-        "add per request on this 2-core machine, where the client, the routers and the "
-        "simulators share the CPU."
+        else f"Time scale {runs[0][0].time_scale:g}: every modelled second of the simulator "
+        f"lasts {runs[0][0].time_scale:g} wall seconds, so one engine step of the {PROFILE} "
+        f"profile ({step * 1000:.0f} ms modelled, at least) lasts "
+        f"{step * 1000 * runs[0][0].time_scale:.0f} ms, and a miss on a long prefix far "
+        "longer, against a few ms that the gateway's hops (Python, Envoy) add per request "
+        "on this 2-core machine, where the client, the routers and the simulators share "
+        "the CPU."
     )
     notes = [
         *notes,
-        *(note for r in results for note in r.notes),
+        *(note for r in every for note in r.notes),
         timing,
         (
             f"The client fell behind its schedule by more than {_ms(LAG_LIMIT):.0f} ms (p99) "
@@ -890,18 +1095,24 @@ def section(
     data = {
         "engine": backend.name,
         "profile": "llamacpp-gemma-3-270m" if real else PROFILE,
-        "size": {**asdict(size), "shape": asdict(shape)},
-        "arms": [
+        "workloads": [
             {
-                "router": r.arm.router,
-                "policy": r.arm.policy,
-                "queries": r.queries,
-                "hits": r.hits,
-                "prefill_rate": r.prefill_rate,
-                "errors": r.errors,
-                "outcomes": [asdict(o) for o in r.outcomes],
+                "workload": size.name,
+                "size": _size_data(size),
+                "arms": [
+                    {
+                        "router": r.arm.router,
+                        "policy": r.arm.policy,
+                        "queries": r.queries,
+                        "hits": r.hits,
+                        "prefill_rate": r.prefill_rate,
+                        "errors": r.errors,
+                        "outcomes": [asdict(o) for o in r.outcomes],
+                    }
+                    for r in results
+                ],
             }
-            for r in results
+            for size, results in runs
         ],
     }
     return Section(
@@ -910,8 +1121,8 @@ def section(
         if real
         else "Live: the demo gateway beside vLLM's and SGLang's routers",
         command="make bench-live ENGINE=llamacpp" if real else "make bench-live",
-        tables=[table],
-        plots=[cdf],
+        tables=tables,
+        plots=plots,
         targets=targets,
         data=data,
         notes=notes,
@@ -919,17 +1130,22 @@ def section(
 
 
 def run(options: Options) -> Section:
-    """Run every arm on the same workload and report them side by side."""
+    """Run every arm on each workload (the same arrivals for every arm of a workload) and
+    report them side by side."""
     backend = BACKENDS[options.engine]
-    size = backend.size(options.quick)
-    arrivals = shared_prefix(size.shape, size.rate, size.count, seed=options.seed)
-    chosen, notes = arms(options.quick, backend)
-    results = []
-    for n, arm in enumerate(chosen):
-        work_dir = options.out / "live" / f"{n}-{arm.router}-{arm.policy}"
-        try:
-            results.append(run_arm(arm, size, arrivals, work_dir, backend))
-        except RuntimeError as error:  # TopologyError, PeerError: a router that did not start
-            notes.append(f"{arm.label} did not run: {error}")
-            progress(f"live: {arm.label} failed: {error}")
-    return section(size, results, notes, options.quick, backend)
+    notes: list[str] = []
+    runs = []
+    for size in backend.sizes(options.quick):
+        arrivals = size.arrivals(options.seed)
+        chosen, skipped = arms(options.quick, backend, size)
+        notes += [note for note in skipped if note not in notes]
+        results = []
+        for n, arm in enumerate(chosen):
+            work_dir = options.out / "live" / size.name / f"{n}-{arm.router}-{arm.policy}"
+            try:
+                results.append(run_arm(arm, size, arrivals, work_dir, backend))
+            except RuntimeError as error:  # TopologyError, PeerError: a router that did not start
+                notes.append(f"{size.name}: {arm.label} did not run: {error}")
+                progress(f"live: {size.name}: {arm.label} failed: {error}")
+        runs.append((size, results))
+    return section(runs, notes, options.quick, backend)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,33 @@ def test_the_scorer_reads_the_producer_it_names() -> None:
     assert list(scores) == [1.0, 0.0]
     scorer.picked(request, [B])
     assert list(scorer.score(request, [Candidate(A), Candidate(B)], 0.0)) == [1.0, 0.0]
+
+
+def test_the_debug_page_shows_each_engine_and_its_problems() -> None:
+    """The picker's /debug/<producer name> page (either plugin shape) lists each engine heard,
+    with its sequence number, blocks and matched algorithm, and every problem."""
+    for plugins in (
+        f"- type: precise-prefix-cache-producer\n  parameters: {{tokenizer: {TOKENIZER}}}\n"
+        "- type: prefix-cache-scorer\n"
+        "  parameters: {prefixMatchInfoProducerName: precise-prefix-cache-producer}\n",
+        f"- type: precise-prefix-cache-scorer\n  parameters: {{tokenizer: {TOKENIZER}}}\n",
+    ):
+        config = load_text(
+            "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n" + plugins
+        )
+        name = plugins.split()[2]
+        [made] = [p if isinstance(p, PrecisePrefixCacheProducer) else p.source
+                  for p in config.running if p.name == name]  # fmt: skip
+        page = config.pipeline().debug_pages()[f"/debug/{name}"]
+        send(made, TOPIC_A, 0, hashed(BlockHasher("sha256_cbor", DEFAULT_SEED), [1] * 16, 16))
+        send(made, TOPIC_A, 5)
+        shown = json.loads(page())
+        assert shown["engines"] == {
+            "10.0.0.1": {"topic": "kv@10.0.0.1@m", "sequence": 5, "blocks": 0,
+                         "hashed_with": "sha256_cbor"},
+        }  # fmt: skip
+        assert shown["problems"] == {"10.0.0.1": "batches 1–4 lost; blocks forgotten"}
+        assert (shown["zmqEndpoint"], shown["topicFilter"]) == ("tcp://*:5557", "kv@")
 
 
 @pytest.mark.parametrize(

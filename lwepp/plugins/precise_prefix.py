@@ -46,7 +46,8 @@ engine started without ``--kv-events-config``, would only score 0. Once
 pool endpoint no event has named is reported once, with where the subscriber
 listens and the topic the engine should publish; so is an engine whose topic
 names no pool endpoint. Every report is a ``kv events`` warning in the log
-and stays in ``problems``, by engine or endpoint.
+and stays in ``problems``, by engine or endpoint, which the picker's
+``/debug/<name>`` page shows with each engine heard (``--enable-debug-pages``).
 
 **Tokens.** ``tokenizer``, Switchyard's parameter: a dotted path to a
 function from the raw request body to its prompt token ids (None: not a
@@ -73,6 +74,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Final
 
 import msgpack
+import orjson
 import structlog
 import xxhash
 import zmq
@@ -401,6 +403,29 @@ class PrecisePrefixCacheProducer:
             f"cache. The subscriber is {where}, subscribed to topics starting "
             f"{self.topic_filter!r}; the engine should run with --kv-events-config enabled, "
             f"publishing topic kv@{endpoint.address}@<model> (or kv@{endpoint.hostport}@<model>)"
+        )
+
+    def debug_page(self) -> bytes:
+        """``/debug/<name>``: where it listens, each engine heard (last sequence number, blocks
+        held, the vLLM algorithm its hashes matched) and every problem, as JSON."""
+        engines = {
+            engine: {
+                "topic": self._topics.get(engine),
+                "sequence": number,
+                "blocks": self.index.blocks(engine),
+                "hashed_with": self.hashed_with.get(engine),
+            }
+            for engine, number in sorted(self.sequence.items())
+        }
+        return orjson.dumps(
+            {
+                "zmqEndpoint": self.endpoint,
+                "topicFilter": self.topic_filter,
+                "hashSeed": self.hash_seed,
+                "hashAlgorithm": self.hash_algorithm,
+                "engines": engines,
+                "problems": dict(sorted(self.problems.items())),
+            }
         )
 
     def _problem(self, engine: str, problem: str) -> None:

@@ -441,7 +441,8 @@ class PrecisePrefixCacheProducer:
         clock: Callable[[], float],
     ) -> None:
         """Receive the engines' events until cancelled: bound to a wildcard endpoint (the
-        engines connect), else connected to the one engine publishing there."""
+        engines connect), else connected to the one engine publishing there; about once a
+        second (``CHECK_EVERY``), ``check`` the pool for silent endpoints and unknown engines."""
         context = zmq.asyncio.Context.instance()
         socket = context.socket(zmq.SUB)
         try:

@@ -505,11 +505,17 @@ class Pipeline:
         return jobs
 
     def debug_pages(self) -> dict[str, Callable[[], bytes]]:
-        """``/debug/decisions`` and ``/debug/attributes`` (the store, with ages), as JSON."""
-        return {
+        """``/debug/decisions``, ``/debug/attributes`` (the store, with ages), and
+        ``/debug/<name>`` for each data source with a ``debug_page`` (the precise prefix
+        index: its engines and their problems), as JSON."""
+        pages: dict[str, Callable[[], bytes]] = {
             "/debug/decisions": self.decisions.render,
             "/debug/attributes": lambda: orjson.dumps(self.store.describe(self.clock())),
         }
+        for source in self.sources:
+            if callable(page := getattr(source, "debug_page", None)):
+                pages[f"/debug/{source.name}"] = page
+        return pages
 
 
 class Followup:

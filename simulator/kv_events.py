@@ -19,17 +19,12 @@ and the events, each a tagged array with trailing defaults left out::
     ["BlockRemoved", [hash, ...], medium]
     ["AllBlocksCleared"]
 
-**Block hashes are vLLM's** (``vllm/v1/core/kv_cache_utils.py``): a block's
-hash is ``H((parent_hash, tuple(token_ids), extra_keys))`` with the first
-block's parent ``NONE_HASH = H(seed)``; ``H`` is SHA-256 of the tuple's pickle
-(vLLM's default ``--prefix-caching-hash-algo sha256``) or of its canonical
-CBOR (``sha256_cbor``, the one to use across languages); the seed is
-``PYTHONHASHSEED`` when set, else vLLM's fixed ``"vllm-none-hash"``;
-``extra_keys`` is ``(lora_name,)`` for an adapter's blocks and None
-otherwise. On the wire each hash is the low 64 bits of the digest read
-big-endian, vLLM's default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``). So a
-subscriber that hashes a prompt's tokens the same way finds the same keys,
-and a real vLLM can replace the simulator behind it.
+**Block hashes are vLLM's** (``lwepp.vllm_hash``, which the picker's precise
+prefix producer shares to check an engine's seed and algorithm): the chain
+vLLM computes over each block's token ids, seeded from ``PYTHONHASHSEED`` as
+vLLM is, sent as the digest's low 64 bits. So a subscriber that hashes a
+prompt's tokens the same way finds the same keys, and a real vLLM can replace
+the simulator behind it.
 
 The simulated engine reports into a ``KVEventLog`` (``Engine.publish_kv_events``):
 a block stored when it fills and enters the prefix cache, removed when it is
@@ -39,10 +34,6 @@ to a sink: ``ZmqPublisher.send`` in the server, a list in tests.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import pickle
-import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -51,106 +42,10 @@ import msgpack
 import orjson
 import zmq
 
-HASH_ALGORITHMS: Final = ("sha256", "sha256_cbor")
-DEFAULT_SEED: Final = "vllm-none-hash"
-"""vLLM's NONE_HASH seed for cryptographic hashes when ``PYTHONHASHSEED`` is unset."""
+from lwepp.vllm_hash import BlockHasher, external, hash_function
+
 MEDIUM: Final = "GPU"
 DEFAULT_ENDPOINT: Final = "tcp://*:5557"
-_MASK: Final = (1 << 64) - 1
-
-
-# --- hashing, as vLLM does it --------------------------------------------------------------
-
-
-def cbor(value: Any) -> bytes:
-    """Canonical CBOR (RFC 8949 §4.2.1) of None, ints, str, bytes, and tuples or lists of them:
-    what ``cbor2.dumps(value, canonical=True)`` writes for the values vLLM hashes."""
-    out = bytearray()
-    _cbor(value, out)
-    return bytes(out)
-
-
-def _head(major: int, n: int, out: bytearray) -> None:
-    if n < 24:
-        out.append(major << 5 | n)
-    elif n < 1 << 8:
-        out += bytes((major << 5 | 24, n))
-    elif n < 1 << 16:
-        out.append(major << 5 | 25)
-        out += struct.pack(">H", n)
-    elif n < 1 << 32:
-        out.append(major << 5 | 26)
-        out += struct.pack(">I", n)
-    else:
-        out.append(major << 5 | 27)
-        out += struct.pack(">Q", n)
-
-
-def _cbor(value: Any, out: bytearray) -> None:
-    if value is None:
-        out.append(0xF6)
-    elif isinstance(value, bool):
-        out.append(0xF5 if value else 0xF4)
-    elif isinstance(value, int):
-        _head(0, value, out) if value >= 0 else _head(1, -1 - value, out)
-    elif isinstance(value, bytes):
-        _head(2, len(value), out)
-        out += value
-    elif isinstance(value, str):
-        data = value.encode()
-        _head(3, len(data), out)
-        out += data
-    elif isinstance(value, tuple | list):
-        _head(4, len(value), out)
-        for item in value:
-            _cbor(item, out)
-    else:
-        raise TypeError(f"cannot hash a {type(value).__name__} as vLLM does")
-
-
-def hash_function(algorithm: str) -> Callable[[Any], bytes]:
-    """vLLM's ``--prefix-caching-hash-algo`` of that name."""
-    if algorithm == "sha256":
-        return lambda value: hashlib.sha256(pickle.dumps(value, pickle.HIGHEST_PROTOCOL)).digest()
-    if algorithm == "sha256_cbor":
-        return lambda value: hashlib.sha256(cbor(value)).digest()
-    raise ValueError(
-        f"hash algorithm: expected one of {', '.join(HASH_ALGORITHMS)}, got {algorithm!r}"
-    )
-
-
-def hash_seed() -> str:
-    """The NONE_HASH seed vLLM would use in this environment (``PYTHONHASHSEED``, else fixed)."""
-    return os.environ.get("PYTHONHASHSEED", DEFAULT_SEED)
-
-
-class BlockHasher:
-    """vLLM's block-hash chain for one algorithm and seed."""
-
-    __slots__ = ("function", "none_hash")
-
-    def __init__(self, algorithm: str = "sha256", seed: str | None = None) -> None:
-        self.function = hash_function(algorithm)
-        self.none_hash = self.function(hash_seed() if seed is None else seed)
-
-    def block(self, parent: bytes | None, tokens: Sequence[int], adapter: str = "") -> bytes:
-        """One full block's hash, chained on its parent's (None: the first block)."""
-        extra = (adapter,) if adapter else None
-        return self.function((parent or self.none_hash, tuple(tokens), extra))
-
-    def chain(self, tokens: Sequence[int], block_size: int, adapter: str = "") -> list[bytes]:
-        """Every full block's hash of ``tokens``, in order."""
-        hashes: list[bytes] = []
-        parent: bytes | None = None
-        for start in range(0, len(tokens) - block_size + 1, block_size):
-            parent = self.block(parent, tokens[start : start + block_size], adapter)
-            hashes.append(parent)
-        return hashes
-
-
-def external(digest: bytes) -> int:
-    """A block hash as it goes on the wire: the digest's low 64 bits, read big-endian."""
-    return int.from_bytes(digest, "big") & _MASK
 
 
 # --- the events ----------------------------------------------------------------------------

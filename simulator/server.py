@@ -41,12 +41,13 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from lwepp.vllm_hash import BlockHasher
 from pods.model import Pod, join_host_port
 from simulator import metrics, openai
 from simulator.clocks import EngineError, RealTimeEngine, Sleep
 from simulator.engine import Engine, Request, Settings
 from simulator.h2c import serve_h2c_echo
-from simulator.kv_events import BlockHasher, KVEventLog, KVEventsConfig, ZmqPublisher
+from simulator.kv_events import KVEventLog, KVEventsConfig, ZmqPublisher
 from simulator.openai import Api, ApiError
 from simulator.tokenizer import output_token
 

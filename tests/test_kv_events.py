@@ -11,19 +11,13 @@ from typing import Any
 import aiohttp
 import msgpack
 import pytest
+import xxhash
 import zmq
 import zmq.asyncio
 
+from lwepp.vllm_hash import DEFAULT_SEED, BlockHasher, cbor, external, hash_seed
 from simulator.engine import Settings
-from simulator.kv_events import (
-    DEFAULT_SEED,
-    BlockHasher,
-    KVEventLog,
-    KVEventsConfig,
-    cbor,
-    external,
-    hash_seed,
-)
+from simulator.kv_events import KVEventLog, KVEventsConfig
 from simulator.server import serve_pods
 from tests.test_engine_model import H100, Run, prompt
 from tests.test_simulator import pod, post
@@ -82,6 +76,19 @@ def test_the_seed_is_pythonhashseed_as_in_vllm(monkeypatch: pytest.MonkeyPatch) 
     assert hash_seed() == DEFAULT_SEED
     monkeypatch.setenv("PYTHONHASHSEED", "42")
     assert BlockHasher("sha256").none_hash == BlockHasher("sha256", "42").none_hash
+
+
+def test_xxhash_algorithms_and_their_per_process_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """xxhash and xxhash_cbor are XXH3-128 of the pickle and of the CBOR; without PYTHONHASHSEED
+    vLLM seeds them at random per process (the SHA-256 ones keep the fixed seed)."""
+    tokens = tuple(range(16))
+    seed = xxhash.xxh3_128_digest(pickle.dumps("0", pickle.HIGHEST_PROTOCOL))
+    expected = xxhash.xxh3_128_digest(pickle.dumps((seed, tokens, None), pickle.HIGHEST_PROTOCOL))
+    assert BlockHasher("xxhash", "0").block(None, tokens) == expected
+    assert BlockHasher("xxhash_cbor", "0").none_hash == xxhash.xxh3_128_digest(cbor("0"))
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert hash_seed("xxhash_cbor") != hash_seed("xxhash_cbor")
+    assert hash_seed("sha256_cbor") == DEFAULT_SEED
 
 
 def batches(payloads: list[bytes]) -> list[list[Any]]:

@@ -16,6 +16,16 @@ of each block is kept only to apply its ``BlockRemoved`` events, so the
 engine's hash algorithm and seed never decide a match; what must agree is
 the block size and the tokenizer.
 
+**Seed and algorithm, checked.** They still matter to anyone else who reads
+the engine's hashes: the llm-d router given the same configuration keys by
+them and would miss every block. So the first root blocks (no parent, no
+adapter) of each engine are hashed as vLLM does (``lwepp.vllm_hash``) with
+``hashSeed`` ("" meaning an engine without ``PYTHONHASHSEED``: vLLM's fixed
+``"vllm-none-hash"``) and ``hashAlgorithm`` (unset: each of vLLM's, and the
+one that matches is logged). The first match settles it; three misses in a
+row (one could carry a ``cache_salt`` this cannot see) give one warning
+naming the seed, the algorithm and what to set on the engine or here.
+
 **Events.** One ZMQ SUB socket at ``kvEventsConfig.zmqEndpoint``, bound
 when it has a wildcard (``tcp://*:5557``: the engines connect their PUB to
 it, as with the router) and connected otherwise (to one engine that binds),
@@ -30,6 +40,15 @@ repeated number is a late message and is dropped. A batch whose
 ``block_size`` differs from ``blockSizeTokens`` is refused with an error
 naming both: it would never match a prompt's blocks.
 
+**Silence, reported.** A wrong ``topicFilter`` or ``zmqEndpoint``, or an
+engine started without ``--kv-events-config``, would only score 0. Once
+``eventsGracePeriod`` seconds have passed since the subscriber started, each
+pool endpoint no event has named is reported once, with where the subscriber
+listens and the topic the engine should publish; so is an engine whose topic
+names no pool endpoint. Every report is a ``kv events`` warning in the log
+and stays in ``problems``, by engine or endpoint, which the picker's
+``/debug/<name>`` page shows with each engine heard (``--enable-debug-pages``).
+
 **Tokens.** ``tokenizer``, Switchyard's parameter: a dotted path to a
 function from the raw request body to its prompt token ids (None: not a
 prompt). ``simulator.openai.prompt_token_ids`` is the simulator's own; for
@@ -39,9 +58,11 @@ so that is not offered.)
 
 Parameters (the router's shape): ``indexerConfig.tokenProcessorConfig``
 ``blockSizeTokens`` (or the older ``blockSize``; 16), ``hashSeed`` (""),
+``hashAlgorithm`` (vLLM's names; unset),
 ``indexerConfig.kvBlockIndexConfig.maxPrefixTokensToMatch`` (0: all) and
 ``enableMetrics`` (accepted); ``kvEventsConfig.zmqEndpoint``
-(``tcp://*:5557``) and ``topicFilter`` (``kv@``); ``tokenizer`` (required).
+(``tcp://*:5557``) and ``topicFilter`` (``kv@``); Switchyard's own
+``tokenizer`` (required) and ``eventsGracePeriod`` (seconds, 30).
 """
 
 from __future__ import annotations
@@ -53,18 +74,25 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Final
 
 import msgpack
+import orjson
 import structlog
 import xxhash
 import zmq
 import zmq.asyncio
 
 from lwepp.contracts import AttributeWriter, LLMRequest
+from lwepp.vllm_hash import DEFAULT_SEED, HASH_ALGORITHMS, BlockHasher, external
 from plugin import NO_PARAMS, Params
 from pods.model import Endpoint
 
 log = structlog.get_logger()
 
 PRODUCER: Final = "precise-prefix-cache-producer"
+ROOT_CHECKS: Final = 3
+"""Root blocks of an engine checked against vLLM's hash before a mismatch is reported: a
+request's ``cache_salt`` or images change its first block's hash, invisibly here."""
+CHECK_EVERY: Final = 1.0
+"""Seconds between the subscriber's looks for silent endpoints and unknown engines."""
 Tokenizer = Callable[[bytes], Sequence[int] | None]
 
 
@@ -162,7 +190,13 @@ class PrecisePrefixCacheProducer:
         older = tokens.get("blockSize", int, 0, at_least=0)
         self.block_size = tokens.get("blockSizeTokens", int, older or 16, at_least=1)
         seed = tokens.get("hashSeed", str, "")
-        tokens.get("hashAlgorithm", str, "")
+        algorithm = tokens.get("hashAlgorithm", str, "")
+        if algorithm and algorithm not in HASH_ALGORITHMS:
+            raise tokens.error(
+                "hashAlgorithm",
+                f"expected one of {', '.join(HASH_ALGORITHMS)} (vLLM's "
+                f"--prefix-caching-hash-algo) or none, got {algorithm!r}",
+            )
         tokens.done()
         index = indexer.entry("kvBlockIndexConfig", indexer.get("kvBlockIndexConfig", dict, {}))
         self.max_tokens = index.get("maxPrefixTokensToMatch", int, 0, at_least=0)
@@ -182,12 +216,28 @@ class PrecisePrefixCacheProducer:
                 "token ids (simulator.openai.prompt_token_ids for the simulator)",
             )
         self.tokenizer = _tokenizer(path, params)
+        self.grace = params.get("eventsGracePeriod", float, 30.0, at_least=0)
+        self.hash_seed, self.hash_algorithm = seed, algorithm
+        self._hashers = {
+            name: BlockHasher(name, seed or DEFAULT_SEED)
+            for name in ((algorithm,) if algorithm else HASH_ALGORITHMS)
+        }
         self.root = xxhash.xxh64_intdigest(seed.encode())
         self.index = BlockIndex()
         self.sequence: dict[str, int] = {}
         """The last sequence number applied, per engine."""
         self.problems: dict[str, str] = {}
-        """The last problem each engine's events had (refused, lost or late batches)."""
+        """The last problem each engine (or endpoint) had: refused, lost or late batches, a
+        hash seed or algorithm not the engine's, no events at all, a topic naming no endpoint."""
+        self.hashed_with: dict[str, str] = {}
+        """Per engine, the vLLM algorithm its root blocks matched ("": none did)."""
+        self._root_checks: dict[str, int] = {}
+        self._topics: dict[str, str] = {}
+        """The first topic each engine published on (to name it in a report)."""
+        self._started: float | None = None
+        self._unknown_since: dict[str, float] = {}
+        self._reported: set[str] = set()
+        """Endpoints reported silent and engines reported unknown: each is told once."""
         self._key = f"{name}.keys"
 
     # --- the request side: what the prefix scorer calls ------------------------------
@@ -225,7 +275,9 @@ class PrecisePrefixCacheProducer:
         engine = parts[1] if len(parts) > 1 and parts[1] else parts[0]
         number = int.from_bytes(sequence, "big")
         last = self.sequence.get(engine)
-        if last is not None and number != last + 1:
+        if last is None:
+            self._topics[engine] = topic.decode(errors="replace")
+        elif number != last + 1:
             if number == 0:
                 self.index.clear(engine)  # the engine restarted: its cache is empty
             elif number > last + 1:
@@ -257,11 +309,124 @@ class PrecisePrefixCacheProducer:
             root = self.root if parent is None else self.index.key_of(engine, parent)
             if root is None:
                 return  # its parent is not indexed (lost, or evicted): nothing can reach it
+            plain = not lora and (len(event) < 6 or event[5] is None)  # no adapter in the key
+            if parent is None and plain and hashes and engine not in self.hashed_with:
+                self._check_hash(engine, hashes[0], ids[:size])
             self.index.stored(engine, hashes, chain(root, ids, size, lora))
         elif kind == "BlockRemoved":
             self.index.removed(engine, event[1])
         elif kind == "AllBlocksCleared":
             self.index.clear(engine)
+
+    def _check_hash(self, engine: str, engine_hash: object, tokens: Sequence[int]) -> None:
+        """Is this root block's hash vLLM's with the configured seed and algorithm (each of
+        vLLM's, when none is configured)? Settled by the first match or after ``ROOT_CHECKS``
+        misses, so it costs a few hashes per engine, ever."""
+        for algorithm, hasher in self._hashers.items():
+            digest = hasher.block(None, tokens)
+            if engine_hash in (external(digest), digest):  # 64-bit ints, or whole digests
+                self.hashed_with[engine] = algorithm
+                log.info("kv events hashed as configured", producer=self.name, engine=engine,
+                         hashAlgorithm=algorithm, hashSeed=self.hash_seed)  # fmt: skip
+                return
+        self._root_checks[engine] = tried = self._root_checks.get(engine, 0) + 1
+        if tried >= ROOT_CHECKS:
+            self.hashed_with[engine] = ""
+            self._problem(engine, self._hash_mismatch())
+
+    def _hash_mismatch(self) -> str:
+        seed, algorithm = self.hash_seed, self.hash_algorithm
+        which = f"vLLM's {algorithm}" if algorithm else f"any of vLLM's {', '.join(self._hashers)}"
+        if seed:
+            engine_side = f"PYTHONHASHSEED={seed}"
+            meaning = f"hashSeed {seed!r}"
+        else:
+            engine_side = "no PYTHONHASHSEED"
+            meaning = (
+                f"hashSeed '' (an engine without PYTHONHASHSEED: vLLM's fixed {DEFAULT_SEED!r}; "
+                "xxhash algorithms and vLLM releases before 2026-08 seed each process at random "
+                "there, so set PYTHONHASHSEED on every engine and hashSeed to it)"
+            )
+        if algorithm:
+            engine_side += f" and --prefix-caching-hash-algo {algorithm}"
+        return (
+            f"block hashes are not {which} seeded with {meaning}: start the engine with "
+            f"{engine_side}, or set indexerConfig.tokenProcessorConfig.hashSeed"
+            f"{'' if algorithm else ' (and hashAlgorithm)'} to the engine's. Routing here is "
+            "unaffected (blocks are keyed from the events' token ids); the llm-d router given "
+            "this configuration would miss every block"
+        )
+
+    def check(self, endpoints: Sequence[Endpoint], now: float) -> None:
+        """Report, once each, a pool endpoint no event has named for ``eventsGracePeriod``
+        seconds since the subscriber started, and an engine whose topic has named no pool
+        endpoint for as long (a pod just added may publish before the pool lists it)."""
+        if self._started is None:
+            self._started = now
+        heard = self.sequence.keys()
+        known: set[str] = set()
+        for e in endpoints:
+            known |= {e.hostport, e.address}
+            silent = e.hostport not in heard and e.address not in heard
+            if silent and now - self._started >= self.grace and e.hostport not in self._reported:
+                self._reported.add(e.hostport)
+                self._problem(e.hostport, self._silence(e))
+            elif not silent and e.hostport in self._reported:
+                self._reported.discard(e.hostport)
+                if self.problems.pop(e.hostport, None) is not None:
+                    log.info("kv events arriving", producer=self.name, engine=e.hostport)
+        for engine in heard - known:
+            since = self._unknown_since.setdefault(engine, now)
+            if now - since >= self.grace and engine not in self._reported:
+                self._reported.add(engine)
+                topic = self._topics.get(engine, "")
+                self._problem(
+                    engine,
+                    f"events on topic {topic!r} name {engine!r}, no endpoint of the pool: "
+                    "another pool's engine, or a topic whose second part is not the pod's "
+                    "IP (or ip:port) as the pool lists it; its events are indexed but never "
+                    "read",
+                )
+        for engine in known & self._unknown_since.keys():
+            del self._unknown_since[engine]
+
+    def _silence(self, endpoint: Endpoint) -> str:
+        bound = "*" in self.endpoint or "::" in self.endpoint
+        where = (
+            f"bound at {self.endpoint} (the engine's --kv-events-config endpoint must connect "
+            "to this picker's address on that port)"
+            if bound
+            else f"connected to {self.endpoint} (the engine must bind there)"
+        )
+        return (
+            f"no KV events from this endpoint in {self.grace:g} s: it scores 0 on the prefix "
+            f"cache. The subscriber is {where}, subscribed to topics starting "
+            f"{self.topic_filter!r}; the engine should run with --kv-events-config enabled, "
+            f"publishing topic kv@{endpoint.address}@<model> (or kv@{endpoint.hostport}@<model>)"
+        )
+
+    def debug_page(self) -> bytes:
+        """``/debug/<name>``: where it listens, each engine heard (last sequence number, blocks
+        held, the vLLM algorithm its hashes matched) and every problem, as JSON."""
+        engines = {
+            engine: {
+                "topic": self._topics.get(engine),
+                "sequence": number,
+                "blocks": self.index.blocks(engine),
+                "hashed_with": self.hashed_with.get(engine),
+            }
+            for engine, number in sorted(self.sequence.items())
+        }
+        return orjson.dumps(
+            {
+                "zmqEndpoint": self.endpoint,
+                "topicFilter": self.topic_filter,
+                "hashSeed": self.hash_seed,
+                "hashAlgorithm": self.hash_algorithm,
+                "engines": engines,
+                "problems": dict(sorted(self.problems.items())),
+            }
+        )
 
     def _problem(self, engine: str, problem: str) -> None:
         self.problems[engine] = problem
@@ -276,7 +441,8 @@ class PrecisePrefixCacheProducer:
         clock: Callable[[], float],
     ) -> None:
         """Receive the engines' events until cancelled: bound to a wildcard endpoint (the
-        engines connect), else connected to the one engine publishing there."""
+        engines connect), else connected to the one engine publishing there; about once a
+        second (``CHECK_EVERY``), ``check`` the pool for silent endpoints and unknown engines."""
         context = zmq.asyncio.Context.instance()
         socket = context.socket(zmq.SUB)
         try:
@@ -285,10 +451,15 @@ class PrecisePrefixCacheProducer:
                 socket.bind(self.endpoint)
             else:
                 socket.connect(self.endpoint)
+            due = clock()
             while True:
-                frames = await socket.recv_multipart()
-                if len(frames) == 3:
-                    self.ingest(*frames)
+                if await socket.poll(int(CHECK_EVERY * 1000)):
+                    frames = await socket.recv_multipart()
+                    if len(frames) == 3:
+                        self.ingest(*frames)
+                if (now := clock()) >= due:
+                    self.check(endpoints(), now)
+                    due = now + CHECK_EVERY
         except asyncio.CancelledError:
             raise
         finally:

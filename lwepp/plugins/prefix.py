@@ -342,6 +342,9 @@ class PrecisePrefixCacheScorer(PrefixCacheScorer):
     def prepare(self, request: LLMRequest) -> None:
         self.source.prepare(request)
 
+    def debug_page(self) -> bytes:
+        return self.source.debug_page()
+
     async def run(
         self,
         endpoints: Callable[[], Sequence[Endpoint]],

@@ -95,6 +95,18 @@ def test_a_block_size_that_does_not_match_is_an_error_not_silent_misses() -> Non
     assert "blockSizeTokens 16" in problem
 
 
+def test_a_wrong_block_size_is_logged_once_per_engine() -> None:
+    """Every batch of an engine with another block size is refused, but the warning is logged
+    once for it (not once per batch); the latest refusal stays in ``problems``."""
+    made = producer(block=16)
+    with structlog.testing.capture_logs() as logs:
+        for number in range(5):
+            send(made, TOPIC_B, number, stored([number + 1], None, list(range(4)), size=4))
+    refused = [entry for entry in logs if "refused" in str(entry.get("problem"))]
+    assert len(refused) == 1
+    assert made.problems["10.0.0.2"].startswith("batch 4 refused")
+
+
 def hashed(hasher: BlockHasher, ids: list[int], size: int = 4) -> list[Any]:
     """A root BlockStored of ``ids`` with the hashes ``hasher`` gives them, as vLLM sends."""
     return stored([external(h) for h in hasher.chain(ids, size)], None, ids, size)

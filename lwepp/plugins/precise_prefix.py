@@ -229,6 +229,8 @@ class PrecisePrefixCacheProducer:
         self.problems: dict[str, str] = {}
         """The last problem each engine (or endpoint) had: refused, lost or late batches, a
         hash seed or algorithm not the engine's, no events at all, a topic naming no endpoint."""
+        self._refusing: set[str] = set()
+        """Engines whose block size was refused and logged: every later batch would be too."""
         self.hashed_with: dict[str, str] = {}
         """Per engine, the vLLM algorithm its root blocks matched ("": none did)."""
         self._root_checks: dict[str, int] = {}
@@ -292,7 +294,13 @@ class PrecisePrefixCacheProducer:
             for event in events:
                 self._apply(engine, event)
         except Mismatch as error:
-            self._problem(engine, f"batch {number} refused: {error}")
+            # A misconfigured engine has every batch refused alike: warn once, keep counting.
+            problem = f"batch {number} refused: {error}"
+            if engine in self._refusing:
+                self.problems[engine] = problem
+            else:
+                self._refusing.add(engine)
+                self._problem(engine, problem)
         except (ValueError, TypeError, IndexError, msgpack.UnpackException) as error:
             self._problem(engine, f"batch {number} is not a vLLM event batch: {error}")
 

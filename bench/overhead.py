@@ -96,6 +96,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -873,6 +874,32 @@ def _added(
     return _median([getattr(run, q) - getattr(base, q) for run, base in pairs])
 
 
+def median_interval(values: Sequence[float], z: float = 1.96) -> tuple[float, float, float]:
+    """The median of ``values`` and a distribution-free ~95% confidence interval for it.
+
+    The interval's ends are the order statistics of ranks ``(n − z√n)/2`` and
+    ``(n + z√n)/2`` (the normal approximation of the sign test's binomial):
+    whatever the shape of the distribution, the true median lies between them
+    about 95% of the time. NaN ends when there are too few values for one.
+    """
+    if not values:
+        return math.nan, math.nan, math.nan
+    ordered = sorted(values)
+    n = len(ordered)
+    low = math.floor((n - z * math.sqrt(n)) / 2)
+    if low < 0:
+        return statistics.median(ordered), math.nan, math.nan
+    return statistics.median(ordered), ordered[low], ordered[n - 1 - low]
+
+
+def _interval(latency: dict[str, dict[int, list[Run]]], key: str, base: str, c: int) -> str:
+    """The distribution-free 95% interval of the median over rounds of (case − base)'s p50,
+    in ms ("–" with too few rounds for one)."""
+    pairs = zip(latency[key][c], latency[base][c], strict=True)
+    _, low, high = median_interval([run.p50 - other.p50 for run, other in pairs])
+    return "–" if math.isnan(low) else f"{_ms(low):.2f} … {_ms(high):.2f}"
+
+
 def section(
     latency: dict[str, dict[int, list[Run]]],
     steps: dict[str, list[tuple[float, Run]]],
@@ -951,7 +978,11 @@ def section(
     rate = sustained(steps[tls_case]) / base_rate if base_rate else float("nan")
     ratio_rows.append([tls_name, "sustained rate (TLS / plaintext)", rate, None, None])
     breakdown_rows = [
-        [what, *(_ms(_added(latency, key, c, q, base)) for q in ("p50", "p99") for c in (1, 8))]
+        [
+            what,
+            *(_ms(_added(latency, key, c, q, base)) for q in ("p50", "p99") for c in (1, 8)),
+            *(_interval(latency, key, base, c) for c in (1, 8)),
+        ]
         for what, key, base in BREAKDOWN
         if key in latency and base in latency
     ]
@@ -1065,8 +1096,10 @@ def section(
         "Workers: `python -m lwepp --workers N`, streams/s from 8 client connections; with two "
         "CPUs the client shares them with the workers, so 2 workers cannot double it here.",
         "Where the time goes: each row is the difference of two cases' latency (median over "
-        "rounds of the paired difference); 'over the upstream' is against the load generator "
-        "straight at one replica. The peers run round_robin on the Python services' CPU.",
+        "rounds of the paired difference, with a distribution-free 95% interval of that "
+        "median: a row whose interval spans 0 is below this run's resolution); 'over the "
+        "upstream' is against the load generator straight at one replica. The peers run "
+        "round_robin on the Python services' CPU.",
         "Prefix-aware: the pickers run demo/configs/prefix-aware.yaml; the -prefix picker "
         f"reads the replicas' /metrics once (refreshIntervalSeconds {ONCE:.0f}), the -scrape "
         "ones every 0.1 s (its default), on the Python services' CPU; the replicas answer "
@@ -1115,6 +1148,8 @@ def section(
                     "p50 (c=8)",
                     "p99 (c=1)",
                     "p99 (c=8)",
+                    "p50 (c=1) 95% interval",
+                    "p50 (c=8) 95% interval",
                 ],
                 breakdown_rows,
             ),

@@ -129,6 +129,7 @@ class Sample:
 
 
 async def _one(session: aiohttp.ClientSession, port: int, arrival: Arrival, body: bytes) -> Sample:
+    """One streamed request to ``port``, timed and checked by the live part's client."""
     outcome = live.Outcome(arrival.request_id, arrival.group, measured=True)
     await live._send(session, f"http://{HOST}:{port}", arrival, body, outcome)
     if outcome.error is not None or outcome.ttft is None or outcome.latency is None:
@@ -144,7 +145,7 @@ async def measure(
     (``live.LLAMACPP.counted``) over the measured rounds."""
     body_fields = {"model": llamacpp.MODEL_ALIAS, "prompt": PROMPT, "max_tokens": MAX_TOKENS}
     body = orjson.dumps({**body_fields, **live.LLAMACPP.extra_body, "stream": True})
-    arrival = Arrival(0.0, "warm", body_fields, (), MAX_TOKENS, "warm", "warm")
+    arrival = Arrival(0.0, "overhead", body_fields, (), MAX_TOKENS, "same", "same")
     order = list(ports)
     rng = random.Random(seed)
     samples: dict[str, list[Sample]] = {key: [] for key in order}
@@ -177,24 +178,6 @@ def paired(
     return [
         getattr(a, what) - getattr(b, what) for a, b in pairs if a.error is None and b.error is None
     ]
-
-
-def median_interval(values: Sequence[float], z: float = 1.96) -> tuple[float, float, float]:
-    """The median of ``values`` and a distribution-free ~95% confidence interval for it.
-
-    The interval's ends are the order statistics of ranks ``(n − z√n)/2`` and
-    ``(n + z√n)/2`` (the normal approximation of the sign test's binomial):
-    whatever the shape of the distribution, the true median lies between them
-    about 95% of the time. NaN ends when there are too few values for one.
-    """
-    if not values:
-        return math.nan, math.nan, math.nan
-    ordered = sorted(values)
-    n = len(ordered)
-    low = math.floor((n - z * math.sqrt(n)) / 2)
-    if low < 0:
-        return statistics.median(ordered), math.nan, math.nan
-    return statistics.median(ordered), ordered[low], ordered[n - 1 - low]
 
 
 def _ms(seconds: float) -> float:
@@ -276,7 +259,7 @@ def section(
         if case.key == "direct":
             row += [None, None, None, None, 1.0]
         else:
-            added, low, high = median_interval(paired(samples, case.key, "direct"))
+            added, low, high = overhead.median_interval(paired(samples, case.key, "direct"))
             whole = statistics.median(paired(samples, case.key, "direct", "latency") or [math.nan])
             row += [
                 _ms(added),
@@ -290,7 +273,7 @@ def section(
     for what, key, base in BREAKDOWN:
         if key not in samples or base not in samples:
             continue
-        added, low, high = median_interval(paired(samples, key, base))
+        added, low, high = overhead.median_interval(paired(samples, key, base))
         whole = statistics.median(paired(samples, key, base, "latency") or [math.nan])
         breakdown.append([what, _ms(added), f"{_ms(low):.2f} … {_ms(high):.2f}", _ms(whole)])
     targets = []
@@ -308,7 +291,9 @@ def section(
     if counters is not None and counters[0] > 0:
         cached = counters[1] / counters[0]
     notes = [
-        f"Placement: {placement.describe()}; the engine (one thread, one slot) on the first CPU.",
+        f"Placement: CPUs {sorted(placement.gateway)}: every Envoy (--concurrency 1), the client "
+        f"and the engine (one thread, one slot); CPUs {sorted(placement.python)}: every Python "
+        "ext_proc server and the peers.",
         f"Requests: the same {len(PROMPT)}-character prompt, streamed /v1/completions, "
         f"{MAX_TOKENS} tokens each, concurrency 1, a new connection per request; {WARMUP} "
         f"warm-up requests per case, then {rounds} rounds of one request per case in a "

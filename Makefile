@@ -88,7 +88,8 @@ conformance: $(STAMP)
 ## measured in the same run; writes $(BENCH_OUT)/results.md, results.json and plots.
 ## One part alone: make bench-micro | bench-overhead | bench-routing | bench-live
 ## The live part's model servers: ENGINE=simulator (default) or ENGINE=llamacpp (real
-## llama.cpp engines on the CPU: make bench-live ENGINE=llamacpp)
+## llama.cpp engines on the CPU: make bench-live ENGINE=llamacpp); make bench-overhead
+## ENGINE=llamacpp measures the gateway path in front of one llama.cpp engine (TTFT)
 BENCH_OUT ?= bench-results
 SEED ?= 0
 ENGINE ?= simulator
@@ -101,8 +102,8 @@ bench: $(STAMP) $(PEERS) $(ENGINES)
 	$(BOUND_CHECK)
 bench-micro: $(STAMP)
 	$(PY) -m bench micro --seed $(SEED) --out $(BENCH_OUT)
-bench-overhead: $(STAMP) $(PEERS)
-	$(PY) -m bench overhead --seed $(SEED) --out $(BENCH_OUT)
+bench-overhead: $(STAMP) $(PEERS) $(ENGINES)
+	$(PY) -m bench overhead --seed $(SEED) --out $(BENCH_OUT) --engine $(ENGINE)
 bench-routing: $(STAMP)
 	$(PY) -m bench routing --seed $(SEED) --out $(BENCH_OUT)
 	$(BOUND_CHECK)

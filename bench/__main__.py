@@ -4,7 +4,8 @@
 are ``micro`` (codec, plugins, hook pipeline), ``overhead`` (what the
 gateway path adds, through a real Envoy), ``routing`` (what picking buys,
 in virtual time) and ``live`` (the demo gateway beside peer routers over
-HTTP; ``--engine llamacpp`` runs it on real llama.cpp engines). With no
+HTTP; ``--engine llamacpp`` runs it on real llama.cpp engines, and the
+overhead part in front of one, as time to first token). With no
 part named, all run in that order. Results go to
 ``DIR/results.md``, ``DIR/results.json`` and one PNG and SVG per plot; the
 Markdown is printed as well.
@@ -39,7 +40,8 @@ def parse(argv: Sequence[str] | None = None) -> tuple[list[str], Options]:
         "--engine",
         choices=ENGINES,
         default="simulator",
-        help="the live part's model servers: the simulator (default) or real llama.cpp engines",
+        help="the model servers of the live and overhead parts: the simulator (default; the "
+        "overhead part's is then Envoy answering itself) or real llama.cpp engines",
     )
     args = parser.parse_args(argv)
     for part in args.parts:
@@ -57,10 +59,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         module = importlib.import_module(f"bench.{part}")
         sections.append(module.run(options))
         progress(f"{part}: done")
+    # The live part always runs model servers; the overhead part only with real engines.
+    on_engines = [
+        p for p in parts if p == "live" or (p == "overhead" and options.engine != "simulator")
+    ]
     header = (
         f"# Switchyard benchmarks\n\n{platform.python_implementation()} "
         f"{platform.python_version()}, {platform.machine()}, seed {options.seed}"
-        + (f", live part on {options.engine} engines" if "live" in parts else "")
+        + (f", {' and '.join(on_engines)} on {options.engine} engines" if on_engines else "")
         + (", **quick (smoke) run: the numbers mean nothing**" if options.quick else "")
     )
     paths = write(sections, options.out, header=header)

@@ -17,6 +17,12 @@ bbr                     BBR alone
 one-hop                 ``lwepp.onehop``: BBR's job and LWEPP's pick in one hop
                         (the filter's processing mode is the picker's: ``noop-picker``
                         is its do-nothing hop)
+bbr+lwepp-prefix        BBR then LWEPP with the prefix-aware configuration
+                        (``demo/configs/prefix-aware.yaml``), its metrics read once at
+                        start and never again: the pipeline's work without the scraping
+bbr+lwepp-scrape        the same, scraping every replica's ``/metrics`` every 0.1 s (the
+                        configuration's default): the demo gateway as it runs
+one-hop-scrape          the one hop with the same configuration, scraping likewise
 direct                  no proxy at all: the load generator straight at one replica
 sglang-router,          the peers (``bench/peers.py``, round_robin) in place of Envoy,
 vllm-router             in front of the same replicas; left out when not installed
@@ -24,10 +30,27 @@ vllm-router             in front of the same replicas; left out when not install
 ======================  ==============================================================
 
 **Where the time goes.** A breakdown table reads each piece of the path
-off the same rounds as a difference of two cases: Envoy as a proxy (plain −
-direct), a do-nothing hop (noop-picker − plain), each service's own work
-(service − its do-nothing hop), the second hop (noop-both − noop-picker), and
-each gateway's and peer's whole cost over the upstream itself (− direct).
+off the same rounds as a difference of two cases: first the demo gateway
+built up one piece at a time (Envoy: plain − direct; + the BBR hop: bbr −
+plain; + the LWEPP hop, round-robin: bbr+lwepp − bbr; + the prefix-aware
+pipeline: bbr+lwepp-prefix − bbr+lwepp; + scraping: bbr+lwepp-scrape −
+bbr+lwepp-prefix), then a do-nothing hop (noop-picker − plain), each
+service's own work (service − its do-nothing hop), the second hop (noop-both
+− noop-picker), and each gateway's and peer's whole cost over the upstream
+itself (− direct). The floor of any Python ext_proc gateway, Envoy and one
+do-nothing hop over the upstream (noop-picker − direct), is set against
+sglang-router's added latency in the ratio table.
+
+The scraping pickers run on the Python services' CPU like every picker, so
+their scrapes share the core with the picks, as they do in the demo. The
+upstream answers ``/metrics`` with a fixed page in vLLM's names
+(``METRICS_PAGE``, rendered by the simulator's own ``simulator.metrics``):
+the picker parses and stores a real page every interval, whose numbers never
+change, so every replica always scores alike.
+
+``python -m bench overhead --engine llamacpp`` (``make bench-overhead
+ENGINE=llamacpp``) runs the same path in front of a real llama.cpp engine
+instead, measuring time to first token: ``bench/overhead_engine.py``.
 
 The services run plaintext (``--secure-serving=false``) except in
 ``lwepp-tls``, whose added latency over ``lwepp``'s is what TLS between Envoy
@@ -73,16 +96,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import statistics
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 import betterproto2
+import yaml
 from envoy_data_plane.envoy.config.bootstrap import v3 as bootstrap_
 from envoy_data_plane.envoy.config.cluster import v3 as cluster
 from envoy_data_plane.envoy.config.core import v3 as core
@@ -120,8 +146,10 @@ from demo.topology import (
     wait_envoy_ready,
     wait_for,
 )
+from lwepp.plugins.prometheus import parse
 from pods.file import dump_pods
 from pods.model import Pod
+from simulator import metrics
 
 P99_BOUND: Final = 0.025
 """Open-loop pass mark: p99 latency at most 25 ms, and no request failed.
@@ -148,8 +176,9 @@ class Case:
     bbr: str | None = None
     """Behind the ``bbr`` filter: ``"bbr"`` or ``"noop-bbr"``; None: no such filter."""
     picker: str | None = None
-    """Behind the ``lwepp-p`` filter: ``"lwepp"``, ``"lwepp-tls"`` or ``"noop-picker"``; behind
-    the one-hop filter: ``"onehop"``; None: no such filter."""
+    """Behind the ``lwepp-p`` filter: ``"lwepp"``, ``"lwepp-tls"``, ``"lwepp-prefix"``,
+    ``"lwepp-scrape"`` or ``"noop-picker"``; behind the one-hop filter: ``"onehop"`` or
+    ``"onehop-scrape"``; None: no such filter."""
     peer: str | None = None
     """A peer router (``bench.peers``) in place of Envoy."""
     direct: bool = False
@@ -159,6 +188,16 @@ class Case:
     def envoy(self) -> bool:
         """Whether this case runs through an Envoy of its own."""
         return self.peer is None and not self.direct
+
+    @property
+    def one_hop(self) -> bool:
+        """Whether Envoy's one ext_proc filter is the one hop's (BBR's job and the pick)."""
+        return self.picker is not None and self.picker.startswith("onehop")
+
+    @property
+    def picks(self) -> bool:
+        """Whether a real picker chooses the replica (the route follows its header)."""
+        return self.picker is not None and not self.picker.startswith("noop")
 
 
 CASES: Final = (
@@ -171,6 +210,19 @@ CASES: Final = (
     Case("noop-bbr", "+ do-nothing hop, BBR's mode", bbr="noop-bbr"),
     Case("bbr", "+ BBR", bbr="bbr"),
     Case("one-hop", "+ one hop: BBR's job and LWEPP's pick", picker="onehop"),
+    Case(
+        "bbr+lwepp-prefix",
+        "+ BBR + LWEPP prefix-aware (metrics read once)",
+        bbr="bbr",
+        picker="lwepp-prefix",
+    ),
+    Case(
+        "bbr+lwepp-scrape",
+        "+ BBR + LWEPP prefix-aware, scraping /metrics",
+        bbr="bbr",
+        picker="lwepp-scrape",
+    ),
+    Case("one-hop-scrape", "+ one hop prefix-aware, scraping /metrics", picker="onehop-scrape"),
     Case("direct", "no proxy: the upstream itself", direct=True),
     Case("sglang-router", "sglang-router (round_robin), no Envoy", peer="sglang-router"),
     Case("vllm-router", "vllm-router (round_robin), no Envoy", peer="vllm-router"),
@@ -180,6 +232,12 @@ PEERS: Final = {peer.name: peer for peer in peers.PEERS}
 
 BREAKDOWN: Final = (
     ("Envoy as a proxy", "plain", "direct"),
+    ("+ the BBR hop", "bbr", "plain"),
+    ("+ the LWEPP hop, round-robin", "bbr+lwepp", "bbr"),
+    ("+ the prefix-aware pipeline (metrics read once)", "bbr+lwepp-prefix", "bbr+lwepp"),
+    ("+ scraping /metrics every 0.1 s", "bbr+lwepp-scrape", "bbr+lwepp-prefix"),
+    ("one hop prefix-aware, scraping, over Envoy", "one-hop-scrape", "plain"),
+    ("one hop: prefix-aware + scraping − round-robin", "one-hop-scrape", "one-hop"),
     ("a do-nothing ext_proc hop (picker's mode)", "noop-picker", "plain"),
     ("a do-nothing ext_proc hop (BBR's mode)", "noop-bbr", "plain"),
     ("the second hop (two do-nothing hops − one)", "noop-both", "noop-picker"),
@@ -188,6 +246,13 @@ BREAKDOWN: Final = (
     ("the one hop's own work (BBR's chain + the pick)", "one-hop", "noop-picker"),
     ("two-hop gateway (Envoy + BBR + LWEPP), over the upstream", "bbr+lwepp", "direct"),
     ("one-hop gateway (Envoy + one hop), over the upstream", "one-hop", "direct"),
+    (
+        "demo gateway, prefix-aware + scraping (two hops), over the upstream",
+        "bbr+lwepp-scrape",
+        "direct",
+    ),
+    ("one-hop gateway, prefix-aware + scraping, over the upstream", "one-hop-scrape", "direct"),
+    ("the floor: Envoy + a do-nothing hop, over the upstream", "noop-picker", "direct"),
     ("sglang-router, over the upstream", "sglang-router", "direct"),
     ("vllm-router, over the upstream", "vllm-router", "direct"),
 )
@@ -199,6 +264,12 @@ ONE_HOP_TARGETS: Final = (
 )
 """(gateway case, peer case, limit): the gateway's added p50 at concurrency 1 over the upstream,
 as a multiple of the peer's over the same upstream."""
+
+FLOOR: Final = ("noop-picker", "sglang-router")
+"""(the floor case, the peer): the least any Python ext_proc gateway adds over the upstream
+(Envoy and one do-nothing hop in the picker's mode), over what the peer adds; reported at
+concurrency 1 and 8 beside ``ONE_HOP_TARGETS``, no target: if it is above their limit, no
+Python hop can reach it."""
 
 ONE_HOP_RATE: Final = 1.6
 """Requests per Python core-second, the one hop's over the two hops' (BBR's stream and LWEPP's
@@ -294,17 +365,68 @@ COMPLETION: Final = (
 )
 """What every upstream replica answers: a non-streamed chat completion."""
 
+PAGE_QUEUE: Final = 1
+"""The queue length every replica's page reports."""
 
-def _json_answer(body: str) -> route.Route:
+METRICS_PAGE: Final = metrics.render(
+    "vllm",
+    metrics.State(
+        model=POOL.models[0],
+        running=2,
+        waiting=PAGE_QUEUE,
+        max_running=64,
+        kv_usage=0.25,
+        kv_capacity=65536,
+        prompt_tokens=123456,
+        generation_tokens=23456,
+        lora=None,
+        now=1767225600.0,
+        prefix_queries=123456,
+        prefix_hits=61728,
+    ),
+)
+"""What every upstream replica answers on ``/metrics``: a fixed page in vLLM's names.
+
+Rendered once by the simulator's own exposition code (``simulator.metrics``),
+so the scraping pickers parse a page with the families a vLLM-speaking picker
+reads (queue, running batch, KV-cache use, cache geometry, prefix counters):
+a real page in format, fixed in value. A real vLLM's page also carries
+histograms, several times the text: parsing it costs more than this one.
+"""
+
+PREFIX_CONFIG: Final = Path(__file__).resolve().parent.parent / "demo/configs/prefix-aware.yaml"
+"""The prefix-aware configuration the fast upstream's pickers run (the demo's)."""
+
+QUEUE_GAUGE: Final = "llm_d_epp_average_queue_size"
+"""The pool gauge a picker sets from the queue lengths it scraped (``lwepp.pipeline``)."""
+
+ONCE: Final = 3600.0
+"""The scrape interval of the ``-prefix`` pickers: longer than any run, so they read each
+replica's metrics once, at start, and their pipelines score that reading ever after."""
+
+
+def scraping_config(base: Path, target: Path, interval: float | None) -> Path:
+    """``base`` (an EndpointPickerConfig) written to ``target`` with its metrics source's
+    ``refreshIntervalSeconds`` set to ``interval`` (None: the base's own, or the default)."""
+    config = yaml.safe_load(base.read_text())
+    sources = [p for p in config["plugins"] if p["type"] == "metrics-data-source"]
+    if not sources:
+        raise ValueError(f"{base}: no metrics-data-source plugin to scrape with")
+    if interval is not None:
+        for source in sources:
+            source.setdefault("parameters", {})["refreshIntervalSeconds"] = interval
+    target.write_text(yaml.safe_dump(config, sort_keys=False))
+    return target
+
+
+def _json_answer(body: str, content_type: str = "application/json") -> route.Route:
     return route.Route(
         match=route.RouteMatch(prefix="/"),
         direct_response=route.DirectResponseAction(
             status=200, body=core.DataSource(inline_string=body)
         ),
         response_headers_to_add=[
-            core.HeaderValueOption(
-                header=core.HeaderValue(key="content-type", value="application/json")
-            )
+            core.HeaderValueOption(header=core.HeaderValue(key="content-type", value=content_type))
         ],
     )
 
@@ -321,15 +443,20 @@ def _listener(name: str, port: int, manager: hcm.HttpConnectionManager) -> liste
 
 
 def upstream_bootstrap(ports: Sequence[int]) -> dict[str, Any]:
-    """The replicas: one Envoy answering a fixed chat completion on each of ``ports``.
+    """The replicas: one Envoy answering a fixed chat completion on each of ``ports``,
+    and ``METRICS_PAGE`` on ``GET /metrics``.
 
     The same upstream for every case, and a cheap one (tens of microseconds of
     C++ per answer), so it neither adds noise nor takes CPU from the hops
     under test; a model server's own time would be the same in every case.
     """
+    page = _json_answer(METRICS_PAGE, "text/plain; version=0.0.4")
+    page.match = route.RouteMatch(path="/metrics")
     listeners_ = []
     for i, port in enumerate(ports):
-        host = route.VirtualHost(name="replica", domains=["*"], routes=[_json_answer(COMPLETION)])
+        host = route.VirtualHost(
+            name="replica", domains=["*"], routes=[page, _json_answer(COMPLETION)]
+        )
         manager = hcm.HttpConnectionManager(
             stat_prefix=f"replica-{i}",
             route_config=route.RouteConfiguration(name="replica", virtual_hosts=[host]),
@@ -362,8 +489,7 @@ def _routes(case: Case) -> list[route.Route]:
     round-robin cluster over the same replicas (``fallback_cluster``, what a
     FailOpen pool uses while its picker is down).
     """
-    picks = case.picker in ("lwepp", "lwepp-tls", "onehop")
-    target = f"pool-{POOL.name}" if picks else f"pool-{POOL.name}-fallback"
+    target = f"pool-{POOL.name}" if case.picks else f"pool-{POOL.name}-fallback"
     direct = _json_answer(DIRECT_BODY)
     direct.match = route.RouteMatch(path="/direct")
     upstream = route.Route(
@@ -385,7 +511,7 @@ def bootstrap(case: Case, ports: dict[str, int], upstreams: Sequence[str]) -> di
     if case.bbr is not None:
         filters.append(bbr_filter())
         clusters.append(grpc_cluster("bbr", HOST, ports[case.bbr]))
-    if case.picker == "onehop":
+    if case.picker is not None and case.one_hop:
         filters.append(one_hop_filter())
         clusters.append(grpc_cluster(ONE_HOP, HOST, ports[case.picker]))
     elif case.picker is not None:
@@ -426,13 +552,33 @@ def _first_line_port(service: Service) -> dict[str, Any] | None:
 
 
 class Rig:
-    """Every process of the benchmark, started once and kept for all rounds."""
+    """Every process of the benchmark, started once and kept for all rounds.
 
-    def __init__(self, work_dir: Path, placement: Placement, timeout: float = 30.0) -> None:
+    ``cases``: what to measure (each server kind is started only if a case uses
+    it); ``config``: the prefix-aware EndpointPickerConfig of the ``-prefix`` and
+    ``-scrape`` pickers; ``upstream_ports``: model servers already running (one
+    replica each); None starts the fast upstream (``upstream_bootstrap``) with two.
+    """
+
+    def __init__(
+        self,
+        work_dir: Path,
+        placement: Placement,
+        timeout: float = 30.0,
+        *,
+        cases: Sequence[Case] = CASES,
+        config: Path = PREFIX_CONFIG,
+        upstream_ports: Sequence[int] | None = None,
+    ) -> None:
         self.work_dir = work_dir
         self.placement = placement
         self.timeout = timeout
+        self.all_cases = tuple(cases)
+        self.config = config
+        self.upstream_ports = list(upstream_ports) if upstream_ports is not None else None
         self.services: list[Service] = []
+        self.servers: dict[str, Service] = {}
+        """Each ext_proc server by kind."""
         self.ports: dict[str, int] = {}
         self.envoys: dict[str, int] = {}
         """The port each case's load goes to: its Envoy's, a peer's, or a replica's."""
@@ -443,7 +589,7 @@ class Rig:
     @property
     def cases(self) -> list[Case]:
         """The cases this run measures."""
-        return [case for case in CASES if case.key not in self.missing]
+        return [case for case in self.all_cases if case.key not in self.missing]
 
     def _spawn(self, name: str, argv: Sequence[str], cpus: frozenset[int]) -> Service:
         with pinned(cpus):
@@ -454,60 +600,62 @@ class Rig:
     def _wait(self, service: Service, probe: Callable[[Service], dict[str, Any] | None]) -> None:
         service.listening = wait_for(service, "listening", lambda: probe(service), self.timeout)
 
+    def _argv(self, kind: str, pods: Path) -> list[str]:
+        """The command line of one server kind (``Case.bbr`` and ``Case.picker`` values)."""
+        python = sys.executable
+        if kind.startswith("noop"):
+            return [python, "-m", "bench.server", "passthrough"]
+        ports = ["--host", HOST, "--grpc-port", "0", "--grpc-health-port", "0"]
+        ports += ["--metrics-port", "0", "--log-level", "info"]
+        plaintext = [*ports, "--secure-serving=false"]
+        if kind == "bbr":
+            return [python, "-m", "bbr", *plaintext]
+        config: list[str] = []
+        suffix = kind.rpartition("-")[2]
+        if suffix in ("prefix", "scrape"):  # the prefix-aware config, scraping once or on
+            interval = ONCE if suffix == "prefix" else None
+            path = scraping_config(self.config, self.work_dir / f"{suffix}.yaml", interval)
+            config = ["--config", str(path)]
+        if kind.startswith("onehop"):
+            pool = ["--pool", f"{POOL.name}=*"]
+            return [python, "-m", "lwepp.onehop", "--pods", str(pods), *pool, *config, *plaintext]
+        serving = ports if kind == "lwepp-tls" else plaintext
+        return [python, "-m", "lwepp", "--pods", str(pods), *config, *serving]
+
     def start(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        upstream_ports = free_ports(2)
+        upstream: Service | None = None
+        upstream_dir = self.work_dir / "upstream"
+        if self.upstream_ports is None:
+            self.upstream_ports = free_ports(2)
+            upstream_dir.mkdir(exist_ok=True)
+            path = upstream_dir / "envoy-bootstrap.json"
+            path.write_text(json.dumps(upstream_bootstrap(self.upstream_ports)))
+            with pinned(self.placement.gateway):
+                upstream = start_envoy(upstream_dir, path, "--concurrency", "1")
+            upstream.name = "envoy-upstream"
+            self.services.append(upstream)
         pods = self.work_dir / "pods.yaml"
         labels = {"pool": POOL.name, "model": POOL.models[0]}
         pods.write_text(
             dump_pods(
-                Pod(f"replica-{i}", HOST, (port,), labels) for i, port in enumerate(upstream_ports)
+                Pod(f"replica-{i}", HOST, (port,), labels)
+                for i, port in enumerate(self.upstream_ports)
             )
         )
-        self.upstreams = [f"{HOST}:{port}" for port in upstream_ports]
-        python = sys.executable
-        ports = ["--host", HOST, "--grpc-port", "0", "--grpc-health-port", "0"]
-        ports += ["--metrics-port", "0", "--log-level", "info"]
-        plaintext = [*ports, "--secure-serving=false"]
-        one_pool = ["--pool", f"{POOL.name}=*"]
-        upstream_dir = self.work_dir / "upstream"
-        upstream_dir.mkdir(exist_ok=True)
-        path = upstream_dir / "envoy-bootstrap.json"
-        path.write_text(json.dumps(upstream_bootstrap(upstream_ports)))
-        with pinned(self.placement.gateway):
-            upstream = start_envoy(upstream_dir, path, "--concurrency", "1")
-        upstream.name = "envoy-upstream"
-        self.services.append(upstream)
-        servers = {
-            "noop-bbr": self._spawn(
-                "noop-bbr", [python, "-m", "bench.server", "passthrough"], self.placement.python
-            ),
-            "noop-picker": self._spawn(
-                "noop-picker", [python, "-m", "bench.server", "passthrough"], self.placement.python
-            ),
-            "lwepp": self._spawn(
-                "lwepp",
-                [python, "-m", "lwepp", "--pods", str(pods), *plaintext],
-                self.placement.python,
-            ),
-            "lwepp-tls": self._spawn(
-                "lwepp-tls",
-                [python, "-m", "lwepp", "--pods", str(pods), *ports],
-                self.placement.python,
-            ),
-            "bbr": self._spawn("bbr", [python, "-m", "bbr", *plaintext], self.placement.python),
-            "onehop": self._spawn(
-                "onehop",
-                [python, "-m", "lwepp.onehop", "--pods", str(pods), *one_pool, *plaintext],
-                self.placement.python,
-            ),
+        self.upstreams = [f"{HOST}:{port}" for port in self.upstream_ports]
+        kinds = [k for c in self.all_cases for k in (c.bbr, c.picker) if k is not None]
+        self.servers = servers = {
+            kind: self._spawn(kind, self._argv(kind, pods), self.placement.python)
+            for kind in dict.fromkeys(kinds)
         }
-        wait_envoy_ready(upstream, upstream_dir, self.timeout)
+        if upstream is not None:
+            wait_envoy_ready(upstream, upstream_dir, self.timeout)
         for kind, service in servers.items():
             self._wait(service, _first_line_port if kind.startswith("noop") else listening_line)
             self.ports[kind] = int(service.listening["grpc_port"])
         envoys: dict[str, Service] = {}
-        for case in [case for case in CASES if case.envoy]:
+        for case in [case for case in self.all_cases if case.envoy]:
             case_dir = self.work_dir / case.key
             case_dir.mkdir(exist_ok=True)
             path = case_dir / "envoy-bootstrap.json"
@@ -521,8 +669,8 @@ class Rig:
             admin = wait_envoy_ready(envoy, self.work_dir / key, self.timeout)
             ((_, port),) = listeners(admin).values()
             self.envoys[key] = port
-        self.envoys["direct"] = upstream_ports[0]
-        for case in CASES:
+        self.envoys["direct"] = self.upstream_ports[0]
+        for case in self.all_cases:
             if case.peer is not None:
                 self._start_peer(case.key, PEERS[case.peer])
 
@@ -538,6 +686,21 @@ class Rig:
             return
         self.services.append(router.service)
         self.envoys[key] = int(router.url.rpartition(":")[2])
+
+    def pool_queue(self) -> dict[str, float | None]:
+        """What each scraping picker last read: its pool's mean queue length
+        (``llm_d_epp_average_queue_size`` on its metrics port; None if absent), the proof that
+        its scrapes reach the replicas' ``/metrics`` and parse."""
+        found: dict[str, float | None] = {}
+        for kind, service in self.servers.items():
+            if not kind.endswith("-scrape"):
+                continue
+            url = f"http://{HOST}:{service.listening['metrics_port']}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as response:
+                text = response.read().decode()
+            series = parse(text, [QUEUE_GAUGE]).get(QUEUE_GAUGE, [])
+            found[kind] = series[0][1] if series else None
+        return found
 
     def close(self) -> None:
         stop_all(list(reversed(self.services)))
@@ -653,7 +816,12 @@ def _ms(seconds: float) -> float:
 
 
 def run(options: Options) -> Section:
-    """Start every process, measure latency, the sweep, streams per core and workers."""
+    """Start every process, measure latency, the sweep, streams per core and workers (with
+    ``options.engine`` ``llamacpp``: the breakdown in front of a real engine instead)."""
+    if options.engine == "llamacpp":
+        from bench.overhead_engine import run as in_front_of_engine  # it imports this module
+
+        return in_front_of_engine(options)
     sizes = Sizes.of(options)
     placement = Placement.detect()
     work_dir = options.out / "overhead-run"
@@ -661,7 +829,7 @@ def run(options: Options) -> Section:
     started = time.monotonic()
     rig = Rig(work_dir, placement)
     try:
-        progress("overhead: starting 6 ext_proc servers, 10 Envoys and the peers")
+        progress("overhead: starting the ext_proc servers, an Envoy per case and the peers")
         rig.start()
         with pinned(placement.gateway):
             for case in rig.cases:  # warm up: connections, first-stream costs
@@ -669,6 +837,7 @@ def run(options: Options) -> Section:
             ceiling = generator_ceiling(rig, sizes)
             latency = latency_rounds(rig, sizes, chat)
             steps = sweep(rig, sizes, chat)
+        queues = rig.pool_queue()
     finally:
         rig.close()
     progress("overhead: streams per core")
@@ -690,6 +859,7 @@ def run(options: Options) -> Section:
         placement,
         time.monotonic() - started,
         rig.missing,
+        queues,
     )
 
 
@@ -704,6 +874,32 @@ def _added(
     return _median([getattr(run, q) - getattr(base, q) for run, base in pairs])
 
 
+def median_interval(values: Sequence[float], z: float = 1.96) -> tuple[float, float, float]:
+    """The median of ``values`` and a distribution-free ~95% confidence interval for it.
+
+    The interval's ends are the order statistics of ranks ``(n − z√n)/2`` and
+    ``(n + z√n)/2`` (the normal approximation of the sign test's binomial):
+    whatever the shape of the distribution, the true median lies between them
+    about 95% of the time. NaN ends when there are too few values for one.
+    """
+    if not values:
+        return math.nan, math.nan, math.nan
+    ordered = sorted(values)
+    n = len(ordered)
+    low = math.floor((n - z * math.sqrt(n)) / 2)
+    if low < 0:
+        return statistics.median(ordered), math.nan, math.nan
+    return statistics.median(ordered), ordered[low], ordered[n - 1 - low]
+
+
+def _interval(latency: dict[str, dict[int, list[Run]]], key: str, base: str, c: int) -> str:
+    """The distribution-free 95% interval of the median over rounds of (case − base)'s p50,
+    in ms ("–" with too few rounds for one)."""
+    pairs = zip(latency[key][c], latency[base][c], strict=True)
+    _, low, high = median_interval([run.p50 - other.p50 for run, other in pairs])
+    return "–" if math.isnan(low) else f"{_ms(low):.2f} … {_ms(high):.2f}"
+
+
 def section(
     latency: dict[str, dict[int, list[Run]]],
     steps: dict[str, list[tuple[float, Run]]],
@@ -713,9 +909,11 @@ def section(
     placement: Placement,
     seconds: float,
     missing: dict[str, str] | None = None,
+    queues: dict[str, float | None] | None = None,
 ) -> Section:
     """Lay the measurements out: tables, targets, plots, raw data."""
     missing = missing or {}
+    queues = queues or {}
     cases = [case for case in CASES if case.key not in missing]
     latency_rows: list[list[object]] = []
     rate_rows: list[list[object]] = []
@@ -780,7 +978,11 @@ def section(
     rate = sustained(steps[tls_case]) / base_rate if base_rate else float("nan")
     ratio_rows.append([tls_name, "sustained rate (TLS / plaintext)", rate, None, None])
     breakdown_rows = [
-        [what, *(_ms(_added(latency, key, c, q, base)) for q in ("p50", "p99") for c in (1, 8))]
+        [
+            what,
+            *(_ms(_added(latency, key, c, q, base)) for q in ("p50", "p99") for c in (1, 8)),
+            *(_interval(latency, key, base, c) for c in (1, 8)),
+        ]
         for what, key, base in BREAKDOWN
         if key in latency and base in latency
     ]
@@ -797,6 +999,21 @@ def section(
                 limit,
             )
         )
+    floor, floor_peer = FLOOR
+    if floor_peer in latency:
+        for c in (1, 8):
+            ratio_rows.append(
+                [
+                    f"the floor (Envoy + a do-nothing hop) over the upstream vs {floor_peer}'s",
+                    c,
+                    *(
+                        _added(latency, floor, c, q, "direct")
+                        / _added(latency, floor_peer, c, q, "direct")
+                        for q in ("p50", "p99")
+                    ),
+                    None,
+                ]
+            )
     base_rate = sustained(steps["bbr+lwepp"])
     rate = sustained(steps["one-hop"]) / base_rate if base_rate else float("nan")
     ratio_rows.append(["one hop vs BBR + LWEPP", "sustained rate", rate, None, None])
@@ -879,8 +1096,16 @@ def section(
         "Workers: `python -m lwepp --workers N`, streams/s from 8 client connections; with two "
         "CPUs the client shares them with the workers, so 2 workers cannot double it here.",
         "Where the time goes: each row is the difference of two cases' latency (median over "
-        "rounds of the paired difference); 'over the upstream' is against the load generator "
-        "straight at one replica. The peers run round_robin on the Python services' CPU.",
+        "rounds of the paired difference, with a distribution-free 95% interval of that "
+        "median: a row whose interval spans 0 is below this run's resolution); 'over the "
+        "upstream' is against the load generator straight at one replica. The peers run "
+        "round_robin on the Python services' CPU.",
+        "Prefix-aware: the pickers run demo/configs/prefix-aware.yaml; the -prefix picker "
+        f"reads the replicas' /metrics once (refreshIntervalSeconds {ONCE:.0f}), the -scrape "
+        "ones every 0.1 s (its default), on the Python services' CPU; the replicas answer "
+        "a fixed vLLM-style page. At the end, the scraping pickers' pool queue gauge read "
+        + ", ".join(f"{kind} {value}" for kind, value in queues.items())
+        + f" (the page says {PAGE_QUEUE}): their scrapes arrived and parsed.",
         *(f"Left out: {key}: {why}." for key, why in missing.items()),
         f"Whole run: {seconds:.0f} s.",
     ]
@@ -902,6 +1127,7 @@ def section(
         ],
         "seconds": seconds,
         "missing": missing,
+        "pool_queue": queues,
     }
     return Section(
         key="overhead",
@@ -922,6 +1148,8 @@ def section(
                     "p50 (c=8)",
                     "p99 (c=1)",
                     "p99 (c=8)",
+                    "p50 (c=1) 95% interval",
+                    "p50 (c=8) 95% interval",
                 ],
                 breakdown_rows,
             ),

@@ -6,9 +6,11 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 
-from bench import loadgen, overhead
+from bench import loadgen, overhead, overhead_engine
 from bench.report import Options
+from lwepp.plugins.prometheus import parse
 
 
 @pytest.mark.e2e
@@ -28,12 +30,15 @@ def test_overhead_smoke_run_measures_every_case_and_every_request_succeeds(
         len(cases),
         len(cases),
         len(pieces),
-        3 * len(overhead.COMPARISONS) + 4,  # the TLS hop's (two concurrencies, the rate), one hop's
+        3 * len(overhead.COMPARISONS)
+        + 4  # the TLS hop's (two concurrencies, the rate), one hop's
+        + (2 if overhead.FLOOR[1] not in missing else 0),  # the floor, at 1 and 8
         6,  # three server loops doing nothing, LWEPP, BBR, the one hop
         2,
     ]
     assert [row[0] for row in section.tables[2].rows] == [what for what, _, _ in pieces]
-    assert all(math.isfinite(float(str(value))) for value in section.tables[2].rows[0][1:])
+    assert all(math.isfinite(float(str(value))) for value in section.tables[2].rows[0][1:5])
+    assert section.tables[2].rows[0][5:] == ["–", "–"]  # one round: too few for an interval
     [tls_rows] = [
         [r for r in t.rows if r[0] == overhead.TLS_COMPARISON[2]] for t in section.tables[3:4]
     ]
@@ -58,6 +63,93 @@ def test_overhead_smoke_run_measures_every_case_and_every_request_succeeds(
     for service in ("lwepp", "onehop"):
         assert not (tmp_path / "overhead-run" / f"{service}.log").read_text().count('"error"')
     assert '"tls": true' in (tmp_path / "overhead-run" / "lwepp-tls.log").read_text()
+    # The scraping pickers read the upstream's metrics page, and kept reading it to the end.
+    assert section.data["pool_queue"] == {
+        "lwepp-scrape": overhead.PAGE_QUEUE,
+        "onehop-scrape": overhead.PAGE_QUEUE,
+    }
+
+
+def test_scraping_config_sets_the_interval_of_every_metrics_source(tmp_path: Path) -> None:
+    """The benchmark's prefix-aware pickers run the given config with only the metrics
+    source's refreshIntervalSeconds changed (or none: its own); a config without a metrics
+    source is refused, naming the file, since it would not scrape at all."""
+    once = overhead.scraping_config(overhead.PREFIX_CONFIG, tmp_path / "once.yaml", 3600.0)
+    base = yaml.safe_load(overhead.PREFIX_CONFIG.read_text())
+    written = yaml.safe_load(once.read_text())
+    [source] = [p for p in written["plugins"] if p["type"] == "metrics-data-source"]
+    assert source["parameters"] == {"refreshIntervalSeconds": 3600.0}
+    assert written["schedulingProfiles"] == base["schedulingProfiles"]
+    as_is = overhead.scraping_config(overhead.PREFIX_CONFIG, tmp_path / "as-is.yaml", None)
+    assert yaml.safe_load(as_is.read_text()) == base
+    bare = tmp_path / "bare.yaml"
+    bare.write_text(yaml.safe_dump({"plugins": [{"type": "queue-scorer"}]}))
+    with pytest.raises(ValueError, match=r"bare\.yaml: no metrics-data-source"):
+        overhead.scraping_config(bare, tmp_path / "out.yaml", 1.0)
+
+
+def test_metrics_page_speaks_vllm_for_the_scraping_pickers() -> None:
+    """The fast upstream's fixed /metrics page carries what a vLLM-reading picker scrapes:
+    the queue it reports, the running batch, KV-cache use and the cache geometry."""
+    families = parse(
+        overhead.METRICS_PAGE,
+        [
+            "vllm:num_requests_waiting",
+            "vllm:num_requests_running",
+            "vllm:kv_cache_usage_perc",
+            "vllm:cache_config_info",
+        ],
+    )
+    assert families["vllm:num_requests_waiting"][0][1] == overhead.PAGE_QUEUE
+    assert len(families) == 4
+
+
+def test_median_interval_brackets_the_median_by_sign_test_ranks() -> None:
+    """The median of paired differences comes with the order statistics at ranks
+    (n ± 1.96·√n)/2 as its 95% interval; too few values give no interval."""
+    values = [float(v) for v in range(100, 0, -1)]  # 1..100, unordered
+    assert overhead.median_interval(values) == (50.5, 41.0, 60.0)
+    median, low, high = overhead.median_interval([3.0, 1.0, 2.0])
+    assert median == 2.0
+    assert math.isnan(low)
+    assert math.isnan(high)
+    assert all(math.isnan(v) for v in overhead.median_interval([]))
+
+
+def test_paired_differences_skip_rounds_where_either_request_failed() -> None:
+    """A round counts only if both cases' requests succeeded: a failed request's time
+    must not pass for a fast one."""
+    ok = overhead_engine.Sample
+    samples = {
+        "direct": [ok(0.040, 0.07), ok(0.041, 0.08), ok(math.nan, math.nan, "HTTP 503")],
+        "plain": [ok(0.042, 0.07), ok(math.nan, math.nan, "reset"), ok(0.050, 0.09)],
+    }
+    assert overhead_engine.paired(samples, "plain", "direct") == pytest.approx([0.002])
+
+
+@pytest.mark.e2e
+def test_engine_smoke_run_measures_every_router_in_front_of_a_real_llamacpp_engine(
+    tmp_path: Path,
+) -> None:
+    """`--engine llamacpp`: one real engine, every router in front of it, a few paired rounds;
+    every request gets its tokens, the engine served the repeated prompt from its cache, and
+    the scraping pickers read the engine's /metrics."""
+    section = overhead.run(Options(quick=True, out=tmp_path, engine="llamacpp"))
+    assert section.key == "overhead-llamacpp"
+    missing = section.data["missing"]
+    assert set(missing) <= {"sglang-router", "vllm-router"}
+    keys = [key for key in overhead_engine.CASE_KEYS if key not in missing]
+    samples = section.data["samples"]
+    assert list(samples) == keys
+    for key, runs in samples.items():
+        assert len(runs) == overhead_engine.QUICK_ROUNDS, key
+        assert all(error is None and 0 < ttft < latency for ttft, latency, error in runs), key
+    assert section.data["cached_share"] > 0.5  # all but the last prompt token, every time
+    assert set(section.data["pool_queue"]) == {"lwepp-scrape", "onehop-scrape"}
+    assert all(value is not None for value in section.data["pool_queue"].values())
+    assert [row[0] for row in section.tables[0].rows] == [
+        case.label for case in overhead_engine.CASES if case.key in keys
+    ]
 
 
 @pytest.mark.parametrize(

@@ -1038,7 +1038,9 @@ def section(
         plots.append(
             Plot(
                 f"{key}-ttft-cdf" if size.name == SHARED_PREFIX else f"{key}-{size.name}-ttft-cdf",
-                f"Time to first token, {_lower_first(title.split(':')[0])} (the CDF, axes swapped)",
+                f"Time to first token, {_lower_first(title.split(':')[0])}"
+                + (f" at {size.rate:g}/s" if size.workload == SHARED_PREFIX else "")
+                + " (the CDF, axes swapped)",
                 "share of requests",
                 "TTFT, wall ms (log scale)",
                 [Series(r.arm.label, *_quantiles(r.ttfts())) for r in results],

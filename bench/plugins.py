@@ -29,7 +29,7 @@ from lwepp.plugins import REGISTRY
 from lwepp.plugins.inflight import InFlightLoadProducer
 from lwepp.plugins.metrics_source import MetricsDataSource
 from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
-from lwepp.plugins.prefix import DEFAULT_PRODUCER, PrefixCacheScorer, PrefixMatch, match_key
+from lwepp.plugins.prefix import PrefixCacheScorer
 from lwepp.plugins.prefix_index import PrefixIndex, block_hashes, seed
 from lwepp.plugins.session_affinity import token
 from plugin import Params
@@ -216,16 +216,7 @@ def load_rows(measure: Measure, pool: list[Candidate], now: float, baseline: flo
         )
         for kind in ("active-request-scorer", "token-load-scorer")
     ]
-    worked = LLMRequest("r", {}, model="sql", parsed=body)
-    producer.prepare(worked)
-    held = {c.endpoint.hostport: 8 * i for i, c in enumerate(pool)}  # some blocks everywhere
-    worked.state[match_key(DEFAULT_PRODUCER)] = PrefixMatch(held, 66, 16)
     rows += [
-        Row(
-            "prefill-work-scorer (4 KB chat; tokens in flight and blocks held everywhere)",
-            measure(_scoring(build("prefill-work-scorer"), worked, pool, now)),
-            baseline,
-        ),
         Row(
             "load-aware-scorer",
             measure(_scoring(build("load-aware-scorer"), loaded, pool, now)),

@@ -13,12 +13,7 @@ from lwepp.config import ConfigErrors, load_text
 from lwepp.contracts import Candidate, LLMRequest, Measurement
 from lwepp.picking import PickRequest
 from lwepp.plugins.inflight import STALE_SECONDS, InFlightLoadProducer, load_key
-from lwepp.plugins.load_scorers import (
-    ActiveRequestScorer,
-    LoadAwareScorer,
-    PrefillWorkScorer,
-    TokenLoadScorer,
-)
+from lwepp.plugins.load_scorers import ActiveRequestScorer, LoadAwareScorer, TokenLoadScorer
 from lwepp.plugins.no_hit_lru import NoHitLRUScorer
 from lwepp.plugins.prefix import PrefixCacheScorer, PrefixMatch, match_key
 from plugin import Params
@@ -167,36 +162,6 @@ def test_token_load_scorer() -> None:
     assert list(scorer.score(request, cands(*ENDPOINTS), NOW)) == [1.0, 0.75, 0.0, 0.0]
 
 
-def test_prefill_work_scorer_weighs_a_hit_against_a_queue_in_tokens() -> None:
-    """Work = tokens in flight + the prompt's tokens the endpoint does not hold; the least
-    work scores 1, the others (least + 1) / (work + 1): a hit behind a long queue loses to a
-    miss on an idle endpoint when its queue is longer than the prefill the hit saves."""
-    scorer = PrefillWorkScorer("w", params())
-    request = with_load({}, {1: 300, 2: 50})
-    request.parsed = frozen({"prompt": "x" * 4 * 100})  # 100 tokens
-    # p0 holds nothing; p1 and p2 hold 80 of the 100 tokens; p3 holds 40.
-    held = {ENDPOINTS[1].hostport: 20, ENDPOINTS[2].hostport: 20, ENDPOINTS[3].hostport: 10}
-    request.state[match_key("approx-prefix-cache-producer")] = PrefixMatch(held, 25, 4)
-
-    scores = list(scorer.score(request, cands(*ENDPOINTS), NOW))
-
-    work = [100, 300 + 20, 50 + 20, 60]
-    assert scores == [61 / (w + 1) for w in work]
-    assert scores.index(max(scores)) == 3  # p3: a partial hit on an idle endpoint
-    assert scores[0] > scores[1]  # the idle miss beats the hit behind 300 tokens
-
-
-def test_prefill_work_scorer_without_a_match_counts_the_whole_prompt_everywhere() -> None:
-    """No prefix scorer ran (or it names another producer): every endpoint must compute the
-    whole prompt, so the scores follow the tokens in flight alone."""
-    scorer = PrefillWorkScorer("w", params(prefixMatchInfoProducerName="precise"))
-    request = with_load({}, {1: 100})
-    request.parsed = frozen({"prompt": "x" * 4 * 100})
-    request.state[match_key("approx-prefix-cache-producer")] = PrefixMatch({}, 25, 4)
-
-    assert list(scorer.score(request, cands(*ENDPOINTS[:2]), NOW)) == [1.0, 101 / 201]
-
-
 @pytest.mark.parametrize(
     ("queue", "expected"),
     [(0, 0.5), (32, 0.375), (128, 0.0), (500, 0.0), (None, 0.0)],
@@ -308,16 +273,6 @@ def test_a_consumer_gets_the_producer_it_reads() -> None:
             "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n"
             "- type: active-request-scorer\n  parameters: {inFlightLoadProducerName: mine}\n"
         )
-
-
-def test_prefill_work_scorer_gets_the_producer_it_reads() -> None:
-    """prefill-work-scorer alone: the in-flight producer is added for it, as for the
-    router's load scorers."""
-    config = load_text(
-        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"
-        "plugins:\n- type: prefill-work-scorer\n"
-    )
-    assert any(isinstance(p, InFlightLoadProducer) for p in config.running)
 
 
 def test_the_recommended_config_loads_without_warnings() -> None:

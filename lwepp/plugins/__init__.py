@@ -20,12 +20,7 @@ from typing import Final
 from lwepp.plugins.inflight import InFlightLoadProducer
 from lwepp.plugins.kv_cache_scorer import KVCacheUtilizationScorer
 from lwepp.plugins.label_selector import LabelSelectorFilter
-from lwepp.plugins.load_scorers import (
-    ActiveRequestScorer,
-    LoadAwareScorer,
-    PrefillWorkScorer,
-    TokenLoadScorer,
-)
+from lwepp.plugins.load_scorers import ActiveRequestScorer, LoadAwareScorer, TokenLoadScorer
 from lwepp.plugins.lora_affinity import LoraAffinityScorer
 from lwepp.plugins.metrics_source import CoreMetricsExtractor, MetricsDataSource
 from lwepp.plugins.models_source import ModelsDataSource
@@ -64,7 +59,6 @@ REGISTRY: Final[Mapping[str, Factory]] = {
     "lora-affinity-scorer": LoraAffinityScorer,
     "active-request-scorer": ActiveRequestScorer,
     "token-load-scorer": TokenLoadScorer,
-    "prefill-work-scorer": PrefillWorkScorer,
     "load-aware-scorer": LoadAwareScorer,
     "no-hit-lru-scorer": NoHitLRUScorer,
     # pickers

@@ -89,22 +89,6 @@ def load_key(producer: str) -> str:
     return f"{producer}.load"
 
 
-def prompt_tokens(request: LLMRequest) -> int:
-    """The prompt's tokens, estimated from its text (4 characters a token), or 0."""
-    text = prompt_text(request.parsed) if request.parsed is not None else None
-    return len(text) // CHARS_PER_TOKEN if text else 0
-
-
-def uncached_tokens(match: PrefixMatch | None, endpoint: str, prompt: int) -> int:
-    """The prompt's tokens ``endpoint`` must compute: those past the blocks ``match`` says it
-    holds (all of them when no prefix scorer left a match)."""
-    if match is None or match.block_tokens <= 0:
-        return prompt
-    indexed = match.total * match.block_tokens
-    held = match.matched.get(endpoint, 0) * match.block_tokens
-    return max(0, indexed - held) + max(0, prompt - indexed)
-
-
 class _Entry:
     """One request's contribution to one endpoint: released once, in parts."""
 
@@ -146,8 +130,8 @@ class InFlightLoadProducer:
         if not endpoints:
             return
         endpoint = endpoints[0].hostport
-        prompt = prompt_tokens(request)
-        uncached = uncached_tokens(request.state.get(self._match), endpoint, prompt)
+        prompt = self._prompt_tokens(request)
+        uncached = self._uncached(request, endpoint, prompt)
         output = self._output_tokens(request, prompt) if self.add_output else 0
         entry = _Entry(endpoint, uncached, output, now)
         self._requests[endpoint] = self._requests.get(endpoint, 0) + 1
@@ -210,6 +194,21 @@ class InFlightLoadProducer:
             self._release(entry)
 
     # --- the estimates -----------------------------------------------------------
+
+    @staticmethod
+    def _prompt_tokens(request: LLMRequest) -> int:
+        """The prompt's tokens, estimated from its text (4 characters a token), or 0."""
+        text = prompt_text(request.parsed) if request.parsed is not None else None
+        return len(text) // CHARS_PER_TOKEN if text else 0
+
+    def _uncached(self, request: LLMRequest, endpoint: str, prompt: int) -> int:
+        """The prompt's tokens ``endpoint`` must compute: those past the blocks it holds."""
+        match: PrefixMatch | None = request.state.get(self._match)
+        if match is None or match.block_tokens <= 0:
+            return prompt
+        indexed = match.total * match.block_tokens
+        held = match.matched.get(endpoint, 0) * match.block_tokens
+        return max(0, indexed - held) + max(0, prompt - indexed)
 
     def _output_tokens(self, request: LLMRequest, prompt: int) -> int:
         """``round(prompt × outputRatio)``, capped by the request's limit and the configured cap."""

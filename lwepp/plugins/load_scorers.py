@@ -19,27 +19,6 @@ as 1.0.
 
     1 - min(1, tokens / queueThresholdTokens)
 
-``prefill-work-scorer`` (Switchyard's; ``inFlightLoadProducerName``,
-``prefixMatchInfoProducerName``, default ``approx-prefix-cache-producer``)
-puts a prefix hit and a queue in one unit: the prompt tokens an endpoint
-must prefill before this request's first token, those in flight there not
-yet prefilled plus the part of this prompt the endpoint does not hold::
-
-    work = tokens + uncached          score = (least_work + 1) / (work + 1)
-
-so the endpoint with the least work scores 1.0 and one with twice as much
-about 0.5, at any scale (no threshold to set). A hit on a busy endpoint and
-a miss on an idle one are compared by what each costs in prefill, the step
-that delays a first token, rather than by two scores weighed against each
-other. It assumes the pool's endpoints prefill at the same speed (one model
-on one kind of accelerator, as an InferencePool is). It reads the prefix
-match a prefix scorer left for this request, so it is listed after
-``prefix-cache-scorer`` (weight 0 keeps the match without its own vote);
-without one, every endpoint must compute the whole prompt. With the precise
-prefix cache the match is exact; with the approximate index it is a guess
-that follows picks, and moving a group off its endpoint under load makes the
-index believe two endpoints hold it.
-
 ``load-aware-scorer`` (``threshold`` 128; the router replaces a value <= 0
 by 128), on the engine's ``queue_depth``::
 
@@ -62,14 +41,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from lwepp.contracts import Candidate, LLMRequest
-from lwepp.plugins.inflight import (
-    PRODUCER,
-    InFlight,
-    load_key,
-    prompt_tokens,
-    uncached_tokens,
-)
-from lwepp.plugins.prefix import DEFAULT_PRODUCER, PrefixMatch, match_key
+from lwepp.plugins.inflight import PRODUCER, InFlight, load_key
 from lwepp.plugins.staleness import max_age
 from plugin import NO_PARAMS, Params
 
@@ -119,30 +91,6 @@ class TokenLoadScorer:
         tokens = request.state.get(self._key, _NOTHING).tokens
         threshold = self.threshold
         return [1.0 - min(1.0, tokens.get(c.endpoint.hostport, 0) / threshold) for c in candidates]
-
-
-class PrefillWorkScorer:
-    needs_body = True  # the prompt's own tokens come from the parsed body
-
-    def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
-        self.name = name
-        self.in_flight_producer = _producer(params)
-        self._key = load_key(self.in_flight_producer)
-        prefix = params.get("prefixMatchInfoProducerName", str, "") or DEFAULT_PRODUCER
-        self._match = match_key(prefix)
-
-    def score(
-        self, request: LLMRequest, candidates: Sequence[Candidate], now: float
-    ) -> Sequence[float]:
-        tokens = request.state.get(self._key, _NOTHING).tokens
-        match: PrefixMatch | None = request.state.get(self._match)
-        prompt = prompt_tokens(request)
-        work = []
-        for candidate in candidates:
-            hostport = candidate.endpoint.hostport
-            work.append(tokens.get(hostport, 0) + uncached_tokens(match, hostport, prompt))
-        least = min(work, default=0) + 1
-        return [least / (w + 1) for w in work]
 
 
 class LoadAwareScorer:

@@ -246,16 +246,28 @@ def test_metrics_auth_asks_the_api_server_who_and_whether() -> None:
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
-def test_lwepp_guards_its_metrics_port_with_the_flag(tmp_path: Path) -> None:
-    """``python -m lwepp --metrics-endpoint-auth``: /metrics needs a token the API allows."""
+@pytest.mark.parametrize(
+    ("module", "extra"),
+    [("lwepp", []), ("lwepp.onehop", ["--pool", "p=model-a"])],
+    ids=["picker", "one-hop"],
+)
+def test_lwepp_guards_its_metrics_port_with_the_flag(
+    tmp_path: Path, module: str, extra: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python -m lwepp --metrics-endpoint-auth``, and the one hop with the same flag (it
+    finds the API server through $KUBECONFIG): /metrics needs a token the API allows."""
     pods = tmp_path / "pods.yaml"
     pods.write_text("pods:\n- {name: p0, address: 10.0.0.1, ports: [3000]}\n")
     with ThreadedFakeKube() as kube:
         kube.do(lambda fake: fake.tokens.update({"t": {"username": "scraper"}}))
         kube.do(lambda fake: fake.allowed.add(("scraper", "/metrics", "get")))
         config = kube.kubeconfig(tmp_path / "kubeconfig")
-        flags = ["--pods", str(pods), "--metrics-endpoint-auth", "--kubeconfig", str(config)]
-        with service("lwepp", *flags) as (_process, listening):
+        flags = ["--pods", str(pods), "--metrics-endpoint-auth"]
+        if module == "lwepp":
+            flags += ["--kubeconfig", str(config)]
+        else:
+            monkeypatch.setenv("KUBECONFIG", str(config))
+        with service(module, *flags, *extra) as (_process, listening):
             port = listening["metrics_port"]
             assert get(port, "/metrics")[0] == 401
             status, page = get(port, "/metrics", "t")

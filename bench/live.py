@@ -1049,7 +1049,12 @@ def section(
         )
         targets += workload_targets({r.arm.label: r for r in results}, size.name, real)
     every = [r for _, results in runs for r in results]
-    starved = [f"{r.arm.label} ({_ms(r.lag()):.0f} ms)" for r in every if r.lag() > LAG_LIMIT]
+    starved = [
+        f"{size.name}: {r.arm.label} ({_ms(r.lag()):.0f} ms)"
+        for size, results in runs
+        for r in results
+        if r.lag() > LAG_LIMIT
+    ]
     step = PROFILES[PROFILE].step_overhead
     timing = (
         "Real time: each engine computes on one CPU thread; a miss prefills the whole "

@@ -338,6 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
         "naming none. Must agree with the gateway's routes",
     )
     add("--pool-label", default="pool", help="the pod label naming a pod's pool (%(default)s)")
+    add(
+        "--kubeconfig",
+        help="kubeconfig file for the Kubernetes API that --metrics-endpoint-auth asks "
+        "(default: $KUBECONFIG, else the in-cluster service account)",
+    )
     add("--pods-interval", type=float, default=1.0, help="seconds between pod file checks")
     add(
         "--config",
@@ -348,8 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--explain",
         choices=["header", "all", "off"],
-        default="header",
-        help="with --config: explain decisions in x-switchyard-decision (as python -m lwepp)",
+        default="off",
+        help="with --config: explain decisions in x-switchyard-decision, when a request asks "
+        "(header), for every request (all), or never (the default, as python -m lwepp: the "
+        "header names every candidate's address and scores)",
     )
     add(
         "--plugin",
@@ -493,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         load_pods(args.pods)  # fail fast on a broken file
         source.reload()
         tls = server_tls(args)
-        auth = metrics_auth(args)
+        auth = metrics_auth(args, args.kubeconfig)
     except (PodFileError, TLSError, KubeconfigError) as error:
         sys.exit(f"onehop: {error}")
     if args.workers > 1:

@@ -25,6 +25,7 @@ from demo.envoy import GATEWAY_ONLY_HEADERS
 from demo.topology import Topology
 from lwepp.__main__ import build_parser, explain_mode
 from lwepp.metrics import PickerMetrics
+from lwepp.onehop import build_parser as onehop_parser
 from lwepp.picking import Pool, RoundRobin, Strategy
 from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER, ExplainMode, Pipeline
 from lwepp.server import EndpointPickerService
@@ -66,6 +67,23 @@ SERVED = {"envoy.lb": {"x-gateway-destination-endpoint-served": "10.0.0.1:3000"}
 def test_decisions_are_explained_only_when_a_flag_says_so(flags: list[str], mode: str) -> None:
     """No ``x-switchyard-decision`` unless ``--explain`` or ``--emit-endpoint-scores`` asks."""
     assert explain_mode(build_parser().parse_args(["--pods", "p.yaml", *flags])) == mode
+
+
+@pytest.mark.parametrize(
+    ("flags", "mode"),
+    [([], "off"), (["--explain=header"], "header")],
+    ids=["default", "on-request"],
+)
+def test_the_one_hop_explains_only_when_a_flag_says_so(flags: list[str], mode: str) -> None:
+    """The one hop's ``--explain`` is off unless given, as the picker's is."""
+    args = onehop_parser().parse_args(["--pods", "p.yaml", "--pool", "a=m", *flags])
+    assert args.explain == mode
+
+
+def test_the_one_hop_takes_a_kubeconfig_for_its_metrics_auth() -> None:
+    """``--kubeconfig`` names the API server ``--metrics-endpoint-auth`` asks, as for the picker."""
+    argv = ["--pods", "p.yaml", "--pool", "a=m", "--metrics-endpoint-auth", "--kubeconfig", "k"]
+    assert onehop_parser().parse_args(argv).kubeconfig == "k"
 
 
 @pytest.mark.parametrize(
@@ -254,8 +272,9 @@ def test_metrics_auth_asks_the_api_server_who_and_whether() -> None:
 def test_lwepp_guards_its_metrics_port_with_the_flag(
     tmp_path: Path, module: str, extra: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``python -m lwepp --metrics-endpoint-auth``, and the one hop with the same flag (it
-    finds the API server through $KUBECONFIG): /metrics needs a token the API allows."""
+    """``python -m lwepp --metrics-endpoint-auth --kubeconfig F``, and the one hop with the
+    same flag finding the API server through $KUBECONFIG: /metrics needs a token the API
+    allows."""
     pods = tmp_path / "pods.yaml"
     pods.write_text("pods:\n- {name: p0, address: 10.0.0.1, ports: [3000]}\n")
     with ThreadedFakeKube() as kube:

@@ -480,7 +480,7 @@ def _text(choice: Mapping[str, object]) -> object:
     return choice.get("text") or (delta.get("content") if isinstance(delta, dict) else None)
 
 
-async def _send(
+async def send_streamed(
     session: aiohttp.ClientSession, url: str, arrival: Arrival, body: bytes, outcome: Outcome
 ) -> Outcome:
     """POST one streamed request and time its SSE chunks into ``outcome``."""
@@ -595,7 +595,7 @@ async def drive(
                 sent=now - start,
                 late=max(0.0, now - due),
             )
-            tasks.append(asyncio.create_task(_send(session, url, arrival, body, outcome)))
+            tasks.append(asyncio.create_task(send_streamed(session, url, arrival, body, outcome)))
         outcomes = list(await asyncio.gather(*tasks))
         after = await count()
         first = await before if before is not None else None

@@ -71,7 +71,7 @@ import aiohttp
 import orjson
 
 from bench import live, overhead
-from bench.report import Options, Section, Table, Target, progress
+from bench.report import Options, Section, Table, Target, percentile, progress
 from bench.workloads import Arrival
 from demo import llamacpp
 from demo.topology import HOST
@@ -131,7 +131,7 @@ class Sample:
 async def _one(session: aiohttp.ClientSession, port: int, arrival: Arrival, body: bytes) -> Sample:
     """One streamed request to ``port``, timed and checked by the live part's client."""
     outcome = live.Outcome(arrival.request_id, arrival.group, measured=True)
-    await live._send(session, f"http://{HOST}:{port}", arrival, body, outcome)
+    await live.send_streamed(session, f"http://{HOST}:{port}", arrival, body, outcome)
     if outcome.error is not None or outcome.ttft is None or outcome.latency is None:
         return Sample(math.nan, math.nan, outcome.error or "no token arrived")
     return Sample(outcome.ttft, outcome.latency)
@@ -186,13 +186,6 @@ def _ms(seconds: float) -> float:
 
 def _good(runs: Sequence[Sample], what: str) -> list[float]:
     return [getattr(s, what) for s in runs if s.error is None]
-
-
-def _quantile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def run(options: Options) -> Section:
@@ -253,7 +246,7 @@ def section(
             len(ttfts),
             sum(s.error is not None for s in runs),
             _ms(statistics.median(ttfts)) if ttfts else math.nan,
-            _ms(_quantile(ttfts, 0.9)),
+            _ms(percentile(ttfts, 90)),
             _ms(statistics.median(latencies)) if latencies else math.nan,
         ]
         if case.key == "direct":

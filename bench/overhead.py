@@ -7,7 +7,9 @@ The same HTTP load goes through one Envoy per case, all configured from
 case                    what sits between Envoy and the upstream
 ======================  ==============================================================
 plain                   nothing: Envoy round-robins over the upstream (the baseline)
-noop-picker             a do-nothing ext_proc server in the picker's processing mode
+noop-picker             a do-nothing ext_proc server in the round-robin picker's
+                        processing mode (no response headers: a do-nothing picker needs
+                        none, as round-robin)
 lwepp                   LWEPP (round-robin), routing through the ORIGINAL_DST cluster
 lwepp-tls               the same LWEPP hop over TLS (its default, as GIE's lwepp's)
 noop-both               two do-nothing servers, in BBR's mode then the picker's
@@ -28,6 +30,12 @@ sglang-router,          the peers (``bench/peers.py``, round_robin) in place of 
 vllm-router             in front of the same replicas; left out when not installed
                         (``make peers``)
 ======================  ==============================================================
+
+Each picker is sent the response headers only if it says it needs them
+(``Rig.response_headers``, decided as the demo decides it): the round-robin
+``lwepp`` and ``one-hop`` are not, so each compares with ``noop-picker`` in the
+same mode; the prefix-aware pickers are (their prefix index hears the
+response), so the prefix-aware row of the breakdown includes that exchange.
 
 **Where the time goes.** A breakdown table reads each piece of the path
 off the same rounds as a difference of two cases: first the demo gateway
@@ -102,7 +110,7 @@ import statistics
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -145,6 +153,7 @@ from demo.topology import (
     stop_all,
     wait_envoy_ready,
     wait_for,
+    wants_response_headers,
 )
 from lwepp.plugins.prometheus import parse
 from pods.file import dump_pods
@@ -500,19 +509,30 @@ def _routes(case: Case) -> list[route.Route]:
     return [direct, upstream]
 
 
-def bootstrap(case: Case, ports: dict[str, int], upstreams: Sequence[str]) -> dict[str, Any]:
+def bootstrap(
+    case: Case,
+    ports: dict[str, int],
+    upstreams: Sequence[str],
+    response_headers: Mapping[str, bool] | None = None,
+) -> dict[str, Any]:
     """The case's Envoy: the demo's filter chain with only the case's ext_proc filters.
 
-    ``ports``: the ext_proc port of each server kind; ``upstreams``: ``ip:port``.
+    ``ports``: the ext_proc port of each server kind; ``upstreams``: ``ip:port``;
+    ``response_headers``: whether each picker kind is sent the response headers,
+    as the demo decides it (``demo.topology``: what the picker says it needs; a
+    do-nothing picker needs none, as round-robin); a kind not named is sent them.
     """
-    pool = GatewayPool(POOL.name, POOL.models, 0, endpoints=tuple(upstreams))
+    wants = (response_headers or {}).get(case.picker or "", True)
+    pool = GatewayPool(
+        POOL.name, POOL.models, 0, endpoints=tuple(upstreams), response_headers=wants
+    )
     filters = [strip_client_routing_filter()]
     clusters: list[cluster.Cluster] = [fallback_cluster(pool), picked_endpoint_cluster(pool)]
     if case.bbr is not None:
         filters.append(bbr_filter())
         clusters.append(grpc_cluster("bbr", HOST, ports[case.bbr]))
     if case.picker is not None and case.one_hop:
-        filters.append(one_hop_filter())
+        filters.append(one_hop_filter(wants))
         clusters.append(grpc_cluster(ONE_HOP, HOST, ports[case.picker]))
     elif case.picker is not None:
         filters.append(picker_filter(pool))
@@ -580,6 +600,8 @@ class Rig:
         self.servers: dict[str, Service] = {}
         """Each ext_proc server by kind."""
         self.ports: dict[str, int] = {}
+        self.response_headers: dict[str, bool] = {}
+        """Whether each server kind is sent the response headers (``bootstrap``)."""
         self.envoys: dict[str, int] = {}
         """The port each case's load goes to: its Envoy's, a peer's, or a replica's."""
         self.upstreams: list[str] = []
@@ -654,12 +676,15 @@ class Rig:
         for kind, service in servers.items():
             self._wait(service, _first_line_port if kind.startswith("noop") else listening_line)
             self.ports[kind] = int(service.listening["grpc_port"])
+            noop = kind.startswith("noop")
+            self.response_headers[kind] = not noop and wants_response_headers(service)
         envoys: dict[str, Service] = {}
         for case in [case for case in self.all_cases if case.envoy]:
             case_dir = self.work_dir / case.key
             case_dir.mkdir(exist_ok=True)
             path = case_dir / "envoy-bootstrap.json"
-            path.write_text(json.dumps(bootstrap(case, self.ports, self.upstreams)))
+            config = bootstrap(case, self.ports, self.upstreams, self.response_headers)
+            path.write_text(json.dumps(config))
             with pinned(self.placement.gateway):
                 envoy = start_envoy(case_dir, path, "--concurrency", "1")
             envoy.name = f"envoy-{case.key}"

@@ -56,6 +56,14 @@ def _parser() -> argparse.ArgumentParser:
         "service reads every body, and fails closed as BBR does",
     )
     add(
+        "--plain",
+        action="store_true",
+        help="start BBR and the pickers with their own defaults, without what the demo turns "
+        "on to show (the test-epp-endpoint-selection header, the served-endpoint report, "
+        "explanations, debug pages): what a deployment runs. A picker that then needs no "
+        "response headers (round-robin) is not sent them, one exchange less per request",
+    )
+    add(
         "--fail-open",
         action="append",
         metavar="POOL",
@@ -190,6 +198,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 simulator=not args.no_simulator,
                 on_server_change=server_change,
                 one_hop=args.one_hop,
+                demo_flags=not args.plain,
             )
             print(f"Starting the gateway (logs in {args.work_dir}) ...", flush=True)
             with topology:

@@ -181,6 +181,12 @@ def listening_line(service: Service) -> dict[str, Any] | None:
     return None
 
 
+def wants_response_headers(picker: Service) -> bool:
+    """Whether a picker asked for the response headers in its ``listening`` line (a picker
+    that does not say is sent them, as GIE's reference gateway sends them to every picker)."""
+    return bool(picker.listening.get("response_headers", True))
+
+
 def _serving(port: int) -> bool | None:
     """True once the gRPC health service reports the server (service ``""``) SERVING."""
     with grpc.insecure_channel(f"{HOST}:{port}") as channel:
@@ -425,6 +431,7 @@ class Topology(Processes):
                     pool,
                     picker_port=self.services[f"lwepp-{pool.name}"].listening["grpc_port"],
                     health_port=self.services[f"lwepp-{pool.name}"].listening["health_port"],
+                    response_headers=wants_response_headers(self.services[f"lwepp-{pool.name}"]),
                 )
                 for pool in self.pools
             ]
@@ -469,6 +476,7 @@ class Topology(Processes):
             admin_port=self.admin_port,
             bbr_port=0 if one_hop else self.services["bbr"].listening["grpc_port"],
             one_hop_port=one_hop.listening["grpc_port"] if one_hop else None,
+            one_hop_response_headers=wants_response_headers(one_hop) if one_hop else True,
             pools=tuple(self.pools),
             host=HOST,
             access_log=str(access_log),

@@ -490,6 +490,7 @@ async def run(
         drain=args.drain_timeout,
         grpc_options=grpc_options(args),
         health_on_ext_proc=bool(args.health_checking),
+        announce={"response_headers": service.hears_response},
     )
 
 

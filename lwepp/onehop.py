@@ -131,6 +131,8 @@ class OneHop:
         self.router = router
         self.pickers = dict(pickers)
         self.max_body_bytes = max_body_bytes
+        self.hears_response = any(picker.hears_response for picker in self.pickers.values())
+        """Whether some pool's picker needs the response headers (``EndpointPickerService``'s)."""
 
     async def __call__(self, stream: Stream) -> None:
         state = OneHopState(self.max_body_bytes)
@@ -478,6 +480,7 @@ async def run(
         drain=args.drain_timeout,
         grpc_options=grpc_options(args),
         health_on_ext_proc=bool(args.health_checking),
+        announce={"response_headers": handler.hears_response},
     )
 
 

@@ -75,7 +75,15 @@ class Strategy(Protocol):
     """Chooses endpoints for one request: the seam where smarter picking plugs in.
 
     ``RoundRobin`` is the default strategy; the filter/scorer pipeline is another.
+
     """
+
+    @property
+    def hears_response(self) -> bool:
+        """Whether a pick may carry a ``Followup``. When no pick can, the gateway need not
+        send the picker the response headers at all, which spares every request one
+        exchange with the picker on its way back (``EndpointPickerService.hears_response``)."""
+        ...
 
     def pick(self, request: PickRequest, candidates: Sequence[Endpoint]) -> Pick:
         """Choose among ``candidates``: never empty, only endpoints the request may go to.
@@ -95,6 +103,8 @@ class RoundRobin:
     step for the interpreter, and the servers run on one event loop, so streams
     never see the same value twice.
     """
+
+    hears_response: Final = False
 
     def __init__(self) -> None:
         self._counter = itertools.count(1)

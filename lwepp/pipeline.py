@@ -244,7 +244,8 @@ class Pipeline:
         self.on_headers: tuple[ResponseHeadersHook, ...] = self.stages[Role.RESPONSE_HEADERS]
         self.on_chunk: tuple[ResponseChunkHook, ...] = self.stages[Role.RESPONSE_CHUNK]
         self.on_complete: tuple[ResponseCompleteHook, ...] = self.stages[Role.RESPONSE_COMPLETE]
-        self.hears_response = bool(self.on_headers or self.on_chunk or self.on_complete)
+        self.response_hooks = bool(self.on_headers or self.on_chunk or self.on_complete)
+        """True when some plugin hears the response."""
         self.needs_body = any(needs_body(p) for p in self.plugins)
         """True when some plugin reads the body: only then is it parsed."""
         self.reads: frozenset[str] = frozenset().union(
@@ -289,6 +290,8 @@ class Pipeline:
             for kind in ("average", "std_dev")
         }
         self.explain = explain
+        self.hears_response = self.response_hooks or explain != "off"
+        """What the ``Strategy`` seam asks: a hook, or an explanation (a response header)."""
         self.decisions = decisions or DecisionLog()
         self._fallback = RoundRobin()
         self._last: _Candidates | None = None
@@ -310,7 +313,7 @@ class Pipeline:
             raise Refusal(
                 503, "no endpoint accepted the request", reason="no_pick", headers=headers
             )
-        if self.hears_response or decision.explanation is not None:
+        if self.response_hooks or decision.explanation is not None:
             return Pick(decision.endpoints, Followup(self, decision))
         return Pick(decision.endpoints)
 

@@ -129,6 +129,16 @@ class EndpointPickerService:
         self.max_body_bytes = max_body_bytes
         self.test_selection = test_selection
         self.report_served = report_served
+        self.hears_response = report_served or strategy.hears_response
+        """Whether this picker needs the response headers: for the report, or a followup.
+
+        When it does not, the gateway may skip sending them (Envoy's
+        ``response_header_mode: SKIP``; ``demo.envoy.picker_filter``), which
+        saves each request one exchange with the picker before its response
+        reaches the client. The picker tells its gateway in its ``listening``
+        log line (``response_headers``). A picker that hears the response
+        must get the headers: they end its in-flight counts.
+        """
         # Speed, behind three names: a reply depends on the endpoint (or the report)
         # alone, and building its Struct is the costliest step of a stream, so each is
         # built once and reused; so are the counters' children. Bounded: pods come and go.

@@ -327,8 +327,13 @@ async def serve(
     grpc_options: Sequence[tuple[str, Any]] = (),
     health_on_ext_proc: bool = False,
     metrics_auth: MetricsAuth | None = None,
+    announce: Mapping[str, Any] | None = None,
 ) -> None:
     """Run a service until SIGTERM/SIGINT, or, when ``stop`` is given, until it is set.
+
+    ``announce``: more fields for the ``listening`` log line, which is how a
+    gateway that starts the service learns its ports (and, from LWEPP, whether
+    it needs the response headers).
 
     ``json_routes`` serves debug pages beside ``/metrics`` (LWEPP's
     ``/debug/decisions``) with ``/debug/runtime`` (memory, file descriptors,
@@ -392,6 +397,7 @@ async def serve(
         tls=tls is not None,
         pid=os.getpid(),
         **({"worker": worker} if worker else {}),
+        **(announce or {}),
     )
     if on_listening is not None:
         result = on_listening(bound)

@@ -367,3 +367,17 @@ def test_one_hop_puts_one_ext_proc_filter_where_bbr_and_the_pickers_were() -> No
     found = routes(config)
     assert set(found["models"]["typed_per_filter_config"]) == {"onehop"}
     assert found["a/model-a"].get("typed_per_filter_config", {}) == {}
+
+
+def test_a_picker_that_needs_no_response_headers_is_not_sent_them() -> None:
+    """A pool (or the one hop) whose picker hears nothing of the response gets
+    response_header_mode SKIP; the rest of GIE's mode is unchanged."""
+    pools = tuple(dataclasses.replace(p, response_headers=p.name == "a") for p in GATEWAY.pools)
+    config = bootstrap(dataclasses.replace(GATEWAY, pools=pools))
+    assert http_filter(config, "lwepp-a")["processing_mode"]["response_header_mode"] == "SEND"
+    skipped = http_filter(config, "lwepp-b")["processing_mode"]
+    assert skipped["response_header_mode"] == "SKIP"
+    assert skipped["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+    one_hop = dataclasses.replace(GATEWAY, one_hop_port=9100, one_hop_response_headers=False)
+    mode = http_filter(bootstrap(one_hop), "onehop")["processing_mode"]
+    assert mode["response_header_mode"] == "SKIP"

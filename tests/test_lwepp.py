@@ -273,6 +273,8 @@ def test_no_eligible_endpoint_is_a_503(
 class Broken:
     """A strategy with a bug: every pick raises."""
 
+    hears_response = False
+
     def pick(self, request: PickRequest, candidates: Sequence[Endpoint]) -> Pick:
         raise RuntimeError("a bug in the strategy")
 

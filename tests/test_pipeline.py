@@ -314,3 +314,20 @@ def test_an_explained_fallback_says_why() -> None:
     assert explained["fallback"] == "score s: Boom: s is broken"
     assert explained["picker"] == "round-robin (fallback)"
     assert explained["picked"] == [B]
+
+
+@pytest.mark.parametrize(
+    ("hook", "explain", "hears"),
+    [(False, "off", False), (True, "off", True), (False, "header", True), (False, "all", True)],
+)
+def test_the_pipeline_hears_the_response_only_for_a_hook_or_an_explanation(
+    hook: bool, explain: str, hears: bool
+) -> None:
+    """``hears_response`` (whether the gateway must send the response headers) is True exactly
+    when a plugin hooks the response or explanations may go out on it; round-robin never."""
+    plugins: list[Any] = [FakeScorer("kv", {B: 0.5})]
+    if hook:
+        plugins.append(RecordingHook("hook", []))
+    pipeline = Pipeline(plugins, explain=explain)  # type: ignore[arg-type]
+    assert pipeline.hears_response is hears
+    assert RoundRobin().hears_response is False

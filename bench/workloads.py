@@ -265,7 +265,10 @@ class AzureRecord:
 
 
 def read_mooncake(path: Path, start: int = 0, count: int | None = None) -> list[MooncakeRecord]:
-    """Records ``start`` to ``start + count`` of a Mooncake JSONL trace, in file order."""
+    """Records ``start`` to ``start + count`` of a Mooncake JSONL trace, in file order.
+
+    A line that is not such a record is a ``ValueError`` naming the line and the field.
+    """
     records: list[MooncakeRecord] = []
     with path.open("rb") as lines:
         for index, line in enumerate(lines):
@@ -273,37 +276,50 @@ def read_mooncake(path: Path, start: int = 0, count: int | None = None) -> list[
                 continue
             if count is not None and len(records) >= count:
                 break
-            row = orjson.loads(line)
-            records.append(
-                MooncakeRecord(
-                    float(row["timestamp"]),
-                    int(row["input_length"]),
-                    int(row["output_length"]),
-                    tuple(int(h) for h in row["hash_ids"]),
+            try:
+                row = orjson.loads(line)
+                records.append(
+                    MooncakeRecord(
+                        float(row["timestamp"]),
+                        int(row["input_length"]),
+                        int(row["output_length"]),
+                        tuple(int(h) for h in row["hash_ids"]),
+                    )
                 )
-            )
+            except KeyError as missing:
+                raise ValueError(f"line {index + 1}: no field {missing}") from None
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"line {index + 1}: {error}") from None
     return records
 
 
 def read_azure(path: Path, start: int = 0, count: int | None = None) -> list[AzureRecord]:
-    """Rows ``start`` to ``start + count`` of Azure's trace CSV, times relative to row 0."""
+    """Rows ``start`` to ``start + count`` of Azure's trace CSV, times relative to row 0.
+
+    A row that is not such a record is a ``ValueError`` naming the line and the column.
+    """
     records: list[AzureRecord] = []
     first: datetime | None = None
     with path.open(newline="") as file:
         for index, row in enumerate(csv.DictReader(file)):
-            when = _azure_time(row["TIMESTAMP"])
-            first = first or when
-            if index < start:
-                continue
-            if count is not None and len(records) >= count:
-                break
-            records.append(
-                AzureRecord(
-                    (when - first).total_seconds(),
-                    int(row["ContextTokens"]),
-                    int(row["GeneratedTokens"]),
+            try:
+                when = _azure_time(row["TIMESTAMP"])
+                first = first or when
+                if index < start:
+                    continue
+                if count is not None and len(records) >= count:
+                    break
+                records.append(
+                    AzureRecord(
+                        (when - first).total_seconds(),
+                        int(row["ContextTokens"]),
+                        int(row["GeneratedTokens"]),
+                    )
                 )
-            )
+            except KeyError as missing:
+                raise ValueError(f"line {index + 2}: no column {missing}") from None
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"line {index + 2}: {error}") from None
     return records
 
 

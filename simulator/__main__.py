@@ -10,6 +10,7 @@ from typing import Final
 
 import structlog
 
+from lwepp.vllm_hash import HASH_ALGORITHMS
 from pods.file import PodFileError, load_pods
 from pods.model import Pod, parse_selector
 from protos.logs import configure_logging
@@ -151,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add(
         "--prefix-caching-hash-algo",
-        choices=["sha256", "sha256_cbor"],
+        choices=HASH_ALGORITHMS,
         default="sha256",
         help="how block hashes in KV-cache events are computed, as vLLM's flag "
         "(default: %(default)s)",

@@ -15,7 +15,15 @@ import xxhash
 import zmq
 import zmq.asyncio
 
-from lwepp.vllm_hash import DEFAULT_SEED, BlockHasher, cbor, external, hash_seed
+from lwepp.vllm_hash import (
+    DEFAULT_SEED,
+    HASH_ALGORITHMS,
+    BlockHasher,
+    cbor,
+    external,
+    hash_seed,
+)
+from simulator.__main__ import _parser
 from simulator.engine import Settings
 from simulator.kv_events import KVEventLog, KVEventsConfig
 from simulator.server import serve_pods
@@ -197,3 +205,12 @@ def test_a_served_request_s_blocks_arrive_over_zmq_in_vllm_s_framing(tmp_path: P
     assert isinstance(ts, float)
     assert events[0][0] == "BlockStored"
     assert events[0][4] == 16
+
+
+@pytest.mark.parametrize("algorithm", HASH_ALGORITHMS)
+def test_the_simulator_takes_every_hash_algorithm_vllm_offers(algorithm: str) -> None:
+    """``--prefix-caching-hash-algo`` accepts each of vLLM's four choices and the events config
+    it builds hashes with that algorithm."""
+    args = _parser().parse_args(["--pods", "p.yaml", "--prefix-caching-hash-algo", algorithm])
+    config = KVEventsConfig.parse('{"enable_kv_cache_events": true}', args.prefix_caching_hash_algo)
+    assert config.algorithm == algorithm

@@ -238,10 +238,10 @@ def load_rows(measure: Measure, pool: list[Candidate], now: float, baseline: flo
 
 def precise_rows(measure: Measure, pool: list[Candidate], now: float, baseline: float) -> list[Row]:
     """The precise prefix cache: tokenizing the 4 KB chat (the simulator's tokenizer) into
-    block keys, and scoring it with every block held by one engine, as its events said."""
-    producer = PrecisePrefixCacheProducer(
-        "precise", Params({"tokenizer": "simulator.openai.prompt_token_ids"}, "precise")
-    )
+    block keys, scoring it with every block held by one engine, as its events said, and
+    recording a pick's blocks as speculative entries (``speculativeIndexing``)."""
+    params = {"tokenizer": "simulator.openai.prompt_token_ids", "speculativeIndexing": True}
+    producer = PrecisePrefixCacheProducer("precise", Params(params, "precise"))
     scorer = PrefixCacheScorer("prefix")
     scorer.use_precise(producer)
     raw = orjson.dumps(chat_body())
@@ -254,11 +254,16 @@ def precise_rows(measure: Measure, pool: list[Candidate], now: float, baseline: 
     def prepare() -> None:
         producer.prepare(LLMRequest("r", {}, body=raw))
 
+    def picked() -> None:
+        producer.picked(warm, [pool[0].endpoint])
+
     return [
         Row(f"precise-prefix-cache-producer prepare (4 KB chat, {len(keys)} blocks)",
             measure(prepare), baseline),
         Row("prefix-cache-scorer score, precise (all blocks held by one)",
             measure(_scoring(scorer, warm, pool, now)), baseline),
+        Row(f"precise-prefix-cache-producer picked, speculative ({len(keys)} blocks)",
+            measure(picked), baseline),
     ]  # fmt: skip
 
 

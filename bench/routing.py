@@ -340,8 +340,9 @@ def router(
         pipeline.picker.rng = random.Random(seed)  # the pickers take an injected rng; seeded here
     for source in pipeline.sources:
         if isinstance(source, PrecisePrefixCacheProducer | PrecisePrefixCacheScorer):
-            subscribe(source if isinstance(source, PrecisePrefixCacheProducer) else source.source,
-                      engines, pool)  # fmt: skip
+            producer = source if isinstance(source, PrecisePrefixCacheProducer) else source.source
+            producer.clock = clock  # speculative entries age in virtual time
+            subscribe(producer, engines, pool)
     return PipelineRouter(strategy, pipeline, pipeline.sources, pool)
 
 

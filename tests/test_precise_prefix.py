@@ -20,7 +20,7 @@ from lwepp.contracts import Candidate, LLMRequest
 from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer, chain
 from lwepp.plugins.prefix import PrecisePrefixCacheScorer, PrefixCacheScorer
 from lwepp.vllm_hash import DEFAULT_SEED, BlockHasher, external
-from plugin import Params
+from plugin import ConfigError, Params
 from pods.model import Endpoint
 from simulator.engine import Settings
 from simulator.kv_events import KVEventsConfig
@@ -380,3 +380,42 @@ def test_a_simulator_with_another_pythonhashseed_is_reported(
     assert "seeded with hashSeed '0'" in made.problems["127.0.0.1"]
     assert matched > 0
     assert "kv@10.9.9.9@<model>" in made.problems[silent.hostport]
+
+
+def prompt_request(made: PrecisePrefixCacheProducer, text: str) -> LLMRequest:
+    """A completion request, prepared by ``made`` (its block keys in its state)."""
+    body = orjson.dumps({"model": "m", "prompt": text})
+    request = LLMRequest("r", {}, body=body)
+    made.prepare(request)
+    return request
+
+
+def test_a_pick_is_taken_as_cached_there_until_the_speculative_ttl_lapses() -> None:
+    """With speculativeIndexing, a pick's blocks count as held by the picked engine before any
+    event (beyond what its events hold), and no longer once speculativeTTL has passed; off,
+    a pick changes nothing."""
+    now, text = [100.0], "the same long system prompt, again and again " * 4
+    made = producer(speculativeIndexing=True, speculativeTTL="500ms")
+    made.clock = lambda: now[0]
+    request = prompt_request(made, text)
+    blocks = len(made.request_keys(request))
+    assert blocks > 2
+    first = prompt_token_ids(request.body or b"") or []
+    send(made, TOPIC_A, 0, stored([7], None, list(first[:4])))  # A's events: the first block
+    made.picked(request, [B, A])
+    assert made.match(made.request_keys(request), [A, B]) == {A.hostport: 1, B.hostport: blocks}
+    now[0] += 0.4
+    assert made.match(made.request_keys(request), [B])[B.hostport] == blocks
+    now[0] += 0.2
+    assert made.match(made.request_keys(request), [A, B]) == {A.hostport: 1, B.hostport: 0}
+    off = producer()
+    again = prompt_request(off, text)
+    off.picked(again, [B])
+    assert off.match(off.request_keys(again), [B])[B.hostport] == 0
+
+
+def test_a_speculative_ttl_that_is_no_duration_is_refused() -> None:
+    """speculativeTTL takes Go's duration syntax; anything else names the field."""
+    with pytest.raises(ConfigError, match="speculativeTTL") as refused:
+        producer(speculativeIndexing=True, speculativeTTL="soon")
+    assert "'soon' is not a duration" in str(refused.value)

@@ -49,6 +49,16 @@ names no pool endpoint. Every report is a ``kv events`` warning in the log
 and stays in ``problems``, by engine or endpoint, which the picker's
 ``/debug/<name>`` page shows with each engine heard (``--enable-debug-pages``).
 
+**Speculation** (``speculativeIndexing``, off by default, as in the router).
+An engine's events for a prompt arrive only after the step that stored its
+blocks; until then every request of the same prefix sees a miss and may go
+elsewhere, so a burst of one new prefix scatters over the pool, each engine
+prefilling it again. With speculation on, a pick records the request's
+blocks as held by the picked engine for ``speculativeTTL`` (a Go duration,
+``2s``), the router's blind-spot cover; the engine's own events confirm or,
+once the entry lapses, overrule it. The approximate index records every
+pick for the same reason.
+
 **Tokens.** ``tokenizer``, Switchyard's parameter: a dotted path to a
 function from the raw request body to its prompt token ids (None: not a
 prompt). ``simulator.openai.prompt_token_ids`` is the simulator's own; for
@@ -61,15 +71,18 @@ Parameters (the router's shape): ``indexerConfig.tokenProcessorConfig``
 ``hashAlgorithm`` (vLLM's names; unset),
 ``indexerConfig.kvBlockIndexConfig.maxPrefixTokensToMatch`` (0: all) and
 ``enableMetrics`` (accepted); ``kvEventsConfig.zmqEndpoint``
-(``tcp://*:5557``) and ``topicFilter`` (``kv@``); Switchyard's own
-``tokenizer`` (required) and ``eventsGracePeriod`` (seconds, 30).
+(``tcp://*:5557``) and ``topicFilter`` (``kv@``); ``speculativeIndexing``
+(false) and ``speculativeTTL`` (``2s``); Switchyard's own ``tokenizer``
+(required) and ``eventsGracePeriod`` (seconds, 30).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import importlib
 import struct
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Final
 
@@ -84,6 +97,7 @@ from lwepp.contracts import AttributeWriter, LLMRequest
 from lwepp.vllm_hash import DEFAULT_SEED, HASH_ALGORITHMS, BlockHasher, external
 from plugin import NO_PARAMS, Params
 from pods.model import Endpoint
+from protos.cli import duration
 
 log = structlog.get_logger()
 
@@ -148,6 +162,9 @@ class BlockIndex:
 
     def blocks(self, engine: str) -> int:
         return len(self._keys.get(engine, {}))
+
+    def holds(self, engine: str, key: int) -> bool:
+        return engine in self._holders.get(key, ())
 
 
 def chain(root: int, tokens: Sequence[int], block_size: int, adapter: str = "") -> list[int]:
@@ -217,6 +234,17 @@ class PrecisePrefixCacheProducer:
             )
         self.tokenizer = _tokenizer(path, params)
         self.grace = params.get("eventsGracePeriod", float, 30.0, at_least=0)
+        self.speculative = params.get("speculativeIndexing", bool, False)
+        ttl = params.get("speculativeTTL", str, "2s")
+        try:
+            self.speculative_ttl = duration(ttl)
+        except argparse.ArgumentTypeError as error:
+            raise params.error("speculativeTTL", str(error)) from None
+        self._guesses: dict[str, dict[int, float]] = {}
+        """Speculative entries: per engine, block key → when the entry lapses."""
+        self._sweep_at = 0.0
+        self.clock: Callable[[], float] = time.monotonic
+        """What a speculative entry's age is read on (``run`` sets the pipeline's)."""
         self.hash_seed, self.hash_algorithm = seed, algorithm
         self._hashers = {
             name: BlockHasher(name, seed or DEFAULT_SEED)
@@ -264,10 +292,44 @@ class PrecisePrefixCacheProducer:
 
         An engine is named by its topic: ``ip:port``, or the pod's IP alone.
         """
-        names = {e.hostport: e.hostport if e.hostport in self.sequence else e.address
-                 for e in endpoints}  # fmt: skip
+        names = {e.hostport: self._engine(e) for e in endpoints}
         found = self.index.match(keys, list(set(names.values())))
+        if self._guesses:
+            now = self.clock()
+            for name in set(names.values()) & self._guesses.keys():
+                found[name] = self._guessed(keys, name, found[name], now)
         return {hostport: found[name] for hostport, name in names.items()}
+
+    def picked(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None:
+        """With ``speculativeIndexing``: the prompt's blocks are taken as held by the picked
+        engine until its events tell, or for ``speculativeTTL``."""
+        keys = self.request_keys(request)
+        if not self.speculative or not endpoints or not keys:
+            return
+        now = self.clock()
+        if now >= self._sweep_at:  # lapsed entries go in one pass every TTL or so
+            for guesses in self._guesses.values():
+                for key in [k for k, until in guesses.items() if until <= now]:
+                    del guesses[key]
+            self._sweep_at = now + self.speculative_ttl
+        guesses = self._guesses.setdefault(self._engine(endpoints[0]), {})
+        until = now + self.speculative_ttl
+        for key in keys:
+            guesses[key] = until
+
+    def _engine(self, endpoint: Endpoint) -> str:
+        """The engine an endpoint is, as topics name it: ``ip:port``, or the pod's IP alone."""
+        return endpoint.hostport if endpoint.hostport in self.sequence else endpoint.address
+
+    def _guessed(self, keys: Sequence[int], engine: str, depth: int, now: float) -> int:
+        """Blocks in a row from the first ``engine`` holds, its speculative entries counted:
+        from ``depth``, what its events alone gave."""
+        guesses = self._guesses[engine]
+        for key in keys[depth:]:
+            if guesses.get(key, 0.0) <= now and not self.index.holds(engine, key):
+                break
+            depth += 1
+        return depth
 
     # --- the event side ------------------------------------------------------------------
 
@@ -451,6 +513,7 @@ class PrecisePrefixCacheProducer:
         """Receive the engines' events until cancelled: bound to a wildcard endpoint (the
         engines connect), else connected to the one engine publishing there; about once a
         second (``CHECK_EVERY``), ``check`` the pool for silent endpoints and unknown engines."""
+        self.clock = clock
         context = zmq.asyncio.Context.instance()
         socket = context.socket(zmq.SUB)
         try:

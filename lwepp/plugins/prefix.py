@@ -342,6 +342,10 @@ class PrecisePrefixCacheScorer(PrefixCacheScorer):
     def prepare(self, request: LLMRequest) -> None:
         self.source.prepare(request)
 
+    def picked(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None:
+        super().picked(request, endpoints)
+        self.source.picked(request, endpoints)
+
     def debug_page(self) -> bytes:
         return self.source.debug_page()
 

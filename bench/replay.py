@@ -88,7 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    configure_logging("warning", "console")  # the pickers' own problems, on stderr; no chatter
     if not args.trace.is_file():
         sys.exit(f"python -m bench.replay: {args.trace}: no such file")
     if args.start < 0 or args.count < 1:
@@ -113,4 +112,5 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    configure_logging("warning", "console")  # the pickers' own problems, on stderr; no chatter
     main()

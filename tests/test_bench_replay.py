@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import structlog
 
 from bench import replay
 from bench.routing import AZURE_FILE, MOONCAKE_FILE, TRACES
@@ -24,8 +25,10 @@ def test_a_slice_of_a_trace_is_judged_against_round_robin_and_the_envelope(
     oracle's, from the slice asked for; the envelope's own p90 ratio is 1 by construction."""
     config = tmp_path / "mine.yaml"
     config.write_text(Path("demo/configs/recommended.yaml").read_text())
-    replay.main([str(TRACES / trace), "--start", "10", "--count", "60", "--picker", "precise"])
-    replay.main([str(TRACES / trace), "--start", "10", "--count", "60", "--config", str(config)])
+    args = [str(TRACES / trace), "--start", "10", "--count", "60"]
+    with structlog.testing.capture_logs():  # the pickers' log lines stay out of the table
+        replay.main([*args, "--picker", "precise"])
+        replay.main([*args, "--config", str(config)])
     first, second = capsys.readouterr().out.split(f"{trace}: records 10-69\n")[1:]
     found = rows(f"{trace}\n" + first)
     assert list(found) == ["round-robin", "precise", "oracle-lookahead", "oracle-estimate"]

@@ -160,7 +160,7 @@ def header_mutation(
     return mutation
 
 
-def common_response(
+def fill_common_response(
     response: pb.CommonResponse,
     set_headers: Sequence[tuple[str, str]] = (),
     remove: Sequence[str] = (),
@@ -210,12 +210,12 @@ def headers_response(
 
     Built in place, field by field, from the outer message in: upb copies a
     message handed to a constructor (``HeadersResponse(response=...)``), and
-    those copies cost three times the rest of building an answer, one of
-    which goes out for every message of every stream.
+    with those copies an answer cost three to four times as much to build;
+    one goes out for every message of every stream.
     """
     response = ProcessingResponse()
     answer = response.request_headers if phase == "request" else response.response_headers
-    common_response(answer.response, set_headers, remove, clear_route_cache=clear_route_cache)
+    fill_common_response(answer.response, set_headers, remove, clear_route_cache=clear_route_cache)
     if dynamic_metadata:
         response.dynamic_metadata.update(dynamic_metadata)
     return response
@@ -239,7 +239,7 @@ def body_response(
     """
     response = ProcessingResponse()
     answer = response.request_body if phase == "request" else response.response_body
-    common_response(
+    fill_common_response(
         answer.response,
         set_headers,
         remove,

@@ -177,8 +177,9 @@ def check_headers_fit(
     response 502 (the gateway cannot pass it on).
     """
     # Replacing or removing a header never makes the map larger, so when every header
-    # sent and every header set fit together, so does the result: one pass in C, where
-    # the exact count below walks the headers in Python (on every request).
+    # sent and every header set fit together (names and values in UTF-8 bytes, never
+    # less than the exact count), so does the result. That sum is one join in C; the
+    # exact count below walks the headers in Python, and this runs on every request.
     if len(headers) + len(set_headers) <= HEADERS_COUNT_LIMIT:
         everything = itertools.chain.from_iterable((*headers, *set_headers))
         if len("".join(everything).encode(errors="surrogatepass")) <= HEADERS_SIZE_LIMIT:

@@ -33,8 +33,9 @@ the client 500 with an empty body. Found first, a client's bad value is a
 
 from __future__ import annotations
 
+import itertools
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Sequence
 from typing import Final
 
 import orjson
@@ -163,7 +164,7 @@ class Refusal(Exception):
 
 def check_headers_fit(
     phase: Phase,
-    headers: Iterable[tuple[str, str]],
+    headers: Collection[tuple[str, str]],
     set_headers: Sequence[tuple[str, str]],
     remove: Sequence[str] = (),
 ) -> None:
@@ -175,6 +176,14 @@ def check_headers_fit(
     request is answered 431 (its headers are too large once routed), a
     response 502 (the gateway cannot pass it on).
     """
+    # Replacing or removing a header never makes the map larger, so when every header
+    # sent and every header set fit together (names and values in UTF-8 bytes, never
+    # less than the exact count), so does the result. That sum is one join in C; the
+    # exact count below walks the headers in Python, and this runs on every request.
+    if len(headers) + len(set_headers) <= HEADERS_COUNT_LIMIT:
+        everything = itertools.chain.from_iterable((*headers, *set_headers))
+        if len("".join(everything).encode(errors="surrogatepass")) <= HEADERS_SIZE_LIMIT:
+            return
     replaced = {name.lower() for name, _ in set_headers}
     removed = {name.lower() for name in remove}
     size = count = 0

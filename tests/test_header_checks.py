@@ -104,6 +104,18 @@ def test_headers_may_grow_to_the_limit_and_not_a_byte_more() -> None:
     assert "x-gateway-model-name" in refused.value.message
 
 
+def test_values_are_counted_in_utf8_bytes_not_characters() -> None:
+    """A value of two-byte characters counts twice its length: headers under the limit in
+    characters but over it in bytes are refused."""
+    added = [("x-gateway-model-name", "é" * 100)]
+    fits = padded(HEADERS_SIZE_LIMIT - size_of(dict(added)))
+    check_headers_fit("request", fits.items(), added)
+    over = padded(HEADERS_SIZE_LIMIT - size_of(dict(added)) + 1)
+    assert sum(len(k) + len(v) for k, v in [*over.items(), *added]) < HEADERS_SIZE_LIMIT
+    with pytest.raises(Refusal):
+        check_headers_fit("request", over.items(), added)
+
+
 def test_an_overwritten_header_is_counted_once() -> None:
     """Setting a header the client sent replaces it: its old value no longer counts."""
     old = padded(HEADERS_SIZE_LIMIT, **{"x-gateway-model-name": "m" * 100})

@@ -200,3 +200,24 @@ def test_client_chosen_label_values_are_capped_as_the_router_caps_them() -> None
     )
     assert labels == ("m1", "m1", "t", "0")
     assert metrics.labels([])[2] == "default-flow"
+
+
+def test_label_values_are_each_headers_first_value_whatever_its_case() -> None:
+    """A request's model and fairness id are the first value of each header, names compared
+    case-insensitively; an empty fairness id is the default flow."""
+    metrics = PickerMetrics(CollectorRegistry())
+    headers = [
+        ("X-LLM-D-Inference-Fairness-Id", "tenant-a"),
+        ("x-gateway-model-name", "m1"),
+        ("X-Gateway-Model-Name", "m2"),
+        ("x-llm-d-inference-fairness-id", "tenant-b"),
+    ]
+    assert metrics.labels(headers) == ("m1", "m1", "tenant-a", "0")
+    assert metrics.labels(
+        [("x-llm-d-inference-fairness-id", ""), ("x-gateway-model-name", "")]
+    ) == (
+        "",
+        "",
+        "default-flow",
+        "0",
+    )

@@ -302,7 +302,8 @@ class PrecisePrefixCacheProducer:
 
     def picked(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None:
         """With ``speculativeIndexing``: the prompt's blocks are taken as held by the picked
-        engine until its events tell, or for ``speculativeTTL``."""
+        engine for ``speculativeTTL``, beside what its events say, while those are on their
+        way."""
         keys = self.request_keys(request)
         if not self.speculative or not endpoints or not keys:
             return

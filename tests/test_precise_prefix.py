@@ -419,3 +419,18 @@ def test_a_speculative_ttl_that_is_no_duration_is_refused() -> None:
     with pytest.raises(ConfigError, match="speculativeTTL") as refused:
         producer(speculativeIndexing=True, speculativeTTL="soon")
     assert "'soon' is not a duration" in str(refused.value)
+
+
+def test_a_pick_made_before_the_engine_names_itself_still_counts() -> None:
+    """A speculative entry is kept by the picked endpoint: when the engine's first event then
+    names it by ``ip:port`` (not the pod's IP), the pick made before still counts."""
+    made = producer(speculativeIndexing=True)
+    made.clock = lambda: 5.0
+    text = "a prompt picked before its engine published anything " * 3
+    request = prompt_request(made, text)
+    made.picked(request, [B])
+    send(made, b"kv@10.0.0.2:8000@m", 0, stored([9], None, [1, 2, 3, 4]))
+    assert made.match(made.request_keys(request), [A, B]) == {
+        A.hostport: 0,
+        B.hostport: len(made.request_keys(request)),
+    }

@@ -241,7 +241,8 @@ class PrecisePrefixCacheProducer:
         except argparse.ArgumentTypeError as error:
             raise params.error("speculativeTTL", str(error)) from None
         self._guesses: dict[str, dict[int, float]] = {}
-        """Speculative entries: per engine, block key → when the entry lapses."""
+        """Speculative entries: per picked endpoint (``ip:port``: the engine may not have
+        named itself yet), block key → when the entry lapses."""
         self._sweep_at = 0.0
         self.clock: Callable[[], float] = time.monotonic
         """What a speculative entry's age is read on (``run`` sets the pipeline's)."""
@@ -288,22 +289,26 @@ class PrecisePrefixCacheProducer:
         return keys
 
     def match(self, keys: Sequence[int], endpoints: Sequence[Endpoint]) -> dict[str, int]:
-        """Blocks in a row each endpoint (``ip:port``) holds, by its own events.
+        """Blocks in a row each endpoint (``ip:port``) holds, by its own events and, with
+        ``speculativeIndexing``, by the picks sent there.
 
-        An engine is named by its topic: ``ip:port``, or the pod's IP alone.
+        An engine is named by its topic: ``ip:port``, or the pod's IP alone; a pick is
+        kept by the endpoint picked, so it counts before the engine first names itself.
         """
         names = {e.hostport: self._engine(e) for e in endpoints}
         found = self.index.match(keys, list(set(names.values())))
+        matched = {hostport: found[name] for hostport, name in names.items()}
         if self._guesses:
             now = self.clock()
-            for name in set(names.values()) & self._guesses.keys():
-                found[name] = self._guessed(keys, name, found[name], now)
-        return {hostport: found[name] for hostport, name in names.items()}
+            for hostport in names.keys() & self._guesses.keys():
+                depth = matched[hostport]
+                matched[hostport] = self._guessed(keys, hostport, names[hostport], depth, now)
+        return matched
 
     def picked(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None:
         """With ``speculativeIndexing``: the prompt's blocks are taken as held by the picked
-        engine for ``speculativeTTL``, beside what its events say, while those are on their
-        way."""
+        endpoint for ``speculativeTTL``, beside what its engine's events say, while those are
+        on their way."""
         keys = self.request_keys(request)
         if not self.speculative or not endpoints or not keys:
             return
@@ -313,7 +318,7 @@ class PrecisePrefixCacheProducer:
                 for key in [k for k, until in guesses.items() if until <= now]:
                     del guesses[key]
             self._sweep_at = now + self.speculative_ttl
-        guesses = self._guesses.setdefault(self._engine(endpoints[0]), {})
+        guesses = self._guesses.setdefault(endpoints[0].hostport, {})
         until = now + self.speculative_ttl
         for key in keys:
             guesses[key] = until
@@ -322,10 +327,12 @@ class PrecisePrefixCacheProducer:
         """The engine an endpoint is, as topics name it: ``ip:port``, or the pod's IP alone."""
         return endpoint.hostport if endpoint.hostport in self.sequence else endpoint.address
 
-    def _guessed(self, keys: Sequence[int], engine: str, depth: int, now: float) -> int:
-        """Blocks in a row from the first ``engine`` holds, its speculative entries counted:
-        from ``depth``, what its events alone gave."""
-        guesses = self._guesses[engine]
+    def _guessed(
+        self, keys: Sequence[int], hostport: str, engine: str, depth: int, now: float
+    ) -> int:
+        """Blocks in a row from the first ``hostport`` holds, its speculative entries counted:
+        from ``depth``, what its engine's events alone gave."""
+        guesses = self._guesses[hostport]
         for key in keys[depth:]:
             if guesses.get(key, 0.0) <= now and not self.index.holds(engine, key):
                 break

@@ -373,8 +373,8 @@ def picker_filter(pool: GatewayPool) -> hcm.HttpFilter:
     does: they carry the served-endpoint report and end the picker's
     in-flight counts. A picker that needs neither (round-robin without the
     report; ``pool.response_headers`` False) is not sent them: one exchange
-    fewer on every response's way to the client, about a quarter of what the
-    hop adds (``make bench-overhead``). The response body is not sent (NONE),
+    fewer on every response's way to the client, a tenth to a fifth of what
+    the hop adds (``docs/benchmarks.md``). The response body is not sent (NONE),
     so a streamed completion flows to the client untouched.
 
     ``metadata_options`` names the dynamic-metadata namespaces that cross the

@@ -26,9 +26,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench import workloads
-from bench.routing import FULL, ORACLES, Outcome, profile_for, simulate
+from bench.routing import FULL, ORACLES, Outcome, envelope, profile_for, simulate
 from protos.logs import configure_logging
 
+WORKLOAD = "replay"
+"""The workload name every run of a replay carries."""
 PICKERS = ("round-robin", "recommended", "precise", "prefix-aware")
 """What runs unless ``--picker`` names others; the oracles always run, for the envelope."""
 
@@ -46,7 +48,8 @@ def table(outcomes: Sequence[Outcome], labels: Sequence[str]) -> list[str]:
     """One line per picker: TTFT p50 and p90 as multiples of round-robin's and the envelope's."""
     by_label = dict(zip(labels, outcomes, strict=True))
     base = by_label["round-robin"]
-    envelope = min((by_label[name] for name in ORACLES), key=lambda o: o.ttft_p90)
+    best = envelope(outcomes, WORKLOAD, None)
+    assert best is not None, "the oracles always run"
     lines = [
         f"{'picker':24} {'p50 ms':>8} {'p90 ms':>8} {'p50/RR':>7} {'p90/RR':>7} "
         f"{'p90/env':>7} {'hits':>5}"
@@ -55,7 +58,7 @@ def table(outcomes: Sequence[Outcome], labels: Sequence[str]) -> list[str]:
         lines.append(
             f"{label:24} {outcome.ttft_p50 * 1e3:8.1f} {outcome.ttft_p90 * 1e3:8.1f} "
             f"{outcome.ttft_p50 / base.ttft_p50:7.3f} {outcome.ttft_p90 / base.ttft_p90:7.3f} "
-            f"{outcome.ttft_p90 / envelope.ttft_p90:7.3f} {outcome.hit_rate:5.3f}"
+            f"{outcome.ttft_p90 / best.ttft_p90:7.3f} {outcome.hit_rate:5.3f}"
         )
     return lines
 
@@ -104,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     runs += [(path.name, "recommended", path) for path in args.config]
     runs += [(oracle, oracle, None) for oracle in ORACLES]
     outcomes = [
-        simulate("replay", replayed, strategy, profile, seed=args.seed, config=config)
+        simulate(WORKLOAD, replayed, strategy, profile, seed=args.seed, config=config)
         for _, strategy, config in runs
     ]
     print(f"{args.trace.name}: records {args.start}-{args.start + len(replayed) - 1}")

@@ -18,6 +18,8 @@ import pytest
 
 from demo.topology import Topology
 from tests.conftest import POOLS, write_pod_file
+from tests.test_e2e import envoy_stats
+from tests.test_envoy_config import http_filter
 
 pytestmark = pytest.mark.e2e
 
@@ -43,20 +45,15 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
 def picker_mode(gateway: Topology, pool: str) -> dict[str, Any]:
     """The processing mode of pool ``pool``'s picker filter in the bootstrap Envoy runs."""
     config = json.loads((gateway.work_dir / "envoy-bootstrap.json").read_text())
-    listener = config["static_resources"]["listeners"][0]
-    filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
-    (found,) = [f for f in filters if f["name"] == f"lwepp-{pool}"]
-    mode: dict[str, Any] = found["typed_config"]["processing_mode"]
+    mode: dict[str, Any] = http_filter(config, f"lwepp-{pool}")["processing_mode"]
     return mode
 
 
 def received_per_stream(gateway: Topology, pool: str) -> float:
     """Messages Envoy received from pool ``pool``'s picker per ext_proc stream."""
-    with urllib.request.urlopen(f"{gateway.admin_url}/stats?format=json", timeout=5) as page:
-        stats = {s["name"]: s["value"] for s in json.load(page)["stats"] if "value" in s}
+    stats = envoy_stats(gateway)
     prefix = f"http.gateway.ext_proc.lwepp-{pool}"
     streams = stats[f"{prefix}.streams_started"]
-    assert isinstance(streams, int)
     assert streams >= REQUESTS
     return float(stats[f"{prefix}.stream_msgs_received"]) / streams
 

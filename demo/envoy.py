@@ -89,7 +89,29 @@ MESSAGE_TIMEOUT: Final = timedelta(seconds=2)
 
 Envoy does not time the messages of a FULL_DUPLEX_STREAMED body, where the
 processor may hold the headers until the body ends. What is timed here is
-the picker's reply to the response headers.
+the picker's reply to the response headers; ``KEEPALIVE`` notices a hung service.
+"""
+
+KEEPALIVE: Final = timedelta(seconds=5)
+"""How often Envoy pings each ext_proc service's HTTP/2 connection, and how long it
+waits for the answer before closing it.
+
+Envoy does not time a FULL_DUPLEX_STREAMED exchange (``MESSAGE_TIMEOUT``), so a
+service that hangs with its connection open (stopped, or stuck outside the
+event loop) would hold the requests it has until Envoy's 5-minute stream
+idle timeout. An unanswered ping closes the connection within two of these:
+those requests then fail as when the service dies (503 ``ext_proc_error``, or
+the FailOpen route), and health checks keep new ones away.
+"""
+
+CONCURRENCY_LIMIT: Final = 100_000
+"""Each cluster's circuit breakers: connections, pending and concurrent requests, retries.
+
+Envoy's default is 1,024 of each per cluster, and every request is one stream
+to BBR's cluster and one to the picker's: past 1,024 requests in flight Envoy
+would refuse the rest with 503 (``upstream_rq_active_overflow``) before any
+service saw them. The gateway is meant to queue them instead, as the peers do;
+the model servers' own queues are where load should show.
 """
 
 
@@ -163,10 +185,26 @@ def _static_cluster(name: str, endpoints: Sequence[endpoint.LbEndpoint]) -> clus
         name=name,
         type=cluster.ClusterDiscoveryType.STATIC,
         connect_timeout=timedelta(seconds=1),
+        circuit_breakers=circuit_breakers(),
         load_assignment=endpoint.ClusterLoadAssignment(
             cluster_name=name,
             endpoints=[endpoint.LocalityLbEndpoints(lb_endpoints=list(endpoints))],
         ),
+    )
+
+
+def circuit_breakers() -> cluster.CircuitBreakers:
+    """Every limit at ``CONCURRENCY_LIMIT``, for the default priority (the only one used)."""
+    limit = CONCURRENCY_LIMIT
+    return cluster.CircuitBreakers(
+        thresholds=[
+            cluster.CircuitBreakersThresholds(
+                max_connections=limit,
+                max_pending_requests=limit,
+                max_requests=limit,
+                max_retries=limit,
+            )
+        ]
     )
 
 
@@ -190,7 +228,9 @@ def grpc_cluster(
     Envoy from "panicking" and trying the unhealthy host anyway.
     """
     result = _static_cluster(name, [_endpoint(host, port, health_port)])
-    result.typed_extension_protocol_options = http2_upstream()
+    result.typed_extension_protocol_options = http2_upstream(
+        core.KeepaliveSettings(interval=KEEPALIVE, timeout=KEEPALIVE)
+    )
     if health_port:
         second = timedelta(seconds=1)
         check = core.HealthCheck(
@@ -251,16 +291,16 @@ def plaintext_health(result: cluster.Cluster) -> None:
         check.transport_socket_match_criteria = Struct.from_dict(PLAINTEXT)
 
 
-def http2_upstream() -> dict[str, AnyMessage]:
+def http2_upstream(keepalive: core.KeepaliveSettings | None = None) -> dict[str, AnyMessage]:
     """A cluster's ``typed_extension_protocol_options`` for HTTP/2 to its hosts.
 
     HTTP/2 from the first byte ("prior knowledge"), without TLS: what gRPC
     needs, and what an ``appProtocol: kubernetes.io/h2c`` InferencePool asks
-    for its model servers.
+    for its model servers. ``keepalive``: Envoy's PINGs on each connection.
     """
     http2 = upstream_http.HttpProtocolOptions(
         explicit_http_config=upstream_http.HttpProtocolOptionsExplicitHttpConfig(
-            http2_protocol_options=core.Http2ProtocolOptions()
+            http2_protocol_options=core.Http2ProtocolOptions(connection_keepalive=keepalive)
         )
     )
     return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _any(http2)}
@@ -279,6 +319,7 @@ def picked_endpoint_cluster(pool: GatewayPool) -> cluster.Cluster:
         type=cluster.ClusterDiscoveryType.ORIGINAL_DST,
         lb_policy=cluster.ClusterLbPolicy.CLUSTER_PROVIDED,
         connect_timeout=timedelta(seconds=2),
+        circuit_breakers=circuit_breakers(),
         original_dst_lb_config=cluster.ClusterOriginalDstLbConfig(
             use_http_header=True, http_header_name=ENDPOINT_HEADER
         ),
@@ -808,6 +849,9 @@ def bootstrap(gateway: Gateway) -> dict[str, Any]:
         name="gateway",
         address=_address(gateway.host, gateway.port),
         filter_chains=[listener.FilterChain(filters=[network_filter])],
+        # Envoy binds with SO_REUSEPORT by default on Linux: a second gateway on the
+        # same port would start and share the connections. Without it, it fails to bind.
+        enable_reuse_port=False,
     )
     config = bootstrap_.Bootstrap(
         admin=bootstrap_.Admin(address=_address(gateway.host, gateway.admin_port)),

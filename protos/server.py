@@ -163,6 +163,26 @@ def ext_proc_handler(handler: Handler, trace: TextIO | None = None) -> grpc.Gene
     return grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {"Process": method})
 
 
+EXT_PROC_OPTIONS: Final = (
+    ("grpc.server.max_pending_requests", 100_000),
+    ("grpc.server.max_pending_requests_hard_limit", 100_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_ping_strikes", 0),
+)
+"""The ext_proc server's gRPC options, for a proxy's traffic.
+
+Streams: how many new ones it may hold before the event loop takes them.
+gRPC's defaults (1,000, and 3,000 at most) make it reset some streams of a
+burst past 1,000 (``RST_STREAM``), and Envoy answers those requests 503: each
+request in flight is one Envoy stream to each service. A held stream is a
+request the gateway accepted; it is served once the loop gets to it.
+
+Pings: the gateway pings its services to notice one that hangs
+(``demo.envoy.KEEPALIVE``); gRPC would count pings on an idle connection as
+abuse and close it. Only the gateway connects here, so every ping is welcome.
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class Ports:
     """Where a service listens; 0 asks the OS for a free port."""
@@ -363,7 +383,7 @@ async def serve(
     # SO_REUSEPORT (grpc's default on Linux, spelled out): the workers of
     # ``run_workers`` bind the same ext_proc and health ports.
     options = [("grpc.so_reuseport", 1)]
-    server = grpc.aio.server(options=[*options, *grpc_options])
+    server = grpc.aio.server(options=[*options, *EXT_PROC_OPTIONS, *grpc_options])
     server.add_generic_rpc_handlers((ext_proc_handler(handler, trace),))
     address = f"{ports.host}:{ports.grpc}"
     if tls is None:
@@ -441,11 +461,13 @@ def _reserve(host: str, port: int) -> socket.socket:
     return holder
 
 
-def _die_with_parent() -> None:
-    """In a worker, before it runs: SIGTERM when the supervisor dies (``PR_SET_PDEATHSIG``).
+def die_with_parent() -> None:
+    """In a child, before it runs: SIGTERM when its parent dies (``PR_SET_PDEATHSIG``).
 
     A supervisor killed outright (SIGKILL, an OOM kill) cannot forward the
     signal itself; without this, its workers would go on serving the port.
+    Linux ties the signal to the thread that started the child: start it from
+    a thread that lives as long as the parent (the main one).
     """
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
@@ -525,7 +547,7 @@ def run_workers(
                     WORKER_ENV: f"{index}/{workers}",
                     MULTIPROCESS_ENV: samples,
                 },
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
             running[child.pid] = child
         status = 0

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from demo.envoy import Gateway, GatewayPool, bootstrap, write_bootstrap
+from demo.topology import free_ports, start_envoy, stop_all, wait_envoy_ready
 
 ENVOY = Path(sys.executable).parent / "envoy"
 
@@ -316,12 +317,15 @@ def test_picked_endpoints_go_to_an_original_dst_cluster(config: dict[str, Any]) 
 def test_processor_clusters_speak_http2_and_pickers_are_health_checked(
     config: dict[str, Any], name: str, port: int, health: int | None
 ) -> None:
-    """The ext_proc clusters speak HTTP/2 to 127.0.0.1; pickers are gRPC health-checked on their health port with no panic routing."""
+    """The ext_proc clusters speak HTTP/2 to 127.0.0.1 and ping it every 5 s (a hung service's
+    connection closes); pickers are gRPC health-checked on their health port, no panic routing."""
     processor = cluster(config, name)
     options = processor["typed_extension_protocol_options"][
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
     ]
-    assert options["explicit_http_config"] == {"http2_protocol_options": {}}
+    assert options["explicit_http_config"] == {
+        "http2_protocol_options": {"connection_keepalive": {"interval": "5s", "timeout": "5s"}}
+    }
     (locality,) = processor["load_assignment"]["endpoints"]
     (endpoint,) = locality["lb_endpoints"]
     assert endpoint["endpoint"]["address"]["socket_address"] == {
@@ -336,6 +340,44 @@ def test_processor_clusters_speak_http2_and_pickers_are_health_checked(
     assert check["grpc_health_check"] == {"service_name": "inference-extension"}
     # An empty Percent is 0 %: proto3 JSON leaves out a zero value.
     assert processor["common_lb_config"]["healthy_panic_threshold"].get("value", 0) == 0
+
+
+def test_no_cluster_refuses_requests_past_envoys_default_of_1024(config: dict[str, Any]) -> None:
+    """Every cluster's circuit breakers are raised to 100,000 connections, pending and active
+    requests and retries: a burst queues instead of being answered 503 by Envoy itself."""
+    limit = {
+        "max_connections": 100_000,
+        "max_pending_requests": 100_000,
+        "max_requests": 100_000,
+        "max_retries": 100_000,
+    }
+    clusters = config["static_resources"]["clusters"]
+    assert len(clusters) == 6  # BBR, two pickers, two picked-endpoint clusters, one fallback
+    for each in clusters:
+        assert each["circuit_breakers"] == {"thresholds": [limit]}, each["name"]
+
+
+def test_a_second_gateway_on_the_same_port_fails_instead_of_sharing_it(tmp_path: Path) -> None:
+    """The listener binds without SO_REUSEPORT: a second real Envoy on a port the first holds
+    exits with 'Address already in use' rather than taking half the connections."""
+    port = free_ports(1)[0]
+    gateway = dataclasses.replace(GATEWAY, port=port, admin_port=0)
+    assert bootstrap(gateway)["static_resources"]["listeners"][0]["enable_reuse_port"] is False
+    services = []
+    try:
+        for number in (1, 2):
+            work = tmp_path / str(number)
+            work.mkdir()
+            path = write_bootstrap(gateway, work / "envoy-bootstrap.json")
+            services.append(start_envoy(work, path))
+            if number == 1:
+                wait_envoy_ready(services[0], work, 30)
+        second = services[1]
+        assert second.process.wait(30) != 0
+        assert "Address already in use" in second.log.read_text()
+        assert services[0].running()
+    finally:
+        stop_all(services)
 
 
 def test_admin_and_listener_bind_loopback(config: dict[str, Any]) -> None:

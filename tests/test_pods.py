@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pods.file import FileSource, PodFileError, dump_pods, parse_pods
+from pods.file import FileSource, PodFileError, dump_pods, load_pods, parse_pods
 from pods.model import Pod, endpoints_of, join_host_port, parse_selector
 from tests.fakes import pod
 
@@ -226,3 +226,11 @@ def test_dump_writes_a_file_parse_reads_back() -> None:
     assert parse_pods(text) == pods
     assert [dict(p.labels) for p in parse_pods(text)] == [{"pool": "p", "model": "m"}, {}]
     assert text.count("ready") == 1
+
+
+def test_a_pod_file_that_is_not_utf8_is_refused_naming_the_file(tmp_path: Path) -> None:
+    """A binary or Latin-1 pod file is a PodFileError naming file:line:column and the byte."""
+    path = tmp_path / "pods.yaml"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(PodFileError, match=r"pods\.yaml:1:1: not UTF-8 text \(byte 0xff\)$"):
+        load_pods(path)

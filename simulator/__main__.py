@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import sys
 from collections.abc import Sequence
 from typing import Final
 
@@ -18,7 +19,7 @@ from simulator.engine import Faults, Scheduling, Settings
 from simulator.kv_events import KVEventsConfig
 from simulator.metrics import ENGINES
 from simulator.profiles import DEFAULT_PROFILE, PROFILES
-from simulator.server import serve_pods
+from simulator.server import BindError, serve_pods
 
 log = structlog.get_logger()
 
@@ -298,7 +299,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(str(error))
     if not pods:
         parser.error(f"no pod in {args.pods} matches the selector {args.selector}")
-    asyncio.run(run(pods, settings, args))
+    try:
+        asyncio.run(run(pods, settings, args))
+    except BindError as error:
+        sys.exit(f"simulator: {error}")
 
 
 if __name__ == "__main__":

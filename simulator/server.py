@@ -399,15 +399,23 @@ class Replica:
         }
 
 
-def _bind(address: str, port: int) -> socket.socket:
-    """A listening socket bound up front, so the replica knows its port (0 = any free one)."""
+class BindError(Exception):
+    """A pod's address and port cannot be listened on (taken, or not this machine's)."""
+
+
+def _bind(address: str, port: int, pod: str) -> socket.socket:
+    """A listening socket bound up front, so the replica knows its port (0 = any free one).
+
+    Raises ``BindError`` naming the pod, the address and the reason.
+    """
     sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((address, port))
-    except OSError:
+    except OSError as error:
         sock.close()
-        raise
+        reason = error.strerror or str(error)
+        raise BindError(f"pod {pod}: cannot listen on {address}:{port}: {reason}") from None
     return sock
 
 
@@ -459,7 +467,7 @@ async def serve_pods(
     try:
         for pod in pods:
             for port in pod.ports:
-                sock = _bind(pod.address, port)
+                sock = _bind(pod.address, port, pod.name)
                 sockets.append(sock)
                 replica = Replica(
                     pod,

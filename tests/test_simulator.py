@@ -14,6 +14,7 @@ import json
 import math
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -843,6 +844,27 @@ def test_other_paths_answer_with_the_conformance_echo() -> None:
 
 
 # --- command line --------------------------------------------------------------------------
+
+
+def test_a_pod_port_already_taken_is_named_not_a_traceback(tmp_path: Path) -> None:
+    """A pod whose port another process holds stops the simulator with one line naming the pod,
+    its address and port and the reason (exit status 1), as `python -m demo` shows it."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    pods = tmp_path / "pods.yaml"
+    pods.write_text(
+        f"pods:\n- name: busy\n  address: 127.0.0.1\n  ports: [{port}]\n  labels: {{pool: a}}\n"
+    )
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            main(["--pods", str(pods), "--log-level", "error"])
+    finally:
+        holder.close()
+    assert exit_.value.code == (
+        f"simulator: pod busy: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )
 
 
 def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:

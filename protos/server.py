@@ -166,20 +166,13 @@ def ext_proc_handler(handler: Handler, trace: TextIO | None = None) -> grpc.Gene
 EXT_PROC_OPTIONS: Final = (
     ("grpc.server.max_pending_requests", 100_000),
     ("grpc.server.max_pending_requests_hard_limit", 100_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_ping_strikes", 0),
 )
-"""The ext_proc server's gRPC options, for a proxy's traffic.
+"""How many new streams the ext_proc server may hold before the event loop takes them.
 
-Streams: how many new ones it may hold before the event loop takes them.
 gRPC's defaults (1,000, and 3,000 at most) make it reset some streams of a
 burst past 1,000 (``RST_STREAM``), and Envoy answers those requests 503: each
 request in flight is one Envoy stream to each service. A held stream is a
 request the gateway accepted; it is served once the loop gets to it.
-
-Pings: the gateway pings its services to notice one that hangs
-(``demo.envoy.KEEPALIVE``); gRPC would count pings on an idle connection as
-abuse and close it. Only the gateway connects here, so every ping is welcome.
 """
 
 

@@ -444,6 +444,13 @@ async def run(
     auth: MetricsAuth | None = None,
 ) -> None:
     pool = Pool(source, args.selector)
+    if args.pods is not None and not pool.endpoints:  # a file is read whole at start
+        log.warning(
+            "no pod matches the selector",
+            pods=args.pods,
+            selector=str(pool.selector),
+            detail="every request is answered 503 no_endpoints until the file lists one",
+        )
     registry = CollectorRegistry()
     strategy: Strategy = RoundRobin()
     pipeline: Pipeline | None = None

@@ -423,6 +423,9 @@ def build(
     jobs: list[Callable[[], Coroutine[Any, Any, None]]] = [source.run]
     pages: dict[str, Any] = {}
     pickers: dict[str, EndpointPickerService] = {}
+    names = [name for name, _ in args.pools]
+    if repeated := sorted({name for name in names if names.count(name) > 1}):
+        raise ConfigError(f"--pool: pool {repeated[0]!r} is given twice (list its models once)")
     for name, models in args.pools:
         registry = CollectorRegistry()
         registries.append(registry)
@@ -502,6 +505,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         load_pods(args.pods)  # fail fast on a broken file
         source.reload()
+        for name, _ in args.pools:  # a typo in a name: every request of its models gets 503
+            if not Pool(source, {args.pool_label: name}).endpoints:
+                selector = f"{args.pool_label}={name}"
+                log.warning("no pod matches the pool", pool=name, pods=args.pods, selector=selector)
         tls = server_tls(args)
         auth = metrics_auth(args, args.kubeconfig)
     except (PodFileError, TLSError, KubeconfigError) as error:

@@ -106,3 +106,29 @@ def test_sigterm_lets_the_in_flight_request_finish(tmp_path: Path) -> None:
     with service("lwepp", *args) as (process, ports):
         asyncio.run(scenario())
         assert process.wait(timeout=10) == 0
+
+
+def test_a_selector_no_pod_matches_is_warned_about_at_start(tmp_path: Path) -> None:
+    """A --selector that matches none of the file's pods (a typo) is a warning naming the file and
+    the selector before the service listens; it still starts (the file may gain such pods)."""
+    pods = tmp_path / "pods.yaml"
+    pods.write_text(PODS)
+    args = ["--grpc-port=0", "--grpc-health-port=0", "--metrics-port=0"]
+    args += ["--secure-serving=false", "--pods", str(pods), "--selector", "pool=zzz"]
+    with subprocess.Popen(
+        [sys.executable, "-m", "lwepp", *args], stderr=subprocess.PIPE, text=True
+    ) as process:
+        assert process.stderr is not None
+        try:
+            events = []
+            for line in process.stderr:
+                events.append(json.loads(line))
+                if events[-1]["event"] == "listening":
+                    break
+        finally:
+            process.kill()
+    warned = [e for e in events if e["event"] == "no pod matches the selector"]
+    assert len(warned) == 1
+    assert warned[0]["level"] == "warning"
+    assert (warned[0]["pods"], warned[0]["selector"]) == (str(pods), "pool=zzz")
+    assert events[-1]["event"] == "listening"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -233,8 +235,9 @@ def test_registries_show_each_family_once_with_every_pools_samples() -> None:
         (["--pool", "a"], "expected NAME=MODEL"),
         (["--pool", "a="], "expected NAME=MODEL"),
         (["--pool", "a=m", "--pool", "b=m"], "model 'm' is in two pools"),
+        (["--pool", "a=m", "--pool", "a=n"], "pool 'a' is given twice"),
     ],
-    ids=["no-models", "empty-models", "model-twice"],
+    ids=["no-models", "empty-models", "model-twice", "pool-twice"],
 )
 def test_bad_pool_flags_are_refused_naming_the_flag(
     flags: Sequence[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -277,3 +280,29 @@ def test_the_any_model_pool_takes_what_no_other_pool_names() -> None:
         return picked
 
     assert asyncio.run(scenario()) == ["10.0.0.2:3000", "10.0.1.1:4000", "10.0.1.1:4000"]
+
+
+def test_a_pool_no_pod_belongs_to_is_warned_about_at_start(tmp_path: Path) -> None:
+    """A --pool whose name no pod's pool label carries (a typo) is a warning naming the pool and
+    the file before the service listens; it still starts (the file may gain such pods)."""
+    pods = tmp_path / "pods.yaml"
+    pods.write_text("pods:\n- {name: a-0, address: 127.0.0.1, ports: [18001], labels: {pool: a}}\n")
+    args = ["--grpc-port=0", "--grpc-health-port=0", "--metrics-port=0", "--secure-serving=false"]
+    args += ["--pods", str(pods), "--pool", "a=m1", "--pool", "zzz=m2"]
+    with subprocess.Popen(
+        [sys.executable, "-m", "lwepp.onehop", *args], stderr=subprocess.PIPE, text=True
+    ) as process:
+        assert process.stderr is not None
+        try:
+            events = []
+            for line in process.stderr:
+                events.append(json.loads(line))
+                if events[-1]["event"] == "listening":
+                    break
+        finally:
+            process.kill()
+    warned = [e for e in events if e["event"] == "no pod matches the pool"]
+    assert [(e["pool"], e["selector"], e["level"]) for e in warned] == [
+        ("zzz", "pool=zzz", "warning")
+    ]
+    assert events[-1]["event"] == "listening"

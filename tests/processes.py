@@ -48,3 +48,22 @@ def service(
         process.kill()
         process.wait()
         process.stderr.close()
+
+
+def start_events(module: str, *args: str) -> list[dict[str, Any]]:
+    """The log events ``python -m module`` writes as it starts, through its ``listening`` line
+    (plaintext, free ports); the process is then killed."""
+    flags = ["--grpc-port=0", "--grpc-health-port=0", "--metrics-port=0", "--secure-serving=false"]
+    with subprocess.Popen(
+        [sys.executable, "-m", module, *flags, *args], stderr=subprocess.PIPE, text=True
+    ) as process:
+        assert process.stderr is not None
+        events: list[dict[str, Any]] = []
+        try:
+            for line in process.stderr:
+                events.append(json.loads(line))
+                if events[-1]["event"] == "listening":
+                    return events
+        finally:
+            process.kill()
+    raise AssertionError(f"{module} exited before listening: {events}")

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from protos.testing import ExtProcClient, request_body, request_headers
-from tests.processes import service
+from tests.processes import service, start_events
 
 PODS = """
 pods:
@@ -113,20 +113,7 @@ def test_a_selector_no_pod_matches_is_warned_about_at_start(tmp_path: Path) -> N
     the selector before the service listens; it still starts (the file may gain such pods)."""
     pods = tmp_path / "pods.yaml"
     pods.write_text(PODS)
-    args = ["--grpc-port=0", "--grpc-health-port=0", "--metrics-port=0"]
-    args += ["--secure-serving=false", "--pods", str(pods), "--selector", "pool=zzz"]
-    with subprocess.Popen(
-        [sys.executable, "-m", "lwepp", *args], stderr=subprocess.PIPE, text=True
-    ) as process:
-        assert process.stderr is not None
-        try:
-            events = []
-            for line in process.stderr:
-                events.append(json.loads(line))
-                if events[-1]["event"] == "listening":
-                    break
-        finally:
-            process.kill()
+    events = start_events("lwepp", "--pods", str(pods), "--selector", "pool=zzz")
     warned = [e for e in events if e["event"] == "no pod matches the selector"]
     assert len(warned) == 1
     assert warned[0]["level"] == "warning"

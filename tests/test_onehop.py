@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -31,6 +29,7 @@ from protos.testing import (
     set_headers,
 )
 from tests.fakes import StaticPods, pod
+from tests.processes import start_events
 
 PODS = (
     pod("a0", "10.0.0.1", 3000, pool="a"),
@@ -287,20 +286,7 @@ def test_a_pool_no_pod_belongs_to_is_warned_about_at_start(tmp_path: Path) -> No
     the file before the service listens; it still starts (the file may gain such pods)."""
     pods = tmp_path / "pods.yaml"
     pods.write_text("pods:\n- {name: a-0, address: 127.0.0.1, ports: [18001], labels: {pool: a}}\n")
-    args = ["--grpc-port=0", "--grpc-health-port=0", "--metrics-port=0", "--secure-serving=false"]
-    args += ["--pods", str(pods), "--pool", "a=m1", "--pool", "zzz=m2"]
-    with subprocess.Popen(
-        [sys.executable, "-m", "lwepp.onehop", *args], stderr=subprocess.PIPE, text=True
-    ) as process:
-        assert process.stderr is not None
-        try:
-            events = []
-            for line in process.stderr:
-                events.append(json.loads(line))
-                if events[-1]["event"] == "listening":
-                    break
-        finally:
-            process.kill()
+    events = start_events("lwepp.onehop", "--pods", str(pods), "--pool", "a=m1", "--pool", "zzz=m2")
     warned = [e for e in events if e["event"] == "no pod matches the pool"]
     assert [(e["pool"], e["selector"], e["level"]) for e in warned] == [
         ("zzz", "pool=zzz", "warning")

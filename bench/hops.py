@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Final
 
 from bench import streams
-from bench.overhead import LATENCY_BODY_BYTES, Case, Placement, Rig, _closed
+from bench.overhead import LATENCY_BODY_BYTES, Case, Placement, Rig, closed_run
 from bench.report import progress
 
 TWO_HOPS: Final = Case("bbr+lwepp", "Envoy + BBR + LWEPP", bbr="bbr", picker="lwepp")
@@ -80,13 +80,13 @@ def measure(rig: Rig, rounds: int, seconds: float, seed: int) -> dict[tuple[str,
         rng.shuffle(runs)
         for case, concurrency in runs:
             pids = [rig.servers[k].process.pid for k in (case.bbr, case.picker) if k is not None]
-            before = sum(map(streams._cpu_seconds, pids))
-            run = _closed(rig.envoys[case.key], body, concurrency, seconds)
+            before = sum(map(streams.cpu_seconds, pids))
+            run = closed_run(rig.envoys[case.key], body, concurrency, seconds)
             if run.failed:
                 raise SystemExit(f"hops: {run.failed} requests failed on {case.key}")
             into = samples[case.key, concurrency]
             into.p50.append(run.p50)
-            into.cpu += sum(map(streams._cpu_seconds, pids)) - before
+            into.cpu += sum(map(streams.cpu_seconds, pids)) - before
             into.requests += run.requests
     return samples
 

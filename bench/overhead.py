@@ -755,7 +755,8 @@ class Run:
         )
 
 
-def _closed(port: int, body: bytes, concurrency: int, seconds: float) -> Run:
+def closed_run(port: int, body: bytes, concurrency: int, seconds: float) -> Run:
+    """``concurrency`` clients posting ``body`` to ``port`` back to back for ``seconds``."""
     request = loadgen.post(HOST, port, "/v1/chat/completions", body)
     return Run.of(
         asyncio.run(
@@ -776,7 +777,7 @@ def latency_rounds(rig: Rig, sizes: Sizes, body: bytes) -> dict[str, dict[int, l
         progress(f"overhead: latency round {number + 1}/{sizes.rounds}")
         for case in rig.cases:
             for concurrency in (1, 8):
-                run = _closed(rig.envoys[case.key], body, concurrency, sizes.seconds)
+                run = closed_run(rig.envoys[case.key], body, concurrency, sizes.seconds)
                 runs[case.key][concurrency].append(run)
     return runs
 
@@ -858,7 +859,7 @@ def run(options: Options) -> Section:
         rig.start()
         with pinned(placement.gateway):
             for case in rig.cases:  # warm up: connections, first-stream costs
-                _closed(rig.envoys[case.key], chat, 8, min(0.5, sizes.seconds / 2))
+                closed_run(rig.envoys[case.key], chat, 8, min(0.5, sizes.seconds / 2))
             ceiling = generator_ceiling(rig, sizes)
             latency = latency_rounds(rig, sizes, chat)
             steps = sweep(rig, sizes, chat)

@@ -93,7 +93,8 @@ class Result:
         return self.server_cpu / self.streams * 1e6
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time the process ``pid`` has used so far (``/proc/<pid>/stat``)."""
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -179,12 +180,12 @@ def measure(
             asyncio.run(drive(port, 200, concurrency))  # warm up
         for _ in range(rounds):
             for kind, (server, port) in servers.items():
-                cpu0, t0 = _cpu_seconds(server.pid), time.perf_counter()
+                cpu0, t0 = cpu_seconds(server.pid), time.perf_counter()
                 answered = asyncio.run(drive(port, streams, concurrency))
                 seconds = time.perf_counter() - t0
                 if answered != streams:  # a rate over streams not served would flatter it
                     raise RuntimeError(f"{kind}: {answered} of {streams} streams answered")
-                runs[kind].append(Result(kind, streams, seconds, _cpu_seconds(server.pid) - cpu0))
+                runs[kind].append(Result(kind, streams, seconds, cpu_seconds(server.pid) - cpu0))
     finally:
         os.sched_setaffinity(0, affinity)
         for server, _ in servers.values():

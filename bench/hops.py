@@ -32,14 +32,14 @@ from pathlib import Path
 from typing import Final
 
 from bench import streams
-from bench.overhead import LATENCY_BODY_BYTES, Case, Placement, Rig, closed_run
+from bench.overhead import CASES, LATENCY_BODY_BYTES, Placement, Rig, closed_run
 from bench.report import progress
 
-TWO_HOPS: Final = Case("bbr+lwepp", "Envoy + BBR + LWEPP", bbr="bbr", picker="lwepp")
-TWO_NOOPS: Final = Case(
-    "noop-both", "Envoy + two do-nothing hops", bbr="noop-bbr", picker="noop-picker"
-)
-UPSTREAM: Final = Case("direct", "the upstream alone", direct=True)
+_CASES: Final = {case.key: case for case in CASES}
+TWO_HOPS: Final = _CASES["bbr+lwepp"]
+TWO_NOOPS: Final = _CASES["noop-both"]
+UPSTREAM: Final = _CASES["direct"]
+"""The three cases of ``bench.overhead`` this compares, as that part runs them."""
 CONCURRENCY: Final = (1, 8)
 TARGET: Final = 1.1
 """The two hops' added p50 over the two do-nothing hops' (``bench.overhead.COMPARISONS``)."""

@@ -9,6 +9,9 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+FREE_PORTS = ("--grpc-port=0", "--grpc-health-port=0", "--metrics-port=0")
+"""Every port a service listens on, chosen by the OS."""
+
 
 @contextlib.contextmanager
 def service(
@@ -25,9 +28,7 @@ def service(
             sys.executable,
             "-m",
             module,
-            "--grpc-port=0",
-            "--grpc-health-port=0",
-            "--metrics-port=0",
+            *FREE_PORTS,
             "--grace=5",
             *([] if tls else ["--secure-serving=false"]),
             *args,
@@ -53,10 +54,8 @@ def service(
 def start_events(module: str, *args: str) -> list[dict[str, Any]]:
     """The log events ``python -m module`` writes as it starts, through its ``listening`` line
     (plaintext, free ports); the process is then killed."""
-    flags = ["--grpc-port=0", "--grpc-health-port=0", "--metrics-port=0", "--secure-serving=false"]
-    with subprocess.Popen(
-        [sys.executable, "-m", module, *flags, *args], stderr=subprocess.PIPE, text=True
-    ) as process:
+    argv = [sys.executable, "-m", module, *FREE_PORTS, "--secure-serving=false", *args]
+    with subprocess.Popen(argv, stderr=subprocess.PIPE, text=True) as process:
         assert process.stderr is not None
         events: list[dict[str, Any]] = []
         try:

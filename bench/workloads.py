@@ -46,9 +46,10 @@ import csv
 import hashlib
 import math
 import random
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Final
 
@@ -293,40 +294,90 @@ def read_mooncake(path: Path, start: int = 0, count: int | None = None) -> list[
     return records
 
 
-def read_azure(path: Path, start: int = 0, count: int | None = None) -> list[AzureRecord]:
-    """Rows ``start`` to ``start + count`` of Azure's trace CSV, times relative to row 0.
+AZURE_COLUMNS: Final = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+"""Azure's LLM inference traces (2023 and 2024): a date and time, prompt and output tokens."""
+BURSTGPT_COLUMNS: Final = ("Timestamp", "Request tokens", "Response tokens")
+"""BurstGPT's (HPMLL/BurstGPT, beside ``Model``, ``Total tokens``, ``Log Type`` and, in
+later files, ``Session ID``): seconds from the trace's start, prompt and output tokens."""
+_EPOCH: Final = datetime(1970, 1, 1)
 
-    A row that is not such a record is a ``ValueError`` naming the line and the column.
+
+def read_azure(path: Path, start: int = 0, count: int | None = None) -> list[AzureRecord]:
+    """Records ``start`` to ``start + count`` of a CSV trace, times relative to the first.
+
+    The header says whose columns it has: Azure's (``AZURE_COLUMNS``) or
+    BurstGPT's (``BURSTGPT_COLUMNS``). BurstGPT logs a failed request with 0
+    response tokens; such a row never reached an engine's decode and is not a
+    record. A row that is not a record is a ``ValueError`` naming the line
+    and the column.
     """
     records: list[AzureRecord] = []
     first: datetime | None = None
     with path.open(newline="") as file:
-        for index, row in enumerate(csv.DictReader(file)):
+        rows = csv.DictReader(file)
+        header = rows.fieldnames or []
+        if all(column in header for column in AZURE_COLUMNS):
+            columns, time_of = AZURE_COLUMNS, _azure_time
+        elif all(column in header for column in BURSTGPT_COLUMNS):
+            columns, time_of = BURSTGPT_COLUMNS, _seconds
+        else:
+            raise ValueError(
+                f"line 1: columns {','.join(header)!r}: expected Azure's "
+                f"{','.join(AZURE_COLUMNS)} or BurstGPT's {','.join(BURSTGPT_COLUMNS)}"
+            )
+        index = 0
+        for row in rows:
             try:
-                when = _azure_time(row["TIMESTAMP"])
-                first = first or when
-                if index < start:
-                    continue
-                if count is not None and len(records) >= count:
-                    break
-                records.append(
-                    AzureRecord(
-                        (when - first).total_seconds(),
-                        int(row["ContextTokens"]),
-                        int(row["GeneratedTokens"]),
-                    )
-                )
-            except KeyError as missing:
-                raise ValueError(f"line {index + 2}: no column {missing}") from None
-            except (TypeError, ValueError) as error:
-                raise ValueError(f"line {index + 2}: {error}") from None
+                at, prompt, output = (_cell(row, column) for column in columns)
+                when, prompt_tokens, output_tokens = time_of(at), int(prompt), int(output)
+            except ValueError as error:
+                raise ValueError(f"line {rows.line_num}: {error}") from None
+            if columns is BURSTGPT_COLUMNS and output_tokens == 0:
+                continue
+            first = first or when
+            index += 1
+            if index <= start:
+                continue
+            if count is not None and len(records) >= count:
+                break
+            records.append(
+                AzureRecord((when - first).total_seconds(), prompt_tokens, output_tokens)
+            )
     return records
 
 
+def _cell(row: dict[str | Any, str | Any], column: str) -> str:
+    value = row[column]
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"no value in column {column!r}")
+    return value.strip()
+
+
+_STAMP: Final = re.compile(r"(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:?\d\d)?")
+
+
 def _azure_time(text: str) -> datetime:
-    """``2023-11-16 18:17:03.9799600``: seven fractional digits, one more than Python parses."""
-    stamp, _, fraction = text.partition(".")
-    return datetime.fromisoformat(f"{stamp}.{(fraction + '000000')[:6]}")
+    """A timestamp as Azure writes it, as naive UTC.
+
+    2023's trace writes ``2023-11-16 18:17:03.9799600``: seven fractional
+    digits, one more than Python parses (the seventh, 100 ns, is dropped);
+    2024's adds an offset, ``2024-05-10 00:00:00.009930+00:00``.
+    """
+    stamp = _STAMP.fullmatch(text)
+    if stamp is None:
+        raise ValueError(f"timestamp {text!r} is not YYYY-MM-DD HH:MM:SS[.fraction][+HH:MM]")
+    when, fraction, offset = stamp.groups()
+    parsed = datetime.fromisoformat(f"{when}.{((fraction or '') + '000000')[:6]}{offset or ''}")
+    utc = parsed.utcoffset()
+    return parsed.replace(tzinfo=None) - utc if utc is not None else parsed
+
+
+def _seconds(text: str) -> datetime:
+    """BurstGPT's timestamp, seconds from the trace's start, on the same clock as Azure's."""
+    seconds = float(text)
+    if not math.isfinite(seconds):
+        raise ValueError(f"timestamp {text!r} is not a number of seconds")
+    return _EPOCH + timedelta(seconds=seconds)
 
 
 @dataclass(frozen=True, slots=True)

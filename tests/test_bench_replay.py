@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,9 @@ def test_a_slice_of_a_trace_is_judged_against_round_robin_and_the_envelope(
     with structlog.testing.capture_logs():  # the pickers' log lines stay out of the table
         replay.main([*args, "--picker", "precise"])
         replay.main([*args, "--config", str(config)])
-    first, second = capsys.readouterr().out.split(f"{trace}: records 10-69\n")[1:]
+    first, second = re.split(
+        rf"{trace}: records 10-69, .* requests/s over .* s\n", capsys.readouterr().out
+    )[1:]
     found = rows(f"{trace}\n" + first)
     assert list(found) == ["round-robin", "precise", "oracle-lookahead", "oracle-estimate"]
     assert found["round-robin"][2:4] == [1.0, 1.0]
@@ -51,3 +54,34 @@ def test_a_record_that_is_not_one_is_named_by_its_line(
     assert str(stopped.value) == (
         f"python -m bench.replay: {trace}: line 2: no field 'input_length'"
     )
+
+
+def test_the_rate_is_printed_and_time_scale_changes_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The first line gives the scaled rate; ``--time-scale`` replaces the benchmark's factor
+    (0.1 for a CSV): twice the factor, half the rate."""
+    trace = tmp_path / "burst.csv"
+    trace.write_text(
+        "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        + "".join(
+            f"{n * 2},ChatGPT,{200 + n},{0 if n % 10 == 5 else 9},0,API log\n" for n in range(51)
+        )
+    )
+    with structlog.testing.capture_logs():
+        replay.main([str(trace), "--picker", "round-robin"])
+        replay.main([str(trace), "--picker", "round-robin", "--time-scale", "0.2"])
+    first, second = (
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("burst.csv")
+    )
+    # 51 rows, 5 of them failed (0 response tokens), 100 s from the first to the last
+    assert first == "burst.csv: records 0-45, 4.50 requests/s over 10.0 s"
+    assert second == "burst.csv: records 0-45, 2.25 requests/s over 20.0 s"
+
+
+@pytest.mark.parametrize("scale", ["0", "-1", "inf", "nan"])
+def test_a_time_scale_that_is_not_positive_is_refused(scale: str, tmp_path: Path) -> None:
+    trace = Path(TRACES / AZURE_FILE)
+    with pytest.raises(SystemExit) as stopped:
+        replay.main([str(trace), "--time-scale", scale])
+    assert str(stopped.value) == "python -m bench.replay: --time-scale must be a number above 0"

@@ -163,6 +163,70 @@ def test_trace_readers_take_a_slice(tmp_path: Path) -> None:
     assert rows[0] == AzureRecord(rows[0].at, 3180, 8)
 
 
+def test_csv_traces_in_azure_2024_and_burstgpt_columns(tmp_path: Path) -> None:
+    """Azure's 2024 timestamps carry an offset (taken into account, mixed with or without a
+    fraction); BurstGPT's are seconds, with failed requests (0 response tokens) left out
+    before the slice is taken."""
+    azure = tmp_path / "azure2024.csv"
+    azure.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2024-05-10 00:00:00.009930+00:00,2162,5\n"
+        "2024-05-10 00:00:01+00:00,10,1\n"
+        "2024-05-10 02:00:03.5+02:00,20,2\n"
+    )
+    assert [(r.at, r.context_tokens) for r in workloads.read_azure(azure)] == [
+        (0.0, 2162),
+        (pytest.approx(0.99007), 10),
+        (pytest.approx(3.49007), 20),
+    ]
+    burst = tmp_path / "BurstGPT_3.csv"
+    burst.write_text(
+        "Timestamp,Session ID,Elapsed time,Model,Request tokens,Response tokens,"
+        "Total tokens,Log Type\n"
+        "5,a,1.0,ChatGPT,472,18,490,Conversation log\n"
+        "7,b,1.0,ChatGPT,300,0,300,API log\n"
+        "45.5,a,2.0,GPT-4,1087,230,1317,Conversation log\n"
+        "118,c,0.5,GPT-4,417,276,693,Conversation log\n"
+    )
+    assert workloads.read_azure(burst, 1) == [
+        AzureRecord(40.5, 1087, 230),
+        AzureRecord(113.0, 417, 276),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        (
+            "time,in,out\n1,2,3\n",
+            "line 1: columns 'time,in,out': expected Azure's "
+            "TIMESTAMP,ContextTokens,GeneratedTokens or BurstGPT's Timestamp,Request tokens,"
+            "Response tokens",
+        ),
+        (
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00,1,2\n2024-05-10,1,2\n",
+            "line 3: timestamp '2024-05-10' is not YYYY-MM-DD HH:MM:SS[.fraction][+HH:MM]",
+        ),
+        (
+            "Timestamp,Request tokens,Response tokens\n1,2\n",
+            "line 2: no value in column 'Response tokens'",
+        ),
+        (
+            "Timestamp,Request tokens,Response tokens\nnan,2,3\n",
+            "line 2: timestamp 'nan' is not a number of seconds",
+        ),
+    ],
+)
+def test_a_csv_trace_that_is_not_one_is_named_by_line_and_column(
+    tmp_path: Path, text: str, error: str
+) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text(text)
+    with pytest.raises(ValueError, match=r"^line ") as raised:
+        workloads.read_azure(trace)
+    assert str(raised.value) == error
+
+
 def drive(engine: Engine, loop: VirtualLoop, tokens: tuple[int, ...]) -> None:
     """Serve one request on ``engine`` to completion in virtual time."""
     done: list[Event] = []

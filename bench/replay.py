@@ -4,23 +4,28 @@
 differs, and a configuration that wins there can lose on yours, so this
 runs any trace in Mooncake's format (one JSON object a line: ``timestamp``
 in ms, ``input_length``, ``output_length``, ``hash_ids`` of 512-token
-blocks), Azure's CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``, 2023 or
-2024) or BurstGPT's (``Timestamp,Model,Request tokens,Response tokens,...``)
-through the same virtual-time path (``bench.routing.simulate``: LWEPP's real
-pick path, 8 simulated Llama-3.1-8B engines on L4s), scaled as the
-benchmark scales its own (``bench.routing.FULL``), and prints each picker's
-TTFT against round-robin's and the oracle envelope's::
+blocks), Bailian's (the same fields with ``chat_id``, ``parent_chat_id``,
+``type`` and ``turn``; ``timestamp`` in seconds, 16-token blocks), Azure's
+CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``, 2023 or 2024) or
+BurstGPT's (``Timestamp,Model,Request tokens,Response tokens,...``) through
+the same virtual-time path (``bench.routing.simulate``: LWEPP's real pick
+path, 8 simulated Llama-3.1-8B engines on L4s), scaled as the benchmark
+scales its own (``bench.routing.FULL``), and prints each picker's TTFT
+against round-robin's and the oracle envelope's::
 
     python -m bench.replay conversation_trace.jsonl --start 3000 --count 1000
     python -m bench.replay my-trace.jsonl --config my-picker.yaml
-    python -m bench.replay BurstGPT_1.csv --time-scale 0.02
+    python -m bench.replay qwen_traceA_blksz_16.jsonl --start 20000
+    python -m bench.replay BurstGPT_1.csv --time-scale auto
 
-Traces differ in rate as much as in content: the arrival gaps are scaled by
-the benchmark's factor (0.1 for a CSV, 0.5 for Mooncake) unless
-``--time-scale`` gives another, and the first line printed gives the rate
-that results. Round-robin's p50 far above the others', or all pickers at the
-same TTFT, says the engines are saturated or idle there, where no picker
-can be judged.
+Traces differ in rate as much as in content. The arrival gaps are scaled
+by the benchmark's factor (0.1 for a CSV, 0.5 for Mooncake) unless
+``--time-scale`` gives another; ``auto``, Bailian's default, scales them
+to offer the engines 5,000 prompt tokens a second, about what the
+benchmark's factors give Mooncake's conversation trace. The first line
+printed gives the rate that results. Round-robin's p50 far above the
+others', or all pickers at the same TTFT, says the engines are saturated
+or idle there, where no picker can be judged.
 
 Each configuration file runs as an EndpointPickerConfig (the pipeline that
 ``python -m lwepp --config`` runs). Numbers depend only on the trace, the
@@ -31,12 +36,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
+from typing import Final
 
 from bench import workloads
 from bench.routing import FULL, ORACLES, Outcome, envelope, profile_for, simulate
+from bench.workloads import BAILIAN, Arrival, Replay
 from protos.logs import configure_logging
 
 WORKLOAD = "replay"
@@ -45,29 +53,63 @@ PICKERS = ("round-robin", "recommended", "precise", "prefix-aware")
 """What runs unless ``--picker`` names others; the oracles always run, for the envelope."""
 
 
+AUTO_TOKENS_PER_SECOND: Final = 5000.0
+"""What ``--time-scale auto`` offers the engines, in prompt tokens a second: about what the
+benchmark's factors give Mooncake's conversation trace (4,900 to 5,400 on its slices)."""
+BAILIAN_BLOCK_TOKENS: Final = 2
+"""Replayed tokens per 16-token Bailian block: lengths × 1/8, prompts of about the size
+the benchmark makes Mooncake's (Bailian's to-C trace averages 2,331 tokens a prompt)."""
+BAILIAN_REPLAY: Final = Replay(
+    length_scale=BAILIAN_BLOCK_TOKENS / BAILIAN.block_tokens,
+    output_scale=FULL.mooncake_replay.output_scale,
+    time_scale=1.0,
+    max_output=FULL.mooncake_replay.max_output,
+)
+"""Bailian's files differ fourfold in rate and sixfold in length from one another, so no
+one factor fits their arrival gaps: ``--time-scale auto`` is their default."""
+
+
 def arrivals(
-    path: Path, start: int, count: int, seed: int, time_scale: float | None = None
-) -> list[workloads.Arrival]:
-    """The slice ``[start, start + count)`` of the trace, scaled as the benchmark's own
-    (its arrival gaps by ``time_scale`` instead, when given)."""
+    path: Path, start: int, count: int, seed: int, time_scale: float | str | None = None
+) -> tuple[list[Arrival], float]:
+    """The slice ``[start, start + count)`` of the trace and the factor its gaps were scaled by.
+
+    The factor is ``time_scale`` when given, the benchmark's own for the format
+    otherwise (Bailian's: ``"auto"``); ``"auto"`` picks the one that offers
+    the engines ``AUTO_TOKENS_PER_SECOND`` prompt tokens a second.
+    """
+    build: Callable[[Replay], list[Arrival]]
     if path.suffix == ".csv":
         rows = workloads.read_azure(path, start, count)
-        azure = FULL.azure_replay
-        if time_scale is not None:
-            azure = replace(azure, time_scale=time_scale)
-        return workloads.azure(rows, azure, seed)
-    records = workloads.read_mooncake(path, start, count)
-    mooncake = FULL.mooncake_replay
-    if time_scale is not None:
-        mooncake = replace(mooncake, time_scale=time_scale)
-    return workloads.mooncake(records, FULL.mooncake_block_tokens, mooncake)
+        replay = FULL.azure_replay
+        build = partial(workloads.azure, rows, seed=seed)
+    else:
+        records = workloads.read_mooncake(path, start, count)
+        if workloads.hashed_format(path) is BAILIAN:
+            replay, block = BAILIAN_REPLAY, BAILIAN_BLOCK_TOKENS
+            time_scale = time_scale or "auto"
+        else:
+            replay, block = FULL.mooncake_replay, FULL.mooncake_block_tokens
+        build = partial(workloads.mooncake, records, block)
+    if time_scale == "auto":
+        unscaled = build(replace(replay, time_scale=1.0))
+        span = unscaled[-1].at - unscaled[0].at if unscaled else 0.0
+        tokens = sum(len(arrival.prompt_tokens) for arrival in unscaled)
+        time_scale = tokens / AUTO_TOKENS_PER_SECOND / span if span > 0 else 1.0
+    factor = replay.time_scale if time_scale is None else float(time_scale)
+    return build(replace(replay, time_scale=factor)), factor
 
 
-def rate(replayed: Sequence[workloads.Arrival]) -> str:
-    """How fast the slice arrives once scaled: its requests over the time they span."""
+def rate(replayed: Sequence[Arrival], factor: float) -> str:
+    """How fast the slice arrives once scaled: requests and prompt tokens a second."""
     span = replayed[-1].at - replayed[0].at
-    per_second = f"{(len(replayed) - 1) / span:.2f} requests/s" if span > 0 else "all at once"
-    return f"{per_second} over {span:.1f} s"
+    if span <= 0:
+        return "all at once"
+    tokens = sum(len(arrival.prompt_tokens) for arrival in replayed)
+    return (
+        f"{(len(replayed) - 1) / span:.2f} requests/s, {tokens / span:,.0f} prompt tokens/s "
+        f"over {span:.1f} s (gaps × {factor:.3g})"
+    )
 
 
 def table(outcomes: Sequence[Outcome], labels: Sequence[str]) -> list[str]:
@@ -100,9 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=0, help="the engines' and the Azure replay's seed (0)")
     add(
         "--time-scale",
-        type=float,
         metavar="F",
-        help="multiply the arrival gaps by F (the benchmark's: 0.1 for a CSV, 0.5 for Mooncake)",
+        help="multiply the arrival gaps by F, or 'auto': by what offers "
+        f"{AUTO_TOKENS_PER_SECOND:,.0f} prompt tokens/s (default: 0.1 for a CSV, 0.5 for "
+        "Mooncake, auto for Bailian)",
     )
     add(
         "--picker",
@@ -127,10 +170,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"python -m bench.replay: {args.trace}: no such file")
     if args.start < 0 or args.count < 1:
         sys.exit("python -m bench.replay: --start must be >= 0 and --count >= 1")
-    if args.time_scale is not None and not 0 < args.time_scale < float("inf"):
-        sys.exit("python -m bench.replay: --time-scale must be a number above 0")
     try:
-        replayed = arrivals(args.trace, args.start, args.count, args.seed, args.time_scale)
+        time_scale = (
+            args.time_scale if args.time_scale in (None, "auto") else float(args.time_scale)
+        )
+    except ValueError:
+        time_scale = 0.0
+    if isinstance(time_scale, float) and not 0 < time_scale < float("inf"):
+        sys.exit("python -m bench.replay: --time-scale must be a number above 0, or auto")
+    try:
+        replayed, factor = arrivals(args.trace, args.start, args.count, args.seed, time_scale)
     except ValueError as error:
         sys.exit(f"python -m bench.replay: {args.trace}: {error}")
     if not replayed:
@@ -145,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for _, strategy, config in runs
     ]
     last = args.start + len(replayed) - 1
-    print(f"{args.trace.name}: records {args.start}-{last}, {rate(replayed)}")
+    print(f"{args.trace.name}: records {args.start}-{last}, {rate(replayed, factor)}")
     print("\n".join(table(outcomes, [label for label, _, _ in runs])))
 
 

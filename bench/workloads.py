@@ -265,11 +265,46 @@ class AzureRecord:
     generated_tokens: int
 
 
-def read_mooncake(path: Path, start: int = 0, count: int | None = None) -> list[MooncakeRecord]:
-    """Records ``start`` to ``start + count`` of a Mooncake JSONL trace, in file order.
+@dataclass(frozen=True, slots=True)
+class HashedFormat:
+    """A JSONL trace of prompt block hashes: what one hash id stands for, and the clock."""
 
+    name: str
+    block_tokens: int
+    """Tokens of the original prompt each hash id covers."""
+    timestamp_ms: float
+    """Milliseconds in one unit of the records' ``timestamp``."""
+
+
+MOONCAKE: Final = HashedFormat("Mooncake", 512, 1.0)
+"""kvcache-ai/Mooncake's FAST'25 traces: ``timestamp`` in ms, 512-token blocks."""
+BAILIAN: Final = HashedFormat("Bailian", 16, 1000.0)
+"""alibaba-edu/qwen-bailian-usagetraces-anon's: the same fields plus ``chat_id``,
+``parent_chat_id``, ``type`` and ``turn``; ``timestamp`` in seconds, 16-token blocks."""
+
+
+def hashed_format(path: Path) -> HashedFormat:
+    """Bailian's when the first record names a ``parent_chat_id``, Mooncake's otherwise."""
+    with path.open("rb") as lines:
+        for line in lines:
+            if line.strip():
+                try:
+                    first = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    return MOONCAKE  # read_mooncake names the line
+                return (
+                    BAILIAN if isinstance(first, dict) and "parent_chat_id" in first else MOONCAKE
+                )
+    return MOONCAKE
+
+
+def read_mooncake(path: Path, start: int = 0, count: int | None = None) -> list[MooncakeRecord]:
+    """Records ``start`` to ``start + count`` of a Mooncake or Bailian JSONL trace, in file order.
+
+    Timestamps come back in milliseconds whichever the format (``hashed_format``).
     A line that is not such a record is a ``ValueError`` naming the line and the field.
     """
+    unit = hashed_format(path).timestamp_ms
     records: list[MooncakeRecord] = []
     with path.open("rb") as lines:
         for index, line in enumerate(lines):
@@ -281,7 +316,7 @@ def read_mooncake(path: Path, start: int = 0, count: int | None = None) -> list[
                 row = orjson.loads(line)
                 records.append(
                     MooncakeRecord(
-                        float(row["timestamp"]),
+                        float(row["timestamp"]) * unit,
                         int(row["input_length"]),
                         int(row["output_length"]),
                         tuple(int(h) for h in row["hash_ids"]),
@@ -409,13 +444,14 @@ def mooncake(records: Sequence[MooncakeRecord], block_tokens: int, replay: Repla
 
     The prompt is the blocks of the request's ``hash_ids`` in order, cut to
     its scaled ``input_length`` (the trace's last block is usually partial).
-    ``replay.length_scale`` should be ``block_tokens / 512``. The group is the
+    ``replay.length_scale`` should be ``block_tokens`` over the tokens a hash id covers
+    in the trace (512 in Mooncake's, 16 in Bailian's). The group is the
     first hash id (requests with the same first block share at least it).
     """
     if not records:
         return []
     blocks: dict[int, tuple[str, tuple[int, ...]]] = {}
-    t0 = records[0].timestamp_ms
+    t0 = min(record.timestamp_ms for record in records)
     arrivals = []
     for n, record in enumerate(records):
         texts: list[str] = []
@@ -459,7 +495,7 @@ def azure(records: Sequence[AzureRecord], replay: Replay, seed: int = 0) -> list
     """Completions requests replaying ``records``, each prompt a fresh text of its scaled length."""
     if not records:
         return []
-    t0 = records[0].at
+    t0 = min(record.at for record in records)
     arrivals = []
     for n, record in enumerate(records):
         length = _scaled(record.context_tokens, replay.length_scale)

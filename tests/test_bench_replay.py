@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 import structlog
 
-from bench import replay
+from bench import replay, workloads
 from bench.routing import AZURE_FILE, MOONCAKE_FILE, TRACES
 
 
@@ -31,7 +32,7 @@ def test_a_slice_of_a_trace_is_judged_against_round_robin_and_the_envelope(
         replay.main([*args, "--picker", "precise"])
         replay.main([*args, "--config", str(config)])
     first, second = re.split(
-        rf"{trace}: records 10-69, .* requests/s over .* s\n", capsys.readouterr().out
+        rf"{trace}: records 10-69, .* prompt tokens/s over .*\n", capsys.readouterr().out
     )[1:]
     found = rows(f"{trace}\n" + first)
     assert list(found) == ["round-robin", "precise", "oracle-lookahead", "oracle-estimate"]
@@ -60,7 +61,7 @@ def test_the_rate_is_printed_and_time_scale_changes_it(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """The first line gives the scaled rate; ``--time-scale`` replaces the benchmark's factor
-    (0.1 for a CSV): twice the factor, half the rate."""
+    (0.1 for a CSV): twice the factor, half the rate; ``auto`` offers 5,000 prompt tokens/s."""
     trace = tmp_path / "burst.csv"
     trace.write_text(
         "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
@@ -69,19 +70,82 @@ def test_the_rate_is_printed_and_time_scale_changes_it(
         )
     )
     with structlog.testing.capture_logs():
-        replay.main([str(trace), "--picker", "round-robin"])
-        replay.main([str(trace), "--picker", "round-robin", "--time-scale", "0.2"])
-    first, second = (
+        for scale in (None, "0.2", "auto"):
+            more = [] if scale is None else ["--time-scale", scale]
+            replay.main([str(trace), "--picker", "round-robin", *more])
+    first, second, auto = (
         line for line in capsys.readouterr().out.splitlines() if line.startswith("burst.csv")
     )
-    # 51 rows, 5 of them failed (0 response tokens), 100 s from the first to the last
-    assert first == "burst.csv: records 0-45, 4.50 requests/s over 10.0 s"
-    assert second == "burst.csv: records 0-45, 2.25 requests/s over 20.0 s"
+    # 51 rows, 5 of them failed (0 response tokens), 100 s from the first to the last;
+    # prompts of 200-250 tokens become 13-16 (× 1/16): 668 in all
+    assert first == (
+        "burst.csv: records 0-45, 4.50 requests/s, 67 prompt tokens/s over 10.0 s (gaps × 0.1)"
+    )
+    assert second == (
+        "burst.csv: records 0-45, 2.25 requests/s, 33 prompt tokens/s over 20.0 s (gaps × 0.2)"
+    )
+    assert auto == (
+        "burst.csv: records 0-45, 336.83 requests/s, 5,000 prompt tokens/s over 0.1 s "
+        "(gaps × 0.00134)"
+    )
 
 
-@pytest.mark.parametrize("scale", ["0", "-1", "inf", "nan"])
-def test_a_time_scale_that_is_not_positive_is_refused(scale: str, tmp_path: Path) -> None:
+def bailian(sessions: int) -> str:
+    """A trace in Bailian's format: sessions of three turns, 60 s apart, each turn resending
+    the conversation so far; every session starts with the same system block."""
+    lines = []
+    chat = 0
+    for session in range(sessions):
+        blocks = [0]
+        parent = -1
+        for turn in range(1, 4):
+            blocks += [1000 * (session + 1) + len(blocks) + n for n in range(20)]
+            record = {
+                "chat_id": chat,
+                "parent_chat_id": parent,
+                "timestamp": round(session * 1.5 + (turn - 1) * 60.0, 3),
+                "input_length": len(blocks) * 16 - 5,
+                "output_length": 100,
+                "type": "text",
+                "turn": turn,
+                "hash_ids": list(blocks),
+            }
+            lines.append(json.dumps(record))
+            parent, chat = chat, chat + 1
+    return "\n".join(sorted(lines, key=lambda line: json.loads(line)["timestamp"])) + "\n"
+
+
+def test_a_bailian_trace_is_read_in_seconds_and_16_token_blocks(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Bailian's records (``parent_chat_id`` present) are timed in seconds and hash 16-token
+    blocks; with no factor of its own, the replay offers 5,000 prompt tokens/s, and a later
+    turn finds its conversation where the earlier one went."""
+    trace = tmp_path / "qwen_traceA_blksz_16.jsonl"
+    trace.write_text(bailian(20))
+    assert workloads.hashed_format(trace) is workloads.BAILIAN
+    assert [r.timestamp_ms for r in workloads.read_mooncake(trace, 0, 3)] == [0.0, 1500.0, 3000.0]
+    with structlog.testing.capture_logs():
+        replay.main([str(trace), "--picker", "round-robin", "--picker", "recommended"])
+    out = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(
+        r"qwen_traceA_blksz_16.jsonl: records 0-59, [0-9.]+ requests/s, 5,000 prompt tokens/s "
+        r"over [0-9.]+ s \(gaps × [0-9.]+\)",
+        out[0],
+    )
+    found = rows("\n".join(out))
+    assert found["recommended"][5] > found["round-robin"][5] + 0.2  # hit rate
+    # the longest prompt, 61 blocks of 16 tokens less 5 (971), is replayed as 122 (× 1/8)
+    replayed, _ = replay.arrivals(trace, 0, 60, 0)
+    assert max(len(arrival.prompt_tokens) for arrival in replayed) == 122
+
+
+@pytest.mark.parametrize("scale", ["0", "-1", "inf", "nan", "fast"])
+def test_a_time_scale_that_is_not_positive_is_refused(scale: str) -> None:
+    """A factor of 0 would put every request at once; a negative one, or none, is no time."""
     trace = Path(TRACES / AZURE_FILE)
     with pytest.raises(SystemExit) as stopped:
         replay.main([str(trace), "--time-scale", scale])
-    assert str(stopped.value) == "python -m bench.replay: --time-scale must be a number above 0"
+    assert str(stopped.value) == (
+        "python -m bench.replay: --time-scale must be a number above 0, or auto"
+    )

@@ -220,6 +220,8 @@ def test_csv_traces_in_azure_2024_and_burstgpt_columns(tmp_path: Path) -> None:
 def test_a_csv_trace_that_is_not_one_is_named_by_line_and_column(
     tmp_path: Path, text: str, error: str
 ) -> None:
+    """Columns of neither format, a timestamp of neither, a short row: each stops the read
+    with the line and what is wrong with it."""
     trace = tmp_path / "t.csv"
     trace.write_text(text)
     with pytest.raises(ValueError, match=r"^line ") as raised:

@@ -7,7 +7,8 @@ in ms, ``input_length``, ``output_length``, ``hash_ids`` of 512-token
 blocks), Bailian's (the same fields with ``chat_id``, ``parent_chat_id``,
 ``type`` and ``turn``; ``timestamp`` in seconds, 16-token blocks), Azure's
 CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``, 2023 or 2024) or
-BurstGPT's (``Timestamp,Model,Request tokens,Response tokens,...``) through
+BurstGPT's (``Timestamp,Model,Request tokens,Response tokens,...``), plain
+or compressed (``.gz``, ``.xz``, ``.bz2``), through
 the same virtual-time path (``bench.routing.simulate``: LWEPP's real pick
 path, 8 simulated Llama-3.1-8B engines on L4s), scaled as the benchmark
 scales its own (``bench.routing.FULL``), and prints each picker's TTFT
@@ -79,7 +80,7 @@ def arrivals(
     the engines ``AUTO_TOKENS_PER_SECOND`` prompt tokens a second.
     """
     build: Callable[[Replay], list[Arrival]]
-    if path.suffix == ".csv":
+    if workloads.trace_suffix(path) == ".csv":
         rows = workloads.read_azure(path, start, count)
         replay = FULL.azure_replay
         build = partial(workloads.azure, rows, seed=seed)
@@ -180,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit("python -m bench.replay: --time-scale must be a number above 0, or auto")
     try:
         replayed, factor = arrivals(args.trace, args.start, args.count, args.seed, time_scale)
-    except ValueError as error:
+    except workloads.UNREADABLE as error:
         sys.exit(f"python -m bench.replay: {args.trace}: {error}")
     if not replayed:
         sys.exit(f"python -m bench.replay: {args.trace}: no records from {args.start}")

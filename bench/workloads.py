@@ -42,16 +42,19 @@ Chat prompts are tokenized as the simulator's OpenAI server renders them: one
 
 from __future__ import annotations
 
+import bz2
 import csv
+import gzip
 import hashlib
+import lzma
 import math
 import random
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, Final
+from typing import IO, Any, Final
 
 import orjson
 
@@ -283,9 +286,33 @@ BAILIAN: Final = HashedFormat("Bailian", 16, 1000.0)
 ``parent_chat_id``, ``type`` and ``turn``; ``timestamp`` in seconds, 16-token blocks."""
 
 
+COMPRESSED: Final[Mapping[str, Callable[..., IO[Any]]]] = {
+    ".gz": gzip.open,
+    ".xz": lzma.open,
+    ".bz2": bz2.open,
+}
+"""Traces are often kept compressed: a file ending so is read through its decompressor."""
+
+
+UNREADABLE: Final = (ValueError, csv.Error, OSError, EOFError, lzma.LZMAError)
+"""What reading a file that is not a trace raises (a bad record names its line; a damaged
+archive, or a file that is not one, speaks for itself)."""
+
+
+def open_trace(path: Path, mode: str = "rb", **options: Any) -> IO[Any]:
+    """``path`` opened for reading, decompressed when its name ends ``.gz``, ``.xz`` or ``.bz2``."""
+    opener = COMPRESSED.get(path.suffix)
+    return opener(path, mode, **options) if opener else path.open(mode, **options)
+
+
+def trace_suffix(path: Path) -> str:
+    """The suffix saying what the trace is (``.csv``, ``.jsonl``), under any compression's."""
+    return Path(path.stem).suffix if path.suffix in COMPRESSED else path.suffix
+
+
 def hashed_format(path: Path) -> HashedFormat:
     """Bailian's when the first record names a ``parent_chat_id``, Mooncake's otherwise."""
-    with path.open("rb") as lines:
+    with open_trace(path) as lines:
         for line in lines:
             if line.strip():
                 try:
@@ -306,7 +333,7 @@ def read_mooncake(path: Path, start: int = 0, count: int | None = None) -> list[
     """
     unit = hashed_format(path).timestamp_ms
     records: list[MooncakeRecord] = []
-    with path.open("rb") as lines:
+    with open_trace(path) as lines:
         for index, line in enumerate(lines):
             if index < start or not line.strip():
                 continue
@@ -348,7 +375,7 @@ def read_azure(path: Path, start: int = 0, count: int | None = None) -> list[Azu
     """
     records: list[AzureRecord] = []
     first: datetime | None = None
-    with path.open(newline="") as file:
+    with open_trace(path, "rt", newline="") as file:
         rows = csv.DictReader(file)
         header = rows.fieldnames or []
         if all(column in header for column in AZURE_COLUMNS):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
+import lzma
 import re
 from pathlib import Path
 
@@ -149,3 +152,31 @@ def test_a_time_scale_that_is_not_positive_is_refused(scale: str) -> None:
     assert str(stopped.value) == (
         "python -m bench.replay: --time-scale must be a number above 0, or auto"
     )
+
+
+def test_a_compressed_trace_is_read_as_the_plain_one(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``.gz``, ``.xz`` and ``.bz2`` files replay as their contents would; one that is not
+    what its name says stops with the file and the decompressor's complaint."""
+    for trace in (MOONCAKE_FILE, AZURE_FILE):
+        plain = (TRACES / trace).read_bytes()
+        for suffix, compress in (
+            (".gz", gzip.compress),
+            (".xz", lzma.compress),
+            (".bz2", bz2.compress),
+        ):
+            packed = tmp_path / f"{trace}{suffix}"
+            packed.write_bytes(compress(plain))
+            with structlog.testing.capture_logs():
+                replay.main([str(packed), "--count", "30", "--picker", "round-robin"])
+                replay.main([str(TRACES / trace), "--count", "30", "--picker", "round-robin"])
+            out = capsys.readouterr().out
+            packed_report, plain_report = out.split(f"{trace}{suffix}: ")[1].split(f"{trace}: ")
+            assert packed_report.startswith("records 0-29, ")
+            assert packed_report == plain_report
+    broken = tmp_path / "trace.jsonl.gz"
+    broken.write_bytes(b"not gzip at all")
+    with pytest.raises(SystemExit) as stopped:
+        replay.main([str(broken)])
+    assert str(stopped.value).startswith(f"python -m bench.replay: {broken}: Not a gzipped file")

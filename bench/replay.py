@@ -8,11 +8,11 @@ blocks), Bailian's (the same fields with ``chat_id``, ``parent_chat_id``,
 ``type`` and ``turn``; ``timestamp`` in seconds, 16-token blocks), Azure's
 CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``, 2023 or 2024) or
 BurstGPT's (``Timestamp,Model,Request tokens,Response tokens,...``), plain
-or compressed (``.gz``, ``.xz``, ``.bz2``), through
-the same virtual-time path (``bench.routing.simulate``: LWEPP's real pick
-path, 8 simulated Llama-3.1-8B engines on L4s), scaled as the benchmark
-scales its own (``bench.routing.FULL``), and prints each picker's TTFT
-against round-robin's and the oracle envelope's::
+or compressed (``.gz``, ``.xz``, ``.bz2``), through the same virtual-time
+path (``bench.routing.simulate``: LWEPP's real pick path, 8 simulated
+Llama-3.1-8B engines on L4s), scaled as the benchmark scales its own
+(``bench.routing.FULL``), and prints each picker's TTFT against
+round-robin's and the oracle envelope's::
 
     python -m bench.replay conversation_trace.jsonl --start 3000 --count 1000
     python -m bench.replay my-trace.jsonl --config my-picker.yaml
@@ -137,7 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m bench.replay", description=__doc__.split("\n")[0]
     )
     add = parser.add_argument
-    add("trace", type=Path, help="a Mooncake-format .jsonl or an Azure-format .csv trace")
+    add(
+        "trace",
+        type=Path,
+        help="a Mooncake or Bailian .jsonl, or an Azure or BurstGPT .csv (.gz, .xz, .bz2 too)",
+    )
     add("--start", type=int, default=0, help="first record of the slice (0)")
     add("--count", type=int, default=1000, help="records in the slice (1000)")
     add("--seed", type=int, default=0, help="the engines' and the Azure replay's seed (0)")

@@ -272,16 +272,15 @@ class AzureRecord:
 class HashedFormat:
     """A JSONL trace of prompt block hashes: what one hash id stands for, and the clock."""
 
-    name: str
     block_tokens: int
     """Tokens of the original prompt each hash id covers."""
     timestamp_ms: float
     """Milliseconds in one unit of the records' ``timestamp``."""
 
 
-MOONCAKE: Final = HashedFormat("Mooncake", 512, 1.0)
+MOONCAKE: Final = HashedFormat(512, 1.0)
 """kvcache-ai/Mooncake's FAST'25 traces: ``timestamp`` in ms, 512-token blocks."""
-BAILIAN: Final = HashedFormat("Bailian", 16, 1000.0)
+BAILIAN: Final = HashedFormat(16, 1000.0)
 """alibaba-edu/qwen-bailian-usagetraces-anon's: the same fields plus ``chat_id``,
 ``parent_chat_id``, ``type`` and ``turn``; ``timestamp`` in seconds, 16-token blocks."""
 
@@ -436,10 +435,10 @@ def _azure_time(text: str) -> datetime:
 
 def _seconds(text: str) -> datetime:
     """BurstGPT's timestamp, seconds from the trace's start, on the same clock as Azure's."""
-    seconds = float(text)
-    if not math.isfinite(seconds):
-        raise ValueError(f"timestamp {text!r} is not a number of seconds")
-    return _EPOCH + timedelta(seconds=seconds)
+    try:
+        return _EPOCH + timedelta(seconds=float(text))
+    except (ValueError, OverflowError):  # not a number, nan, or past datetime's years
+        raise ValueError(f"timestamp {text!r} is not a number of seconds") from None
 
 
 @dataclass(frozen=True, slots=True)

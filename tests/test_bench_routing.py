@@ -215,6 +215,14 @@ def test_csv_traces_in_azure_2024_and_burstgpt_columns(tmp_path: Path) -> None:
             "Timestamp,Request tokens,Response tokens\nnan,2,3\n",
             "line 2: timestamp 'nan' is not a number of seconds",
         ),
+        (
+            "Timestamp,Request tokens,Response tokens\n1e300,2,3\n",
+            "line 2: timestamp '1e300' is not a number of seconds",
+        ),
+        (
+            "Timestamp,Request tokens,Response tokens\nnoon,2,3\n",
+            "line 2: timestamp 'noon' is not a number of seconds",
+        ),
     ],
 )
 def test_a_csv_trace_that_is_not_one_is_named_by_line_and_column(

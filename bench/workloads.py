@@ -309,8 +309,12 @@ def trace_suffix(path: Path) -> str:
     return Path(path.stem).suffix if path.suffix in COMPRESSED else path.suffix
 
 
+_SESSION_FIELDS: Final = frozenset({"chat_id", "parent_chat_id"})
+
+
 def hashed_format(path: Path) -> HashedFormat:
-    """Bailian's when the first record names a ``parent_chat_id``, Mooncake's otherwise."""
+    """Bailian's when the first record has a ``chat_id`` or a ``parent_chat_id`` (replayers
+    treat the second as optional in a session's first turn), Mooncake's otherwise."""
     with open_trace(path) as lines:
         for line in lines:
             if line.strip():
@@ -319,7 +323,9 @@ def hashed_format(path: Path) -> HashedFormat:
                 except orjson.JSONDecodeError:
                     return MOONCAKE  # read_mooncake names the line
                 return (
-                    BAILIAN if isinstance(first, dict) and "parent_chat_id" in first else MOONCAKE
+                    BAILIAN
+                    if isinstance(first, dict) and _SESSION_FIELDS & first.keys()
+                    else MOONCAKE
                 )
     return MOONCAKE
 

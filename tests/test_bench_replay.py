@@ -127,6 +127,12 @@ def test_a_bailian_trace_is_read_in_seconds_and_16_token_blocks(
     trace = tmp_path / "qwen_traceA_blksz_16.jsonl"
     trace.write_text(bailian(20))
     assert workloads.hashed_format(trace) is workloads.BAILIAN
+    root_only = tmp_path / "roots.jsonl"  # a first turn may leave parent_chat_id out
+    root_only.write_text(
+        '{"chat_id": 1, "timestamp": 0.5, "input_length": 20, "output_length": 2, "hash_ids": [7, 8]}\n'
+    )
+    assert workloads.hashed_format(root_only) is workloads.BAILIAN
+    assert workloads.hashed_format(TRACES / MOONCAKE_FILE) is workloads.MOONCAKE
     assert [r.timestamp_ms for r in workloads.read_mooncake(trace, 0, 3)] == [0.0, 1500.0, 3000.0]
     with structlog.testing.capture_logs():
         replay.main([str(trace), "--picker", "round-robin", "--picker", "recommended"])

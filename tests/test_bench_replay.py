@@ -121,7 +121,7 @@ def bailian(sessions: int) -> str:
 def test_a_bailian_trace_is_read_in_seconds_and_16_token_blocks(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """Bailian's records (``parent_chat_id`` present) are timed in seconds and hash 16-token
+    """Bailian's records (known by ``chat_id``) are timed in seconds and hash 16-token
     blocks; with no factor of its own, the replay offers 5,000 prompt tokens/s, and a later
     turn finds its conversation where the earlier one went."""
     trace = tmp_path / "qwen_traceA_blksz_16.jsonl"

@@ -85,8 +85,9 @@ def arrivals(
         replay = FULL.azure_replay
         build = partial(workloads.azure, rows, seed=seed)
     else:
-        records = workloads.read_mooncake(path, start, count)
-        if workloads.hashed_format(path) is BAILIAN:
+        form = workloads.hashed_format(path)
+        records = workloads.read_mooncake(path, start, count, form)
+        if form is BAILIAN:
             replay, block = BAILIAN_REPLAY, BAILIAN_BLOCK_TOKENS
             time_scale = time_scale or "auto"
         else:

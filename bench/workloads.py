@@ -330,13 +330,16 @@ def hashed_format(path: Path) -> HashedFormat:
     return MOONCAKE
 
 
-def read_mooncake(path: Path, start: int = 0, count: int | None = None) -> list[MooncakeRecord]:
+def read_mooncake(
+    path: Path, start: int = 0, count: int | None = None, form: HashedFormat | None = None
+) -> list[MooncakeRecord]:
     """Records ``start`` to ``start + count`` of a Mooncake or Bailian JSONL trace, in file order.
 
-    Timestamps come back in milliseconds whichever the format (``hashed_format``).
-    A line that is not such a record is a ``ValueError`` naming the line and the field.
+    Timestamps come back in milliseconds whichever the format (``form``, or
+    ``hashed_format``'s answer when not given). A line that is not such a
+    record is a ``ValueError`` naming the line and the field.
     """
-    unit = hashed_format(path).timestamp_ms
+    unit = (form or hashed_format(path)).timestamp_ms
     records: list[MooncakeRecord] = []
     with open_trace(path) as lines:
         for index, line in enumerate(lines):

@@ -151,7 +151,8 @@ def test_a_bailian_trace_is_read_in_seconds_and_16_token_blocks(
 
 @pytest.mark.parametrize("scale", ["0", "-1", "inf", "nan", "fast"])
 def test_a_time_scale_that_is_not_positive_is_refused(scale: str) -> None:
-    """A factor of 0 would put every request at once; a negative one, or none, is no time."""
+    """A factor of 0 would put every request at once; a negative one, inf, nan or a word
+    other than auto is no factor at all."""
     trace = Path(TRACES / AZURE_FILE)
     with pytest.raises(SystemExit) as stopped:
         replay.main([str(trace), "--time-scale", scale])

@@ -505,8 +505,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         load_pods(args.pods)  # fail fast on a broken file
         source.reload()
-        for name, _ in args.pools:  # a typo in a name: every request of its models gets 503
-            if not Pool(source, {args.pool_label: name}).endpoints:
+        for name, models in args.pools:  # a typo in a name: every request of its models gets 503
+            if not built[0].pickers[models[0]].pool.endpoints:  # the pool build() made
                 selector = f"{args.pool_label}={name}"
                 log.warning("no pod matches the pool", pool=name, pods=args.pods, selector=selector)
         tls = server_tls(args)

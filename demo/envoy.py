@@ -18,12 +18,13 @@ filter placed just before the router is the first to see the response.
    reads with the response headers: the GIE protocol's "the data plane
    reports the endpoint that actually served the request".
 
-Two kinds of answer come from the gateway itself, as OpenAI-style JSON
-errors or lists (``protos.exchange.error_body``): ``GET /v1/models`` and
-``/v1/models/{id}`` (the union of the models the pools serve, answered by
-Envoy without calling any service) and the 404s for a model no pool serves;
-and Envoy's own failures (a replica that refuses connections, a service that
-is down), rewritten by the HCM's ``local_reply_config``.
+Some answers come from the gateway itself, without calling any service:
+``/health`` (200, empty, as vLLM answers it); and, as OpenAI-style JSON
+errors or lists (``protos.exchange.error_body``), ``GET /v1/models`` and
+``/v1/models/{id}`` (the union of the models the pools serve) and the 404s
+for a model no pool serves; and Envoy's own failures (a replica that
+refuses connections, a service that is down), rewritten by the HCM's
+``local_reply_config``.
 
 The module aliases follow Envoy's type names (``cluster.Cluster`` is
 ``envoy.config.cluster.v3.Cluster``), so each object can be looked up in
@@ -83,6 +84,9 @@ ROUTE_TIMEOUT: Final = timedelta(seconds=300)
 
 MODELS_PATH: Final = "/v1/models"
 """OpenAI's model list (``GET``); ``/v1/models/{id}`` is one model's card."""
+
+HEALTH_PATH: Final = "/health"
+"""Where vLLM, SGLang and their routers answer 200 when up; load generators ask it first."""
 
 MESSAGE_TIMEOUT: Final = timedelta(seconds=2)
 """How long Envoy waits for an ext_proc reply it times (Envoy's default is 200 ms).
@@ -700,6 +704,24 @@ def model_routes(
     return routes
 
 
+def health_route(front: str = "bbr") -> route.Route:
+    """``/health``: 200 with an empty body, from Envoy itself, as vLLM answers it.
+
+    Benchmark clients ask it before they start (guidellm's backend check is a
+    ``GET /health``, and stops the run on anything but 2xx); vLLM, SGLang,
+    vllm-router and sglang-router all serve it. Here it says the gateway is up
+    and routing: it calls no service and names no replica. Whether each
+    pool has replicas to pick is its picker's to say (its gRPC health, its
+    ``ready_endpoints`` gauge); a model's own requests get 503 when none is.
+    """
+    return route.Route(
+        name="health",
+        match=route.RouteMatch(path=HEALTH_PATH),
+        direct_response=route.DirectResponseAction(status=200),
+        typed_per_filter_config=bbr_off(front),
+    )
+
+
 def served_endpoint_header() -> core.HeaderValueOption:
     """For a virtual host's ``response_headers_to_add``: the address that really served.
 
@@ -716,10 +738,11 @@ def served_endpoint_header() -> core.HeaderValueOption:
 def route_config(
     pools: Sequence[GatewayPool], created: int = 0, *, one_hop: bool = False
 ) -> route.RouteConfiguration:
-    """The model list, the pool routes by model, then the two 404s; Envoy takes the first
-    route that matches. ``one_hop``: no picker to switch on or off per route; the model
-    list switches the one-hop filter off, as it does BBR."""
-    routes = model_routes(pools, created, ONE_HOP if one_hop else "bbr")
+    """``/health``, the model list, the pool routes by model, then the two 404s; Envoy takes
+    the first route that matches. ``one_hop``: no picker to switch on or off per route; the
+    gateway's own answers switch the one-hop filter off, as they do BBR."""
+    front = ONE_HOP if one_hop else "bbr"
+    routes = [health_route(front), *model_routes(pools, created, front)]
     routes += [r for pool in pools for r in _pool_routes(pool, one_hop)]
     served = f"GET {MODELS_PATH} lists the served ones"
     unknown = f"no pool serves model '%REQ({MODEL_HEADER})%' ({served})"

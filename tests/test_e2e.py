@@ -238,6 +238,15 @@ def test_the_gateway_answers_the_model_list_and_each_model(gateway: Topology) ->
     assert "'/v1/models/gpt-9'" in error["message"]
 
 
+def test_health_is_answered_by_the_gateway_without_calling_bbr(gateway: Topology) -> None:
+    """GET /health, which load generators ask before they start (guidellm stops on a 404),
+    is 200 with an empty body, as vLLM answers it; no BBR stream is opened for it."""
+    before = envoy_stats(gateway)["http.gateway.ext_proc.bbr.streams_started"]
+    answer = get(gateway.url + "/health")
+    assert (answer.status, answer.body) == (200, b"")
+    assert envoy_stats(gateway)["http.gateway.ext_proc.bbr.streams_started"] == before
+
+
 def test_fail_open_pool_serves_without_its_picker_fail_close_pool_does_not(
     own_gateway: Topology,
 ) -> None:

@@ -93,11 +93,14 @@ def test_requests_no_pool_serves_get_404_model_not_found(
 
 
 def test_the_model_list_is_answered_without_the_one_hop(gateway: Topology) -> None:
-    """GET /v1/models is Envoy's own answer: the one-hop filter is off on that route."""
+    """GET /v1/models and GET /health are Envoy's own answers: the one-hop filter is off on
+    those routes."""
     before = envoy_stats(gateway)["http.gateway.ext_proc.onehop.streams_started"]
     listing = get(gateway.url + "/v1/models")
     assert listing.status == 200
     assert [card["id"] for card in listing.json()["data"]] == ["model-a", "model-b"]
+    health = get(gateway.url + "/health")
+    assert (health.status, health.body) == (200, b"")
     assert envoy_stats(gateway)["http.gateway.ext_proc.onehop.streams_started"] == before
 
 

@@ -175,6 +175,7 @@ def test_routes_by_model_with_fail_open_fallback_then_404s(config: dict[str, Any
     """Order matters: Envoy takes the first match, so the catch-alls come last."""
     table = routes(config)
     assert list(table) == [
+        "health",
         "models",
         "models/model-a",
         "models/model-b",
@@ -203,6 +204,17 @@ def test_routes_by_model_with_fail_open_fallback_then_404s(config: dict[str, Any
         assert set(body["error"]) == {"message", "type", "code"}
         assert body["error"]["code"] == "model_not_found"
         assert "GET /v1/models" in body["error"]["message"]
+
+
+def test_health_is_envoys_own_200_before_any_other_route(config: dict[str, Any]) -> None:
+    """/health is the first route: a 200 Envoy answers itself, with BBR off, so a load
+    generator's start-up check (guidellm's GET /health) passes without a model."""
+    (host,) = manager(config)["route_config"]["virtual_hosts"]
+    first = host["routes"][0]
+    assert first["name"] == "health"
+    assert first["match"] == {"path": "/health"}
+    assert first["direct_response"] == {"status": 200}
+    assert set(first["typed_per_filter_config"]) == {"bbr"}
 
 
 def test_the_gateway_lists_the_pools_models_itself_with_bbr_off(config: dict[str, Any]) -> None:
@@ -408,6 +420,7 @@ def test_one_hop_puts_one_ext_proc_filter_where_bbr_and_the_pickers_were() -> No
     assert clusters == {"onehop", "pool-a", "pool-b", "pool-b-fallback"}
     found = routes(config)
     assert set(found["models"]["typed_per_filter_config"]) == {"onehop"}
+    assert set(found["health"]["typed_per_filter_config"]) == {"onehop"}
     assert found["a/model-a"].get("typed_per_filter_config", {}) == {}
 
 

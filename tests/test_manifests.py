@@ -153,11 +153,14 @@ ENVOY_GATEWAY = BASE | {
     ("HTTPRouteFilter", "models-llama-3-8b"),
     ("HTTPRouteFilter", "models-mistral-7b"),
     ("HTTPRouteFilter", "model-not-found"),
+    ("HTTPRoute", "health"),
+    ("HTTPRouteFilter", "health"),
 }
 ISTIO = BASE | {
     ("Gateway", "inference-gateway"),
     ("EnvoyFilter", "bbr"),
     ("EnvoyFilter", "models"),
+    ("EnvoyFilter", "health"),
     ("DestinationRule", "bbr"),
     ("DestinationRule", "lwepp-llama"),
     ("DestinationRule", "lwepp-mistral"),
@@ -342,6 +345,21 @@ def model_answers_istio() -> dict[tuple[str, str], tuple[int, Any]]:
         key = ("Exact" if kind == "path" else "PathPrefix", value)
         answers[key] = (direct["status"], body)
     return answers
+
+
+def test_each_gateway_answers_health_itself_with_an_empty_200() -> None:
+    """GET /health, which load generators ask before a run, is the gateway's own 200 with
+    no body in both overlays (as the demo answers it), not the catch-all no-model 404."""
+    eg = built("envoy-gateway")
+    [rule] = one(eg, "HTTPRoute", "health")["spec"]["rules"]
+    assert rule["matches"] == [{"path": {"type": "Exact", "value": "/health"}}]
+    ref = rule["filters"][0]["extensionRef"]
+    assert one(eg, ref["kind"], ref["name"])["spec"] == {"directResponse": {"statusCode": 200}}
+    [patch] = one(built("istio"), "EnvoyFilter", "health")["spec"]["configPatches"]
+    assert (patch["applyTo"], patch["patch"]["operation"]) == ("HTTP_ROUTE", "INSERT_FIRST")
+    route = patch["patch"]["value"]
+    assert route["match"] == {"path": "/health"}
+    assert route["direct_response"] == {"status": 200}
 
 
 @pytest.mark.parametrize(

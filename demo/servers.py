@@ -14,8 +14,8 @@ OpenAI API). Two things stand in for what Kubernetes would do for them:
 - **The readiness probe** (``Readiness``): the kubelet's job outside a
   cluster. Every ``interval`` seconds each endpoint is asked ``GET
   /v1/models`` (every OpenAI server serves it, and llama.cpp answers 503
-  while it loads); a pod is ready when all its ports answer 200 within
-  ``timeout``. The pickers read a pod file the probe writes, the user's with
+  while it loads); a pod is ready when all its ports answer 200 with a
+  model list within ``timeout``. The pickers read a pod file the probe writes, the user's with
   ``ready: false`` on the pods that are not ready, and reload it when it
   changes (``pods.file.FileSource``). A server that never answers is thus
   never picked, one that dies is dropped within about two seconds (a probe,
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import os
 import threading
 import urllib.error
@@ -47,20 +48,33 @@ from pods.model import Pod, join_host_port
 PROBE_PATH: Final = "/v1/models"
 PROBE_INTERVAL: Final = 1.0
 PROBE_TIMEOUT: Final = 2.0
+PROBE_MAX_BYTES: Final = 1 << 20
+"""The most of a model list the probe reads: a list of a thousand models fits many times."""
 CHECK_TIMEOUT: Final = 10.0
 """Seconds per request of the start check: a one-token completion on a busy CPU engine."""
 
 
 def probe(hostport: str, timeout: float = PROBE_TIMEOUT) -> str | None:
-    """None when ``GET /v1/models`` on ``hostport`` answers 200; else why not, in a few words."""
+    """None when ``GET /v1/models`` on ``hostport`` answers 200 with OpenAI's model list
+    (a JSON object with a ``data`` list); else why not, in a few words.
+
+    The body is read, not only the status: a port that answers anything with 200 (a
+    metrics exporter, a web page, a pod file pointing one port off) is no model
+    server, and every request a picker sent there would come back empty.
+    """
     try:
-        with urllib.request.urlopen(f"http://{hostport}{PROBE_PATH}", timeout=timeout):
-            return None
+        with urllib.request.urlopen(f"http://{hostport}{PROBE_PATH}", timeout=timeout) as page:
+            listing = json.loads(page.read(PROBE_MAX_BYTES))
     except urllib.error.HTTPError as error:
         return f"GET {PROBE_PATH} answered {error.code}"
-    except (OSError, ValueError) as error:
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return f"GET {PROBE_PATH} answered 200 with no JSON model list"
+    except OSError as error:
         reason = getattr(error, "reason", error)
         return f"unreachable ({reason})"
+    if not isinstance(listing, dict) or not isinstance(listing.get("data"), list):
+        return f"GET {PROBE_PATH} answered 200 with JSON that is not a model list (no 'data' list)"
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,10 +8,12 @@ demo starts; the gateway's pod file also names a server that is not there.
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +21,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from demo.servers import findings
+from demo.servers import findings, probe
 from demo.topology import HOST, Service, Topology, free_ports, listening_line, wait_for
 from lwepp.check_model_server import ApiCheck, Report
 from pods.file import dump_pods
@@ -209,3 +211,49 @@ def test_the_start_check_names_what_fails_of_a_server_that_answers(
     assert len(problems) == 1
     assert problems[0].startswith(problem)
     assert notes == ["lists my-model"]
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "verdict"),
+    [
+        (200, b'{"object": "list", "data": [{"id": "my-model"}]}', None),
+        (200, b'{"object": "list", "data": []}', None),
+        (200, b"# HELP up 1\nup 1\n", "GET /v1/models answered 200 with no JSON model list"),
+        (200, b"\xff\xfe", "GET /v1/models answered 200 with no JSON model list"),
+        (200, b'{"models": []}', "not a model list (no 'data' list)"),
+        (200, b"[]", "not a model list (no 'data' list)"),
+        (503, b"loading", "GET /v1/models answered 503"),
+    ],
+    ids=["list", "empty-list", "metrics-page", "not-utf8", "no-data", "json-array", "loading"],
+)
+def test_the_readiness_probe_wants_a_model_list_not_just_a_200(
+    status: int, body: bytes, verdict: str | None
+) -> None:
+    """A port is ready only when GET /v1/models answers 200 with OpenAI's list: a port
+    that answers anything 200 (a metrics exporter a pod file points at by mistake) would
+    otherwise draw every request and answer each with nothing."""
+
+    class Fixed(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer((HOST, 0), Fixed)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        found = probe(f"{HOST}:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    if verdict is None:
+        assert found is None
+    else:
+        assert found is not None
+        assert verdict in found

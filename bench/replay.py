@@ -23,8 +23,12 @@ Traces differ in rate as much as in content. The arrival gaps are scaled
 by the benchmark's factor (0.1 for a CSV, 0.5 for Mooncake) unless
 ``--time-scale`` gives another; ``auto``, Bailian's default, scales them
 to offer the engines 5,000 prompt tokens a second, about what the
-benchmark's factors give Mooncake's conversation trace. The first line
-printed gives the rate that results. Round-robin's p50 far above the
+benchmark's factors give Mooncake's conversation trace. ``--engines N``
+replays on a pool of N engines instead of 8 (a pool of your size: with 2
+replicas, a picker has less to choose from); the default factor and
+``auto`` then keep each engine's share of the load the benchmark's (gaps ×
+8/N; 625 prompt tokens a second an engine), and ``--time-scale F`` is taken
+as given. The first line printed gives the rate that results. Round-robin's p50 far above the
 others', or all pickers at the same TTFT, says the engines are saturated
 or idle there, where no picker can be judged.
 
@@ -44,7 +48,7 @@ from pathlib import Path
 from typing import Final
 
 from bench import workloads
-from bench.routing import FULL, ORACLES, Outcome, envelope, profile_for, simulate
+from bench.routing import ENGINES, FULL, ORACLES, Outcome, envelope, profile_for, simulate
 from bench.workloads import BAILIAN, Arrival, Replay
 from protos.logs import configure_logging
 
@@ -71,13 +75,20 @@ one factor fits their arrival gaps: ``--time-scale auto`` is their default."""
 
 
 def arrivals(
-    path: Path, start: int, count: int, seed: int, time_scale: float | str | None = None
+    path: Path,
+    start: int,
+    count: int,
+    seed: int,
+    time_scale: float | str | None = None,
+    engines: int = ENGINES,
 ) -> tuple[list[Arrival], float]:
     """The slice ``[start, start + count)`` of the trace and the factor its gaps were scaled by.
 
     The factor is ``time_scale`` when given, the benchmark's own for the format
     otherwise (Bailian's: ``"auto"``); ``"auto"`` picks the one that offers
-    the engines ``AUTO_TOKENS_PER_SECOND`` prompt tokens a second.
+    the engines ``AUTO_TOKENS_PER_SECOND`` prompt tokens a second. Both are for
+    the benchmark's 8 engines and follow ``engines``, so that each engine gets
+    the same share of the load; a ``time_scale`` number is taken as given.
     """
     build: Callable[[Replay], list[Arrival]]
     if workloads.trace_suffix(path) == ".csv":
@@ -97,8 +108,11 @@ def arrivals(
         unscaled = build(replace(replay, time_scale=1.0))
         span = unscaled[-1].at - unscaled[0].at if unscaled else 0.0
         tokens = sum(len(arrival.prompt_tokens) for arrival in unscaled)
-        time_scale = tokens / AUTO_TOKENS_PER_SECOND / span if span > 0 else 1.0
-    factor = replay.time_scale if time_scale is None else float(time_scale)
+        offered = AUTO_TOKENS_PER_SECOND * engines / ENGINES
+        time_scale = tokens / offered / span if span > 0 else 1.0
+    elif time_scale is None:
+        time_scale = replay.time_scale * ENGINES / engines
+    factor = float(time_scale)
     return build(replace(replay, time_scale=factor)), factor
 
 
@@ -147,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--count", type=int, default=1000, help="records in the slice (1000)")
     add("--seed", type=int, default=0, help="the engines' and the Azure replay's seed (0)")
     add(
+        "--engines",
+        type=int,
+        default=ENGINES,
+        metavar="N",
+        help=f"replay on N engines ({ENGINES}); the default gaps and auto keep each one's load",
+    )
+    add(
         "--time-scale",
         metavar="F",
         help="multiply the arrival gaps by F, or 'auto': by what offers "
@@ -176,6 +197,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"python -m bench.replay: {args.trace}: no such file")
     if args.start < 0 or args.count < 1:
         sys.exit("python -m bench.replay: --start must be >= 0 and --count >= 1")
+    if args.engines < 1:
+        sys.exit("python -m bench.replay: --engines must be at least 1")
     try:
         time_scale = (
             args.time_scale if args.time_scale in (None, "auto") else float(args.time_scale)
@@ -185,7 +208,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if isinstance(time_scale, float) and not 0 < time_scale < float("inf"):
         sys.exit("python -m bench.replay: --time-scale must be a number above 0, or auto")
     try:
-        replayed, factor = arrivals(args.trace, args.start, args.count, args.seed, time_scale)
+        replayed, factor = arrivals(
+            args.trace, args.start, args.count, args.seed, time_scale, args.engines
+        )
     except workloads.UNREADABLE as error:
         sys.exit(f"python -m bench.replay: {args.trace}: {error}")
     if not replayed:
@@ -195,12 +220,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     runs: list[tuple[str, str, Path | None]] = [(p, p, None) for p in pickers]
     runs += [(path.name, "recommended", path) for path in args.config]
     runs += [(oracle, oracle, None) for oracle in ORACLES]
-    outcomes = [
-        simulate(WORKLOAD, replayed, strategy, profile, seed=args.seed, config=config)
-        for _, strategy, config in runs
-    ]
+    run = partial(simulate, WORKLOAD, replayed, engines=args.engines, seed=args.seed)
+    outcomes = [run(strategy, profile, config=config) for _, strategy, config in runs]
     last = args.start + len(replayed) - 1
-    print(f"{args.trace.name}: records {args.start}-{last}, {rate(replayed, factor)}")
+    on = "" if args.engines == ENGINES else f" on {args.engines} engines"
+    print(f"{args.trace.name}: records {args.start}-{last}{on}, {rate(replayed, factor)}")
     print("\n".join(table(outcomes, [label for label, _, _ in runs])))
 
 

@@ -8,12 +8,13 @@ import json
 import lzma
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
 
 from bench import replay, workloads
-from bench.routing import AZURE_FILE, MOONCAKE_FILE, TRACES
+from bench.routing import AZURE_FILE, MOONCAKE_FILE, ORACLES, TRACES, simulate
 
 
 def rows(output: str) -> dict[str, list[float]]:
@@ -60,11 +61,8 @@ def test_a_record_that_is_not_one_is_named_by_its_line(
     )
 
 
-def test_the_rate_is_printed_and_time_scale_changes_it(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
-    """The first line gives the scaled rate; ``--time-scale`` replaces the benchmark's factor
-    (0.1 for a CSV): twice the factor, half the rate; ``auto`` offers 5,000 prompt tokens/s."""
+def burst(tmp_path: Path) -> Path:
+    """A BurstGPT CSV of 51 rows 2 s apart, 5 of them failed (0 response tokens)."""
     trace = tmp_path / "burst.csv"
     trace.write_text(
         "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
@@ -72,6 +70,15 @@ def test_the_rate_is_printed_and_time_scale_changes_it(
             f"{n * 2},ChatGPT,{200 + n},{0 if n % 10 == 5 else 9},0,API log\n" for n in range(51)
         )
     )
+    return trace
+
+
+def test_the_rate_is_printed_and_time_scale_changes_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The first line gives the scaled rate; ``--time-scale`` replaces the benchmark's factor
+    (0.1 for a CSV): twice the factor, half the rate; ``auto`` offers 5,000 prompt tokens/s."""
+    trace = burst(tmp_path)
     with structlog.testing.capture_logs():
         for scale in (None, "0.2", "auto"):
             more = [] if scale is None else ["--time-scale", scale]
@@ -91,6 +98,44 @@ def test_the_rate_is_printed_and_time_scale_changes_it(
         "burst.csv: records 0-45, 336.83 requests/s, 5,000 prompt tokens/s over 0.1 s "
         "(gaps × 0.00134)"
     )
+
+
+def test_engines_replays_on_that_many_keeping_each_ones_load(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--engines 2`` runs every picker on 2 engines; the default factor and ``auto`` give
+    each engine the load the benchmark's 8 get (gaps × 8/2, 5,000 × 2/8 prompt tokens/s),
+    while a factor given as a number is kept as given."""
+    trace = burst(tmp_path)
+    pools: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        pools.append(kwargs["engines"])
+        return simulate(*args, **kwargs)
+
+    monkeypatch.setattr(replay, "simulate", counted)
+    with structlog.testing.capture_logs():
+        for scale in (None, "0.2", "auto"):
+            more = [] if scale is None else ["--time-scale", scale]
+            replay.main([str(trace), "--picker", "recommended", "--engines", "2", *more])
+    assert set(pools) == {2}
+    assert len(pools) == 3 * (2 + len(ORACLES))  # round-robin, recommended, the oracles
+    first, second, auto = (
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("burst.csv")
+    )
+    head = "burst.csv: records 0-45 on 2 engines, "
+    assert first == head + "1.12 requests/s, 17 prompt tokens/s over 40.0 s (gaps × 0.4)"
+    assert second == head + "2.25 requests/s, 33 prompt tokens/s over 20.0 s (gaps × 0.2)"
+    assert auto.startswith(head)
+    assert "1,250 prompt tokens/s" in auto
+
+
+@pytest.mark.parametrize("engines", ["0", "-2"])
+def test_a_pool_of_no_engines_is_refused(engines: str) -> None:
+    """There is nothing to route to with fewer than one engine."""
+    with pytest.raises(SystemExit) as stopped:
+        replay.main([str(TRACES / AZURE_FILE), "--engines", engines])
+    assert str(stopped.value) == "python -m bench.replay: --engines must be at least 1"
 
 
 def bailian(sessions: int) -> str:

@@ -28,9 +28,10 @@ replays on a pool of N engines instead of 8 (a pool of your size: with 2
 replicas, a picker has less to choose from); the default factor and
 ``auto`` then keep each engine's share of the load the benchmark's (gaps ×
 8/N; 625 prompt tokens a second an engine), and ``--time-scale F`` is taken
-as given. The first line printed gives the rate that results. Round-robin's p50 far above the
-others', or all pickers at the same TTFT, says the engines are saturated
-or idle there, where no picker can be judged.
+as given. The first line printed gives the rate that results.
+Round-robin's p50 far above the others', or all pickers at the same TTFT,
+says the engines are saturated or idle there, where no picker can be
+judged.
 
 Each configuration file runs as an EndpointPickerConfig (the pipeline that
 ``python -m lwepp --config`` runs). Numbers depend only on the trace, the

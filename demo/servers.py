@@ -15,12 +15,12 @@ OpenAI API). Two things stand in for what Kubernetes would do for them:
   cluster. Every ``interval`` seconds each endpoint is asked ``GET
   /v1/models`` (every OpenAI server serves it, and llama.cpp answers 503
   while it loads); a pod is ready when all its ports answer 200 with a
-  model list within ``timeout``. The pickers read a pod file the probe writes, the user's with
-  ``ready: false`` on the pods that are not ready, and reload it when it
-  changes (``pods.file.FileSource``). A server that never answers is thus
-  never picked, one that dies is dropped within about two seconds (a probe,
-  then the pickers' reload), and one that comes back is picked again. A pod
-  the user marked ``ready: false`` stays out.
+  model list within ``timeout``. The pickers read a pod file the probe
+  writes, the user's with ``ready: false`` on the pods that are not ready,
+  and reload it when it changes (``pods.file.FileSource``). A server that
+  never answers is thus never picked, one that dies is dropped within about
+  two seconds (a probe, then the pickers' reload), and one that comes back
+  is picked again. A pod the user marked ``ready: false`` stays out.
 
 The probe runs on one thread per pod, so a server that hangs delays no
 other's verdict. The user's pod file is read once, at start: the pools and
@@ -64,14 +64,16 @@ def probe(hostport: str, timeout: float = PROBE_TIMEOUT) -> str | None:
     """
     try:
         with urllib.request.urlopen(f"http://{hostport}{PROBE_PATH}", timeout=timeout) as page:
-            listing = json.loads(page.read(PROBE_MAX_BYTES))
+            body = page.read(PROBE_MAX_BYTES)
     except urllib.error.HTTPError as error:
         return f"GET {PROBE_PATH} answered {error.code}"
-    except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        return f"GET {PROBE_PATH} answered 200 with no JSON model list"
-    except OSError as error:
+    except (OSError, ValueError) as error:
         reason = getattr(error, "reason", error)
         return f"unreachable ({reason})"
+    try:
+        listing = json.loads(body)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return f"GET {PROBE_PATH} answered 200 with no JSON model list"
     if not isinstance(listing, dict) or not isinstance(listing.get("data"), list):
         return f"GET {PROBE_PATH} answered 200 with JSON that is not a model list (no 'data' list)"
     return None

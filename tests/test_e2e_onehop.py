@@ -92,7 +92,7 @@ def test_requests_no_pool_serves_get_404_model_not_found(
     assert openai_error(answer)["message"] == f"{message} (GET /v1/models lists the served ones)"
 
 
-def test_the_model_list_is_answered_without_the_one_hop(gateway: Topology) -> None:
+def test_the_model_list_and_health_are_answered_without_the_one_hop(gateway: Topology) -> None:
     """GET /v1/models and GET /health are Envoy's own answers: the one-hop filter is off on
     those routes."""
     before = envoy_stats(gateway)["http.gateway.ext_proc.onehop.streams_started"]

@@ -79,10 +79,26 @@ class Message:
     def parse(self) -> FrozenDict:
         """The shared parse of ``raw``: parsed with orjson on first use, then reused.
 
-        Raises ``Refusal(400)`` when the body is not a JSON object.
+        Raises ``Refusal(400)`` when the body is not a JSON object, and
+        ``Refusal(415)`` (*ours*) when a request's body does not parse because
+        the client compressed it (``Content-Encoding: gzip``, say): the model
+        is read from the JSON, which the gateway does not decompress, and
+        "not valid UTF-8" would send the client looking in the wrong place.
+        RFC 9110 §15.5.16 gives 415 for a content coding the server does not
+        support. The header is read only once parsing has failed.
         """
         if self._parsed is None:
-            self._parsed = FrozenDict(parse(self.raw, self.phase))
+            try:
+                self._parsed = FrozenDict(parse(self.raw, self.phase))
+            except Refusal:
+                encoding = self.headers.get("content-encoding", "identity").strip()
+                if self.phase == "request" and encoding.lower() not in ("", "identity"):
+                    raise Refusal(
+                        415,
+                        f"the request body is compressed (content-encoding: {encoding}) and"
+                        " the gateway reads the model from the JSON: send it uncompressed",
+                    ) from None
+                raise
         return self._parsed
 
     @property

@@ -54,13 +54,14 @@ CODES: Final = {
     403: "Forbidden",
     404: "NotFound",
     413: "PayloadTooLarge",
+    415: "UnsupportedMediaType",
     429: "ResourceExhausted",
     431: "HeadersTooLarge",
     500: "Internal",
     502: "BadGateway",
     503: "ServiceUnavailable",
 }
-"""GIE's names for its error codes, by the HTTP status each maps to (413, 431 and 502 are ours)."""
+"""GIE's names for its error codes, by HTTP status (413, 415, 431 and 502 are ours)."""
 
 
 HEADER_VALUE_LIMIT: Final = 4096

@@ -9,6 +9,7 @@ after it (the last of the two wins).
 
 from __future__ import annotations
 
+import gzip
 import json
 import time
 import urllib.request
@@ -179,6 +180,20 @@ def test_a_bad_body_gets_a_clear_client_error(
     assert says in answer.body.decode("utf-8", "replace")
     assert "x-sim-pod" not in answer.headers  # no replica saw it
     record("Bad input", what, cell(answer))
+
+
+def test_a_compressed_body_is_named_as_such(gateway: Topology) -> None:
+    """A gzip body (``Content-Encoding: gzip``) is a 415 naming the encoding, not a puzzling
+    "not valid UTF-8" 400; one that says ``identity`` is read as any other."""
+    body = json.dumps(good()).encode()
+    answer = ask(gateway, gzip.compress(body), headers={"content-encoding": "gzip"})
+    assert answer.status == 415, answer
+    error = json.loads(answer.body)["error"]
+    assert error["code"] == "UnsupportedMediaType"
+    assert "content-encoding: gzip" in error["message"]
+    assert "x-sim-pod" not in answer.headers
+    assert ask(gateway, body, headers={"content-encoding": "identity"}).status == 200
+    record("Bad input", "a gzip-compressed body (`Content-Encoding: gzip`)", cell(answer))
 
 
 def test_a_model_at_the_cap_reaches_routing(gateway: Topology) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import signal
 import subprocess
@@ -308,6 +309,29 @@ def test_body_that_is_not_a_json_object_is_400(body: bytes, reason: str, modes: 
     assert status == 400
     assert text.startswith("failed to parse request body: ")
     assert reason in text.lower()
+
+
+@pytest.mark.parametrize(
+    ("encoding", "body", "status"),
+    [
+        ("gzip", gzip.compress(BODY), 415),
+        ("br", b"\x1b\x00\xf8\xa5", 415),
+        ("identity", b"model=llama", 400),
+        ("gzip", BODY, None),  # it parses: the header is not BBR's business
+    ],
+    ids=["gzip", "br", "identity-not-json", "gzip-header-on-plain-json"],
+)
+def test_a_compressed_body_is_415_naming_the_encoding(
+    encoding: str, body: bytes, status: int | None
+) -> None:
+    """A body that fails to parse because it was compressed says so (415), not "not UTF-8"."""
+    replies = talk(bbr(), *post(body, headers={"content-encoding": encoding}))
+    if status is None:
+        assert set_headers(replies[0])[0] == (MODEL, "llama-3")
+        return
+    got, text = immediate(replies)
+    assert got == status
+    assert (f"content-encoding: {encoding}" in text) == (status == 415)
 
 
 def test_body_without_model_passes_without_the_header() -> None:

@@ -81,25 +81,33 @@ class Message:
 
         Raises ``Refusal(400)`` when the body is not a JSON object, and
         ``Refusal(415)`` (*ours*) when a request's body does not parse because
-        the client compressed it (``Content-Encoding: gzip``, say): the model
-        is read from the JSON, which the gateway does not decompress, and
-        "not valid UTF-8" would send the client looking in the wrong place.
-        RFC 9110 §15.5.16 gives 415 for a content coding the server does not
-        support. The header is read only once parsing has failed.
+        it was never JSON: compressed (``Content-Encoding: gzip``, say), which
+        the gateway does not undo, or a form upload (``multipart/form-data``,
+        as OpenAI's audio transcription endpoint takes). "Not valid UTF-8"
+        would send the client looking in the wrong place; RFC 9110 §15.5.16
+        gives 415 for a content coding or media type the server does not
+        take. The headers are read only once parsing has failed.
         """
         if self._parsed is None:
             try:
                 self._parsed = FrozenDict(parse(self.raw, self.phase))
             except Refusal:
-                encoding = self.headers.get("content-encoding", "identity").strip()
-                if self.phase == "request" and encoding.lower() not in ("", "identity"):
+                if self.phase == "request" and (why := self._not_json()):
                     raise Refusal(
-                        415,
-                        f"the request body is compressed (content-encoding: {encoding}) and"
-                        " the gateway reads the model from the JSON: send it uncompressed",
+                        415, f"{why}: the gateway reads the model from a JSON body"
                     ) from None
                 raise
         return self._parsed
+
+    def _not_json(self) -> str | None:
+        """Why a request body that failed to parse was never JSON, if its headers say."""
+        encoding = self.headers.get("content-encoding", "identity").strip()
+        if encoding.lower() not in ("", "identity"):
+            return f"the request body is compressed (content-encoding: {encoding})"
+        media = self.headers.get("content-type", "").split(";")[0].strip()
+        if media.lower().startswith("multipart/"):
+            return f"the request body is a form (content-type: {media}), not JSON"
+        return None
 
     @property
     def body(self) -> FrozenDict:

@@ -104,6 +104,15 @@ def refused(call: Callable[[], object]) -> openai.APIStatusError:
             "body_too_large",
             id="bbr-413-body-over-cap",
         ),
+        pytest.param(
+            lambda c: c.audio.transcriptions.create(
+                model="model-a", file=("hello.wav", b"RIFF\x00\x00\x00\x00WAVE", "audio/wav")
+            ),
+            openai.APIStatusError,
+            415,
+            "UnsupportedMediaType",
+            id="bbr-415-multipart-upload",
+        ),
     ],
 )
 def test_each_refusal_is_the_sdk_exception_for_its_status(
@@ -114,7 +123,7 @@ def test_each_refusal_is_the_sdk_exception_for_its_status(
     code: str,
 ) -> None:
     """Each refusal is raised as the SDK's exception for its status (BadRequestError,
-    NotFoundError, InternalServerError for 503, APIStatusError for 413), with the JSON
+    NotFoundError, InternalServerError for 503, APIStatusError for 413 and 415), with the JSON
     error's type and code read into it."""
     error = refused(lambda: ask(client))
     assert type(error) is exception

@@ -679,8 +679,8 @@ def model_routes(
 ) -> list[route.Route]:
     """``GET /v1/models``: the union of the pools' models; ``/v1/models/{id}``: one of them.
 
-    What clients ask first (the OpenAI SDK's ``models.list()``, Open WebUI,
-    LiteLLM's discovery). The gateway knows exactly which models it routes,
+    What clients ask first (the OpenAI SDK's ``models.list()``, LiteLLM's
+    ``get_valid_models``). The gateway knows exactly which models it routes,
     the pools' routes, so it answers from them. An id with ``/`` in it (a
     Hugging Face name) is matched as sent and percent-encoded; any other
     ``/v1/models/...`` is a 404 naming the path.

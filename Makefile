@@ -8,8 +8,9 @@ STAMP := $(VENV)/.installed
 PEERS := $(VENV)/.peers
 ENGINES := $(VENV)/.engines
 KUBECTL := $(VENV)/bin/kubectl
+GRPC_JS := $(VENV)/node/node_modules/@grpc/grpc-js/package.json
 
-.PHONY: demo test lint typecheck stubs unit kubectl fuzz soak reliability bench bench-micro bench-overhead bench-routing bench-live bench-instructions bench-hops peers engines conformance images images-oci images-test lock clean
+.PHONY: demo test lint typecheck stubs unit kubectl fuzz soak reliability bench bench-micro bench-overhead bench-routing bench-live bench-instructions bench-hops bench-floor node-grpc peers engines conformance images images-oci images-test lock clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,8 +23,8 @@ demo: $(STAMP)
 	$(PY) -m demo
 
 ## test: lint, type-check and run every test (what CI runs); installs the peer routers, the
-## real llama.cpp engine and a real kubectl first, which the tests use
-test: $(STAMP) $(PEERS) $(ENGINES) $(KUBECTL) lint typecheck
+## real llama.cpp engine, a real kubectl and Node's grpc-js first, which the tests use
+test: $(STAMP) $(PEERS) $(ENGINES) $(KUBECTL) $(GRPC_JS) lint typecheck
 	$(PY) -m pytest
 
 ## kubectl: a real kubectl (1.35, kustomize 5.7 built in) in .venv/bin, for the manifests'
@@ -114,6 +115,20 @@ bench-live: $(STAMP) $(PEERS) $(ENGINES)
 ## order, with 95% intervals and CPU per request (~6 minutes; bench-overhead's 1.1x target)
 bench-hops: $(STAMP)
 	$(PY) -m bench.hops
+
+## bench-floor: Envoy and a do-nothing ext_proc hop in Python and in Node.js, the one-hop
+## gateway and the peers, 10 rounds in shuffled order (~5 minutes; the floor of the one hop)
+bench-floor: $(STAMP) $(PEERS) $(GRPC_JS)
+	$(PY) -m bench.floor
+
+## node-grpc: grpc-js from npm (pinned) in .venv/node, for bench/noop_extproc.js, the
+## do-nothing ext_proc server in Node.js that bench-floor measures
+GRPC_JS_NPM := @grpc/grpc-js@1.14.7
+node-grpc: $(GRPC_JS)
+$(GRPC_JS): | $(STAMP)
+	npm install --silent --no-save --no-audit --no-fund --ignore-scripts \
+	  --prefix $(VENV)/node $(GRPC_JS_NPM)
+	test -f $(GRPC_JS)
 
 ## bench-instructions: CPU instructions per pick and per stream of each picker and of BBR,
 ## counted by valgrind (the same count every run, however busy the machine; ~5 minutes)

@@ -238,6 +238,10 @@ CASES: Final = (
 )
 
 PEERS: Final = {peer.name: peer for peer in peers.PEERS}
+NODE_NOOP: Final = Path(__file__).with_name("noop_extproc.js")
+"""A do-nothing ext_proc server in Node.js (``bench.floor``'s ``noop-node-picker``)."""
+GRPC_JS: Final = Path(sys.prefix, "node", "node_modules", "@grpc", "grpc-js")
+"""Where ``make node-grpc`` installs the gRPC library it runs on (the project's ``.venv``)."""
 
 BREAKDOWN: Final = (
     ("Envoy as a proxy", "plain", "direct"),
@@ -625,6 +629,10 @@ class Rig:
     def _argv(self, kind: str, pods: Path) -> list[str]:
         """The command line of one server kind (``Case.bbr`` and ``Case.picker`` values)."""
         python = sys.executable
+        if kind == "noop-node-picker":  # bench.floor's: the same hop, in Node.js
+            return ["node", str(NODE_NOOP), str(GRPC_JS)]
+        if kind == "noop-sync-picker":  # and on grpc's synchronous server
+            return [python, "-m", "bench.server", "passthrough-sync"]
         if kind.startswith("noop"):
             return [python, "-m", "bench.server", "passthrough"]
         ports = ["--host", HOST, "--grpc-port", "0", "--grpc-health-port", "0"]

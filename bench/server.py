@@ -42,52 +42,61 @@ async def noop(stream: Stream) -> None:
             await stream.send(reply)
 
 
-async def passthrough(stream: Stream) -> None:
-    """A do-nothing server for every phase Envoy may send: the gateway benchmark's hop.
+class Passthrough:
+    """A do-nothing hop for every phase Envoy may send: the gateway benchmarks' baseline.
 
     It answers in the processing modes of ``demo/envoy.py``'s filters with the
     same message shapes a service sends, and changes nothing: the request
     headers reply is held until the body ends (FULL_DUPLEX_STREAMED forwards
     only what comes back), then the body goes back whole; response headers
-    and trailers are acknowledged empty.
+    and trailers are acknowledged empty. One per stream; ``replies`` is all
+    of it, so the same hop runs on either of grpc's server loops.
     """
-    chunks: list[bytes] = []
-    held = False
-    while (message := await stream.recv()) is not None:
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.held = False
+
+    def replies(self, message: ProcessingRequest) -> list[ProcessingResponse]:
         match extproc.kind(message):
             case "request_headers":
                 modes = extproc.body_modes(message)
                 streamed = modes is None or modes[0] == BodyMode.FULL_DUPLEX_STREAMED
-                held = streamed and not message.request_headers.end_of_stream
-                if not held:
-                    await stream.send(extproc.headers_response("request"))
+                self.held = streamed and not message.request_headers.end_of_stream
+                return [] if self.held else [extproc.headers_response("request")]
             case "request_body":
                 chunk = message.request_body
-                if not held:  # Envoy keeps the body: acknowledge it
-                    await stream.send(extproc.body_response("request"))
-                    continue
-                chunks.append(chunk.body)
-                if chunk.end_of_stream:
-                    held = False
-                    await stream.send(extproc.headers_response("request"))
-                    for reply in extproc.streamed_body_responses("request", b"".join(chunks)):
-                        await stream.send(reply)
+                if not self.held:  # Envoy keeps the body: acknowledge it
+                    return [extproc.body_response("request")]
+                self.chunks.append(chunk.body)
+                return self.release(end_of_stream=True) if chunk.end_of_stream else []
             case "request_trailers":
-                if held:  # the trailers end the body
-                    held = False
-                    await stream.send(extproc.headers_response("request"))
-                    body = b"".join(chunks)
-                    for reply in extproc.streamed_body_responses(
-                        "request", body, end_of_stream=False
-                    ):
-                        await stream.send(reply)
-                await stream.send(extproc.trailers_response("request"))
+                held = self.release(end_of_stream=False) if self.held else []  # they end the body
+                return [*held, extproc.trailers_response("request")]
             case "response_headers":
-                await stream.send(extproc.headers_response("response"))
+                return [extproc.headers_response("response")]
             case "response_body":
-                await stream.send(extproc.body_response("response"))
+                return [extproc.body_response("response")]
             case "response_trailers":
-                await stream.send(extproc.trailers_response("response"))
+                return [extproc.trailers_response("response")]
+        return []
+
+    def release(self, *, end_of_stream: bool) -> list[ProcessingResponse]:
+        """The held headers reply, then the body back."""
+        self.held = False
+        body, self.chunks = b"".join(self.chunks), []
+        return [
+            extproc.headers_response("request"),
+            *extproc.streamed_body_responses("request", body, end_of_stream=end_of_stream),
+        ]
+
+
+async def passthrough(stream: Stream) -> None:
+    """``passthrough``: the do-nothing hop on grpc.aio, the services' server loop."""
+    hop = Passthrough()
+    while (message := await stream.recv()) is not None:
+        for reply in hop.replies(message):
+            await stream.send(reply)
 
 
 def generator_handler() -> grpc.GenericRpcHandler:
@@ -126,10 +135,27 @@ def sync_handler() -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {"Process": method})
 
 
-def serve_sync() -> None:
-    """``noop-sync``: the synchronous server, with threads enough for the benchmark's streams."""
+def sync_passthrough_handler() -> grpc.GenericRpcHandler:
+    """``passthrough-sync``: the do-nothing hop on grpc's synchronous server (``bench.floor``)."""
+
+    def process(requests: Iterator[Any], _context: Any) -> Iterator[Any]:
+        hop = Passthrough()
+        for message in requests:
+            yield from hop.replies(message)
+
+    method = grpc.stream_stream_rpc_method_handler(
+        process,
+        request_deserializer=ProcessingRequest.FromString,
+        response_serializer=ProcessingResponse.SerializeToString,
+    )
+    return grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {"Process": method})
+
+
+def serve_sync(handler: grpc.GenericRpcHandler) -> None:
+    """``noop-sync`` and ``passthrough-sync``: the synchronous server, with threads enough
+    for the benchmarks' streams."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
-    server.add_generic_rpc_handlers((sync_handler(),))
+    server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     print(port, flush=True)
@@ -170,6 +196,8 @@ async def main(kind: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "noop-sync":
-        serve_sync()
+        serve_sync(sync_handler())
+    elif sys.argv[1] == "passthrough-sync":
+        serve_sync(sync_passthrough_handler())
     else:
         asyncio.run(main(sys.argv[1]))

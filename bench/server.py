@@ -71,8 +71,8 @@ class Passthrough:
                 self.chunks.append(chunk.body)
                 return self.release(end_of_stream=True) if chunk.end_of_stream else []
             case "request_trailers":
-                held = self.release(end_of_stream=False) if self.held else []  # they end the body
-                return [*held, extproc.trailers_response("request")]
+                body = self.release(end_of_stream=False) if self.held else []  # they end it
+                return [*body, extproc.trailers_response("request")]
             case "response_headers":
                 return [extproc.headers_response("response")]
             case "response_body":

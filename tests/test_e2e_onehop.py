@@ -8,9 +8,12 @@ and the pickers.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,6 +76,20 @@ def test_bad_json_is_refused_with_400(gateway: Topology) -> None:
     assert answer.status == 400
     error = openai_error(answer)
     assert error["message"].startswith("failed to parse request body: ")
+
+
+def test_a_compressed_body_is_refused_with_415(gateway: Topology) -> None:
+    """BBR's chain in the one hop names a gzip body's encoding (415), as behind two hops."""
+    body = gzip.compress(json.dumps({"model": "model-a", "prompt": "hi"}).encode())
+    headers = {"content-type": "application/json", "content-encoding": "gzip"}
+    request = urllib.request.Request(f"{gateway.url}/v1/completions", body, headers)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 415
+    error = json.loads(refused.value.read())["error"]
+    refused.value.close()
+    assert error["code"] == "UnsupportedMediaType"
+    assert "content-encoding: gzip" in error["message"]
 
 
 @pytest.mark.parametrize(

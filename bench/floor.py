@@ -32,7 +32,6 @@ left out, with why.
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import tempfile
@@ -41,6 +40,7 @@ from pathlib import Path
 from typing import Final
 
 from bench import streams
+from bench.hops import round_options
 from bench.overhead import CASES, GRPC_JS, LATENCY_BODY_BYTES, Case, Placement, Rig, closed_run
 from bench.report import progress
 
@@ -135,15 +135,7 @@ def report(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.floor", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--rounds", type=int, default=10, help="rounds (10: about 5 minutes)")
-    parser.add_argument("--seconds", type=float, default=2.0, help="seconds per run (2)")
-    parser.add_argument("--seed", type=int, default=0, help="the order's (0)")
-    args = parser.parse_args(argv)
-    if args.rounds < 1 or args.seconds <= 0:
-        parser.error("--rounds must be at least 1 and --seconds above 0")
+    args = round_options(argv, "bench.floor", __doc__, rounds=10, minutes=5, least=1)
     cases: tuple[Case, ...] = FLOOR_CASES
     missing: dict[str, str] = {}
     if not GRPC_JS.is_dir():

@@ -117,16 +117,25 @@ def report(samples: dict[tuple[str, int], Samples], seed: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.hops", description=__doc__.split("\n")[0]
+def round_options(
+    argv: Sequence[str] | None, module: str, doc: str, rounds: int, minutes: int, least: int
+) -> argparse.Namespace:
+    """``--rounds`` (default ``rounds``, about ``minutes``; at least ``least``), ``--seconds``
+    per run and ``--seed``: the options of the benchmarks that run their cases in rounds."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n")[0])
+    parser.add_argument(
+        "--rounds", type=int, default=rounds, help=f"rounds ({rounds}: about {minutes} minutes)"
     )
-    parser.add_argument("--rounds", type=int, default=30, help="rounds (30: about 6 minutes)")
     parser.add_argument("--seconds", type=float, default=2.0, help="seconds per run (2)")
-    parser.add_argument("--seed", type=int, default=0, help="the order's and the interval's (0)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (0)")
     args = parser.parse_args(argv)
-    if args.rounds < 2 or args.seconds <= 0:
-        parser.error("--rounds must be at least 2 and --seconds above 0")
+    if args.rounds < least or args.seconds <= 0:
+        parser.error(f"--rounds must be at least {least} and --seconds above 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = round_options(argv, "bench.hops", __doc__, rounds=30, minutes=6, least=2)
     with tempfile.TemporaryDirectory() as work:
         rig = Rig(Path(work), Placement.detect(), cases=(TWO_HOPS, TWO_NOOPS, UPSTREAM))
         try:

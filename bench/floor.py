@@ -13,8 +13,8 @@ S] [--seed N]`` measures how much of that is Python's, with
 - ``noop-sync``: the same hop on grpc's synchronous server, a thread per
   stream (``bench.server passthrough-sync``), the other loop grpc offers;
 - ``noop-node``: the same do-nothing hop in Node.js (``bench/noop_extproc.js``
-  on grpc-js, decoding only the fields it needs): the hop where the server
-  costs as little as this machine's fastest gRPC server here can make it;
+  on grpc-js, decoding only the fields it needs): the hop with the cheapest
+  gRPC server this machine can run;
 - ``one-hop``: the one-hop gateway, round-robin (``lwepp.onehop``);
 - ``sglang-router`` and ``vllm-router``, round_robin, in front of the same
   upstream; and the upstream alone (``direct``).

@@ -130,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 health_on_ext_proc=bool(args.health_checking),
                 json_routes={} if args.enable_debug_pages else None,
                 metrics_auth=auth,
+                announce={"response": bool(router.response_chain)},
             )
         )
     return 0

@@ -106,6 +106,14 @@ event loop) would hold the requests it has until Envoy's 5-minute stream
 idle timeout. An unanswered ping closes the connection within two of these:
 those requests then fail as when the service dies (503 ``ext_proc_error``, or
 the FailOpen route), and health checks keep new ones away.
+
+The services must welcome these pings on a *quiet* stream too: a picker that
+hears the response has nothing to send while the model server works on a
+non-streamed answer, and gRPC's default policy takes three pings in that
+state for abuse (GOAWAY "too_many_pings": every request on the connection
+fails). They accept a ping every ``protos.server.MIN_PING_INTERVAL_MS`` (1 s);
+Envoy adds up to 15% jitter to the interval, never subtracts, so a keepalive
+of 1 s or more is always welcome. ``Gateway.keepalive`` changes it (tests).
 """
 
 CONCURRENCY_LIMIT: Final = 100_000
@@ -162,6 +170,10 @@ class Gateway:
     and the pickers (``bbr_port`` and the pools' picker ports are then unused)."""
     one_hop_response_headers: bool = True
     """Send the one-hop service the response headers (``GatewayPool.response_headers``)."""
+    keepalive: timedelta = KEEPALIVE
+    """The ext_proc connections' PING interval and timeout (``KEEPALIVE``)."""
+    bbr_response: bool = False
+    """Send BBR the response too (it runs response plugins: ``bbr_filter``)."""
 
 
 def _any(message: betterproto2.Message) -> AnyMessage:
@@ -213,7 +225,13 @@ def circuit_breakers() -> cluster.CircuitBreakers:
 
 
 def grpc_cluster(
-    name: str, host: str, port: int, health_port: int | None = None, *, tls: bool = False
+    name: str,
+    host: str,
+    port: int,
+    health_port: int | None = None,
+    *,
+    tls: bool = False,
+    keepalive: timedelta = KEEPALIVE,
 ) -> cluster.Cluster:
     """An ext_proc service: gRPC, hence HTTP/2 (Envoy speaks HTTP/1.1 upstream unless told).
 
@@ -233,7 +251,7 @@ def grpc_cluster(
     """
     result = _static_cluster(name, [_endpoint(host, port, health_port)])
     result.typed_extension_protocol_options = http2_upstream(
-        core.KeepaliveSettings(interval=KEEPALIVE, timeout=KEEPALIVE)
+        core.KeepaliveSettings(interval=keepalive, timeout=keepalive)
     )
     if health_port:
         second = timedelta(seconds=1)
@@ -346,18 +364,23 @@ def clusters(gateway: Gateway) -> list[cluster.Cluster]:
 
     One hop: the one service instead of BBR and the pickers.
     """
-    host, tls = gateway.host, gateway.tls
+    host, tls, keepalive = gateway.host, gateway.tls, gateway.keepalive
     if gateway.one_hop_port is not None:
-        result = [grpc_cluster(ONE_HOP, host, gateway.one_hop_port, tls=tls)]
+        result = [grpc_cluster(ONE_HOP, host, gateway.one_hop_port, tls=tls, keepalive=keepalive)]
         for pool in gateway.pools:
             result.append(picked_endpoint_cluster(pool))
             if pool.fail_open:
                 result.append(fallback_cluster(pool))
         return result
-    result = [grpc_cluster("bbr", host, gateway.bbr_port, tls=tls)]
+    result = [grpc_cluster("bbr", host, gateway.bbr_port, tls=tls, keepalive=keepalive)]
     for pool in gateway.pools:
         picker = grpc_cluster(
-            f"lwepp-{pool.name}", host, pool.picker_port, pool.health_port, tls=tls
+            f"lwepp-{pool.name}",
+            host,
+            pool.picker_port,
+            pool.health_port,
+            tls=tls,
+            keepalive=keepalive,
         )
         result.append(picker)
         result.append(picked_endpoint_cluster(pool))
@@ -388,22 +411,28 @@ def _ext_proc(
     return hcm.HttpFilter(name=name, typed_config=_any(config))
 
 
-def bbr_filter() -> hcm.HttpFilter:
-    """BBR sees the request only: headers, the whole body, trailers.
+def bbr_filter(response: bool = False) -> hcm.HttpFilter:
+    """BBR sees the request: headers, the whole body, trailers; and with
+    ``response``, the response the same way.
 
     FULL_DUPLEX_STREAMED (GIE's BBR chart runs ``--streaming``) lets BBR hold
     the headers until it has read the body, then answer them (model header,
     ``clear_route_cache``) and stream the body back. Envoy requires trailer
     mode SEND with that body mode. FailClose, as the chart; an unreachable BBR
-    is a 503 (``status_on_error``; Envoy's default is 500).
+    is a 503 (``status_on_error``; Envoy's default is 500). ``response``: BBR
+    runs response plugins (it says so when it starts); without any, sending it
+    the response would only cost a round trip per chunk.
     """
+    response_send, response_body = (
+        (_Send.SEND, _Body.FULL_DUPLEX_STREAMED) if response else (_Send.SKIP, _Body.NONE)
+    )
     mode = ext_proc.ProcessingMode(
         request_header_mode=_Send.SEND,
         request_body_mode=_Body.FULL_DUPLEX_STREAMED,
         request_trailer_mode=_Send.SEND,
-        response_header_mode=_Send.SKIP,
-        response_body_mode=_Body.NONE,
-        response_trailer_mode=_Send.SKIP,
+        response_header_mode=response_send,
+        response_body_mode=response_body,
+        response_trailer_mode=response_send,
     )
     # BBR down is the gateway's trouble, not the request's: 503, as for a picker.
     unavailable = types.HttpStatus(code=types.StatusCode.ServiceUnavailable)
@@ -532,17 +561,15 @@ def served_endpoint_filter() -> hcm.HttpFilter:
     return hcm.HttpFilter(name="served-endpoint", typed_config=_any(config))
 
 
-def http_filters(
-    pools: Sequence[GatewayPool], *, one_hop: bool = False, one_hop_response_headers: bool = True
-) -> list[hcm.HttpFilter]:
+def http_filters(gateway: Gateway) -> list[hcm.HttpFilter]:
     """The chain in request order; the router, which sends upstream, is last.
 
-    ``one_hop``: the one-hop filter where BBR and the pickers would be.
+    One hop: the one-hop filter where BBR and the pickers would be.
     """
     processors = (
-        [one_hop_filter(one_hop_response_headers)]
-        if one_hop
-        else [bbr_filter(), *map(picker_filter, pools)]
+        [one_hop_filter(gateway.one_hop_response_headers)]
+        if gateway.one_hop_port is not None
+        else [bbr_filter(gateway.bbr_response), *map(picker_filter, gateway.pools)]
     )
     return [
         strip_client_routing_filter(),
@@ -857,11 +884,7 @@ def bootstrap(gateway: Gateway) -> dict[str, Any]:
     manager = hcm.HttpConnectionManager(
         stat_prefix="gateway",
         route_config=route_config(gateway.pools, gateway.created, one_hop=one_hop),
-        http_filters=http_filters(
-            gateway.pools,
-            one_hop=one_hop,
-            one_hop_response_headers=gateway.one_hop_response_headers,
-        ),
+        http_filters=http_filters(gateway),
         local_reply_config=local_replies(),
         access_log=[access_log(gateway.access_log)] if gateway.access_log else [],
     )

@@ -34,6 +34,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable, Collection, Mapping, Sequence
+from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Final, Self, TypeVar
@@ -41,7 +42,7 @@ from typing import IO, Any, Final, Self, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from demo.envoy import Gateway, GatewayPool, write_bootstrap
+from demo.envoy import KEEPALIVE, Gateway, GatewayPool, write_bootstrap
 from demo.servers import Readiness, ServerCheck, check_servers
 from pods.file import load_pods
 from pods.model import Pod, endpoints_of
@@ -185,6 +186,11 @@ def listening_line(service: Service) -> dict[str, Any] | None:
             if isinstance(record, dict) and record.get("event") == "listening":
                 return record
     return None
+
+
+def wants_response(bbr: Service) -> bool:
+    """Whether BBR said, in its ``listening`` line, that it runs response plugins."""
+    return bool(bbr.listening.get("response", False))
 
 
 def wants_response_headers(picker: Service) -> bool:
@@ -338,7 +344,8 @@ class Topology(Processes):
     pickers' demo flags; ``picker_args`` and ``bbr_args`` go to it too).
     ``die_with_parent``: every process started goes when this one does, even
     killed outright (``Service``; the ``demo`` command, whose main thread
-    starts them all).
+    starts them all). ``keepalive``: how often Envoy pings the ext_proc
+    services (``demo.envoy.KEEPALIVE``; tests shorten it).
     """
 
     def __init__(
@@ -361,8 +368,10 @@ class Topology(Processes):
         demo_flags: bool = True,
         one_hop: bool = False,
         die_with_parent: bool = False,
+        keepalive: timedelta = KEEPALIVE,
     ) -> None:
         self.work_dir = work_dir
+        self.keepalive = keepalive
         self.die_with_parent = die_with_parent
         self._demo_flags = demo_flags
         self.one_hop = one_hop
@@ -492,10 +501,12 @@ class Topology(Processes):
             bbr_port=0 if one_hop else self.services["bbr"].listening["grpc_port"],
             one_hop_port=one_hop.listening["grpc_port"] if one_hop else None,
             one_hop_response_headers=wants_response_headers(one_hop) if one_hop else True,
+            bbr_response=False if one_hop else wants_response(self.services["bbr"]),
             pools=tuple(self.pools),
             host=HOST,
             access_log=str(access_log),
             created=int(time.time()),
+            keepalive=self.keepalive,
         )
         bootstrap = write_bootstrap(gateway, self.work_dir / "envoy-bootstrap.json")
         # --file-flush-interval-msec: access log lines show up promptly.

@@ -163,6 +163,38 @@ def ext_proc_handler(handler: Handler, trace: TextIO | None = None) -> grpc.Gene
     return grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {"Process": method})
 
 
+MIN_PING_INTERVAL_MS: Final = 1_000
+"""The shortest gap between two HTTP/2 PINGs a client may leave without being told off.
+
+A gateway pings its ext_proc connections to notice a service that hangs
+(Envoy's ``connection_keepalive``; the demo's Envoy pings every 5 s). gRPC
+core's server counts a PING that comes sooner than
+``grpc.http2.min_ping_interval_without_data_ms`` after the last one, while
+it has sent nothing, as a *strike*; after ``grpc.http2.max_ping_strikes``
+(2) it closes the connection with GOAWAY ``ENHANCE_YOUR_CALM``
+"too_many_pings", and every request on it fails (Envoy: 503
+``ext_proc_error``). Its default minimum is 5 minutes, and "sent nothing"
+is exactly the state of a picker's stream while the model server works on a
+non-streamed answer: the picker has answered the request and waits for the
+response headers. So with the defaults a response-listening picker lost
+every request whose answer took longer than about three of Envoy's pings.
+
+One second admits any keepalive a gateway is configured with in practice
+(gRFC A8 clients start at 10 s; Envoy's has no default, the demo's is 5 s
+with 15% jitter) while still refusing a PING flood.
+"""
+
+PING_POLICY: Final = (
+    ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+"""The HTTP/2 PING policy of every gRPC server here (ext_proc and health).
+
+``keepalive_permit_without_calls``: a connection with no stream open is held
+to the same minimum (gRPC's default holds it to 2 hours): a gateway keeps
+its connection to the picker between requests, and pings it all the same.
+"""
+
 EXT_PROC_OPTIONS: Final = (
     ("grpc.server.max_pending_requests", 100_000),
     ("grpc.server.max_pending_requests_hard_limit", 100_000),
@@ -374,8 +406,9 @@ async def serve(
             loop.add_signal_handler(sig, stop.set)
 
     # SO_REUSEPORT (grpc's default on Linux, spelled out): the workers of
-    # ``run_workers`` bind the same ext_proc and health ports.
-    options = [("grpc.so_reuseport", 1)]
+    # ``run_workers`` bind the same ext_proc and health ports. PING_POLICY: a
+    # gateway's keepalive on a quiet stream is no abuse.
+    options = [("grpc.so_reuseport", 1), *PING_POLICY]
     server = grpc.aio.server(options=[*options, *EXT_PROC_OPTIONS, *grpc_options])
     server.add_generic_rpc_handlers((ext_proc_handler(handler, trace),))
     address = f"{ports.host}:{ports.grpc}"

@@ -274,3 +274,15 @@ class BBRFailsOnCue:
     def process_request(self, message: Any) -> None:
         if message.headers.get(FailsOnCue.CUE) == "bbr":
             raise Boom(f"{self.name} fails, as the request asked")
+
+
+class BBRStampsResponse:
+    """A BBR response plugin: every response it sees gets ``x-bbr-response: <its name>``."""
+
+    needs_body = False
+
+    def __init__(self, name: str, params: Params) -> None:
+        self.name = name
+
+    def process_response(self, message: Any) -> None:
+        message.set_header("x-bbr-response", self.name)

@@ -18,11 +18,14 @@ RUN python -m pip install --no-cache-dir --disable-pip-version-check --no-deps -
         --only-binary=:all: --require-hashes --target /opt/switchyard/lib \
         -r images/requirements.lock
 COPY pyproject.toml README.md ./
-COPY plugin plugin
-COPY protos protos
+COPY plugin_api plugin_api
+COPY wire wire
+COPY serving serving
 COPY pods pods
+COPY blockhash blockhash
 COPY lwepp lwepp
 COPY bbr bbr
+COPY onehop onehop
 COPY simulator simulator
 RUN python -m pip wheel --no-cache-dir --disable-pip-version-check --no-deps \
         --wheel-dir /tmp/dist . \

@@ -20,9 +20,9 @@ from prometheus_client import CollectorRegistry
 
 from bbr.plugins import DEFAULT_PLUGINS, PluginSpec
 from bbr.server import HEALTH_SERVICES, BodyBasedRouter
-from plugin import ConfigError
+from plugin_api import ConfigError
 from pods.kubeapi import KubeconfigError
-from protos.cli import (
+from serving.cli import (
     COMMON_IGNORED,
     Parser,
     add_bool,
@@ -36,9 +36,9 @@ from protos.cli import (
     server_tls,
     serving_problem,
 )
-from protos.logs import configure_logging
-from protos.server import Health, Ports, run_workers, serve
-from protos.tls import TLSError, shared_tls
+from serving.logs import configure_logging
+from serving.server import Health, Ports, run_workers, serve
+from serving.tls import TLSError, shared_tls
 
 IGNORED: Final = COMMON_IGNORED
 """The payload processor's flags that change nothing here (it has none beyond the common ones)."""

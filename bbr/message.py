@@ -5,10 +5,10 @@ parsed into a generic map, and bookkeeping of what the plugins changed, so the
 service can answer Envoy with exactly those changes. ``Message`` is the same
 idea with one rule added: the parsed body is *shared* (parsed once, read by
 every plugin) and therefore *read-only*, enforced by the views of
-``plugin.frozen`` (LWEPP's plugins get the same). A plugin that changes the
+``plugin_api.frozen`` (LWEPP's plugins get the same). A plugin that changes the
 body takes its own copy (``body_copy()``) and returns new bytes.
 
-To refuse a request, a plugin raises ``protos.exchange.Refusal`` with an HTTP
+To refuse a request, a plugin raises ``wire.exchange.Refusal`` with an HTTP
 status: processing stops and the client gets that status (an Envoy
 ``ImmediateResponse``, built in one place: ``bbr.server``).
 """
@@ -20,9 +20,9 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any, Final, final
 
-from plugin.frozen import FrozenDict, parse_object
-from protos.exchange import Refusal, header_value_problem
-from protos.extproc import Phase
+from plugin_api.frozen import FrozenDict, parse_object
+from wire.exchange import Refusal, header_value_problem
+from wire.extproc import Phase
 
 HEADER_NAME: Final = re.compile(r":?[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 """A header name Envoy accepts: an HTTP token (RFC 9110), or a pseudo-header (``:path``)."""
@@ -140,7 +140,7 @@ class Message:
         case-insensitively, so an unchanged header is not re-sent.
 
         A value Envoy would refuse (a control character such as CR or LF, or
-        longer than ``protos.exchange.HEADER_VALUE_LIMIT``) is refused here,
+        longer than ``wire.exchange.HEADER_VALUE_LIMIT``) is refused here,
         naming the header: with 400 on a request (the client sent it; Envoy
         would answer 500), 502 on a response. A name that is no HTTP token is
         a plugin's bug (``ValueError``).

@@ -1,6 +1,6 @@
 """Plugins: the request and response contracts, the chain that runs them, and the built-ins.
 
-BBR's plugins follow the vocabulary both services share (``plugin``): a
+BBR's plugins follow the vocabulary both services share (``plugin_api``): a
 plugin is any object with a ``name`` and ``process_request`` (it joins the
 request chain), ``process_response`` (the response chain), or both; its class
 is its own factory, ``Class(name, params)``; ``needs_body = True`` says it
@@ -31,10 +31,10 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from bbr.message import Message, check_name
-from plugin import NO_PARAMS, ConfigError, Factory, Params, Role, build, needs_body
-from protos.exchange import Refusal
-from protos.extproc import Phase
-from protos.server import build_info
+from plugin_api import NO_PARAMS, ConfigError, Factory, Params, Role, build, needs_body
+from serving.server import build_info
+from wire.exchange import Refusal
+from wire.extproc import Phase
 
 MODEL_HEADER: Final = "X-Gateway-Model-Name"
 BASE_MODEL_HEADER: Final = "X-Gateway-Base-Model-Name"
@@ -73,7 +73,7 @@ class RequestPlugin(Protocol):
             receives it with a matching Content-Length.
 
         Raises:
-            protos.exchange.Refusal: stop the chain and answer the client with
+            wire.exchange.Refusal: stop the chain and answer the client with
                 its status and text instead of forwarding the request.
             Exception: any other error is a bug: it is logged with the request
                 id and answered 500; the stream still ends cleanly.
@@ -105,7 +105,7 @@ class ResponsePlugin(Protocol):
             None, or the complete new response body.
 
         Raises:
-            protos.exchange.Refusal: answer the client with that status instead.
+            wire.exchange.Refusal: answer the client with that status instead.
             Exception: logged with the request id and answered 500.
         """
         ...

@@ -15,7 +15,7 @@ S] [--seed N]`` measures how much of that is Python's, with
 - ``noop-node``: the same do-nothing hop in Node.js (``bench/noop_extproc.js``
   on grpc-js, decoding only the fields it needs): the hop with the cheapest
   gRPC server this machine can run;
-- ``one-hop``: the one-hop gateway, round-robin (``lwepp.onehop``);
+- ``one-hop``: the one-hop gateway, round-robin (``onehop``);
 - ``sglang-router`` and ``vllm-router``, round_robin, in front of the same
   upstream; and the upstream alone (``direct``).
 

@@ -37,7 +37,7 @@ from lwepp.picking import Pool, RoundRobin, Strategy
 from lwepp.pipeline import EXPLAIN_HEADER, Pipeline
 from lwepp.server import EndpointPickerService, PickState
 from pods.model import Endpoint, Pod, StaticSource
-from protos.extproc import ProcessingResponse
+from wire.extproc import ProcessingResponse
 
 PLUGINS = (0, 1, 5)
 

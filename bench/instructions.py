@@ -35,10 +35,10 @@ from prometheus_client import CollectorRegistry
 from bbr.server import BodyBasedRouter
 from bench import hooks
 from bench.streams import HEADERS
-from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse
-from protos.logs import configure_logging
-from protos.server import Handler, Stream
-from protos.testing import request_body, request_headers
+from serving.logs import configure_logging
+from serving.server import Handler, Stream
+from wire.extproc import BodyMode, ProcessingRequest, ProcessingResponse
+from wire.testing import request_body, request_headers
 
 PICKS: Final = 1000
 STREAMS: Final = 500

@@ -27,14 +27,15 @@ from typing import Final
 ROOT: Final = Path(__file__).resolve().parent.parent
 
 GROUPS: Final[Sequence[tuple[str, Sequence[str]]]] = (
-    ("plugin (shared vocabulary)", ("plugin",)),
-    ("protos (wire layer)", ("protos",)),
+    ("plugin_api (shared vocabulary)", ("plugin_api",)),
+    ("wire (ext_proc messages, the exchange)", ("wire",)),
+    ("serving (server, flags, TLS, logs)", ("serving",)),
     ("pods (pod list)", ("pods",)),
     ("bbr", ("bbr",)),
     ("lwepp", ("lwepp",)),
     (
-        "core: lwepp/server.py + lwepp/picking.py + protos/",
-        ("lwepp/server.py", "lwepp/picking.py", "protos"),
+        "core: lwepp/server.py + lwepp/picking.py + wire/",
+        ("lwepp/server.py", "lwepp/picking.py", "wire"),
     ),
     (
         "pipeline layer: contracts, pipeline, config, attributes, body, plugins",

@@ -21,7 +21,7 @@ const grpc = require(process.argv[2] || "@grpc/grpc-js");
 // ProcessingRequest's oneof `request`.
 const REQUEST_HEADERS = 2, RESPONSE_HEADERS = 3, REQUEST_BODY = 4, RESPONSE_BODY = 5;
 const REQUEST_TRAILERS = 6, RESPONSE_TRAILERS = 7;
-// The empty replies, as the Python services serialise them (protos.extproc).
+// The empty replies, as the Python services serialise them (wire.extproc).
 const reply = (hex) => Buffer.from(hex, "hex");
 const EMPTY = {
   [REQUEST_HEADERS]: reply("0a020a00"), // request_headers { response {} }
@@ -82,7 +82,7 @@ const nested = (tag, payload) => Buffer.concat([Buffer.from([tag]), varint(paylo
 
 // request_body { response { body_mutation { streamed_response { body, end_of_stream } } } },
 // the body cut in pieces of at most CHUNK_LIMIT bytes, only the last one ending the stream
-// (and only if asked), as protos.extproc.streamed_body_responses does. Empty and false
+// (and only if asked), as wire.extproc.streamed_body_responses does. Empty and false
 // fields are left out, as protobuf serialises them.
 const CHUNK_LIMIT = 62000;
 function streamedBody(body, endOfStream) {

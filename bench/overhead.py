@@ -16,7 +16,7 @@ noop-both               two do-nothing servers, in BBR's mode then the picker's
 bbr+lwepp               BBR then LWEPP: the demo's request path
 noop-bbr                a do-nothing server in BBR's processing mode
 bbr                     BBR alone
-one-hop                 ``lwepp.onehop``: BBR's job and LWEPP's pick in one hop
+one-hop                 ``onehop``: BBR's job and LWEPP's pick in one hop
                         (the filter's processing mode is the picker's: ``noop-picker``
                         is its do-nothing hop)
 bbr+lwepp-prefix        BBR then LWEPP with the prefix-aware configuration
@@ -648,7 +648,7 @@ class Rig:
             config = ["--config", str(path)]
         if kind.startswith("onehop"):
             pool = ["--pool", f"{POOL.name}=*"]
-            return [python, "-m", "lwepp.onehop", "--pods", str(pods), *pool, *config, *plaintext]
+            return [python, "-m", "onehop", "--pods", str(pods), *pool, *config, *plaintext]
         serving = ports if kind == "lwepp-tls" else plaintext
         return [python, "-m", "lwepp", "--pods", str(pods), *config, *serving]
 
@@ -1125,7 +1125,7 @@ def section(
         "Streams per core: `bench/streams.py`, each server pinned to one CPU, headers + 4 KB "
         "body full-duplex; the ratio is server CPU per stream, the do-nothing server's over the "
         "service's. The server loops, each doing nothing: noop-rw is grpc.aio with "
-        "context.read/write (what protos.server runs), noop-gen grpc.aio with an async "
+        "context.read/write (what serving.server runs), noop-gen grpc.aio with an async "
         "generator, noop-sync grpc's synchronous server (a thread per stream).",
         "Workers: `python -m lwepp --workers N`, streams/s from 8 client connections; with two "
         "CPUs the client shares them with the workers, so 2 workers cannot double it here.",

@@ -17,7 +17,7 @@ noop-picker        Envoy and one do-nothing ext_proc hop (picker's mode): the fl
                    any gateway that calls a Python ext_proc service per request
 bbr+lwepp-scrape   the demo gateway: Envoy, BBR, LWEPP with ``demo/configs/llamacpp.yaml``
                    (prefix-aware, queue), scraping the engine's ``/metrics`` every 0.1 s
-one-hop-scrape     the one-hop gateway (``lwepp.onehop``) with the same configuration
+one-hop-scrape     the one-hop gateway (``onehop``) with the same configuration
 sglang-router,     the peers (``bench/peers.py``, round_robin: with one engine every
 vllm-router        policy picks it), left out when not installed (``make peers``)
 =================  ==================================================================

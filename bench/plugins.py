@@ -32,8 +32,8 @@ from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
 from lwepp.plugins.prefix import PrefixCacheScorer
 from lwepp.plugins.prefix_index import PrefixIndex, block_hashes, seed
 from lwepp.plugins.session_affinity import token
-from plugin import Params
-from plugin.frozen import FrozenDict
+from plugin_api import Params
+from plugin_api.frozen import FrozenDict
 from pods.model import Endpoint
 
 CANDIDATES = 8

@@ -51,7 +51,7 @@ from typing import Final
 from bench import workloads
 from bench.routing import ENGINES, FULL, ORACLES, Outcome, envelope, profile_for, simulate
 from bench.workloads import BAILIAN, Arrival, Replay
-from protos.logs import configure_logging
+from serving.logs import configure_logging
 
 WORKLOAD = "replay"
 """The workload name every run of a replay carries."""

@@ -91,13 +91,13 @@ from lwepp.plugins.pickers import RandomPicker
 from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
 from lwepp.plugins.prefix import PrecisePrefixCacheScorer
 from pods.model import Endpoint
-from protos.exchange import Refusal
 from simulator import metrics
 from simulator.clocks import VirtualEngine, VirtualLoop
 from simulator.engine import Engine, Event, Request, Scheduling
 from simulator.kv_events import KVEventLog
 from simulator.profiles import PROFILES, Profile
 from simulator.tokenizer import output_token_ids
+from wire.exchange import Refusal
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 CONFIGS: Final = Path(__file__).resolve().parent / "configs"

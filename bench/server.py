@@ -14,11 +14,11 @@ from prometheus_client import CollectorRegistry
 from bbr.server import BodyBasedRouter
 from bench.hooks import STREAM_KINDS
 from bench.hooks import service as picker_service
-from lwepp.onehop import OneHop
-from protos import extproc
-from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse
-from protos.logs import configure_logging
-from protos.server import EXT_PROC_SERVICE, Handler, Stream, ext_proc_handler
+from onehop.server import OneHop
+from serving.logs import configure_logging
+from serving.server import EXT_PROC_SERVICE, Handler, Stream, ext_proc_handler
+from wire import extproc
+from wire.extproc import BodyMode, ProcessingRequest, ProcessingResponse
 
 
 def _noop_replies(message: ProcessingRequest) -> list[ProcessingResponse]:
@@ -119,7 +119,7 @@ def sync_handler() -> grpc.GenericRpcHandler:
     """The same do-nothing server for grpc's synchronous server: a thread per stream.
 
     The other server loop grpc offers in Python. ``bench/overhead.py`` measures it
-    against ``noop-rw`` (grpc.aio, what ``protos.server`` runs) on whole
+    against ``noop-rw`` (grpc.aio, what ``serving.server`` runs) on whole
     full-duplex streams, the mode every filter of the gateway uses.
     """
 

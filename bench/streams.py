@@ -7,7 +7,7 @@ here, pinned to CPU 1, and sends pre-serialised bytes so it stays cheap.
 
 The baseline is a do-nothing server answering with the same message shapes
 (an empty headers reply and the body sent back), written two ways: with
-``context.read()/write()`` (what ``protos.server`` uses) and as an async
+``context.read()/write()`` (what ``serving.server`` uses) and as an async
 generator. The figure that matters is the server's CPU time per stream,
 read from /proc, which does not depend on the client keeping up.
 
@@ -36,9 +36,9 @@ import orjson
 
 from pods.file import dump_pods
 from pods.model import Pod
-from protos.extproc import BodyMode
-from protos.server import EXT_PROC_SERVICE
-from protos.testing import request_body, request_headers
+from serving.server import EXT_PROC_SERVICE
+from wire.extproc import BodyMode
+from wire.testing import request_body, request_headers
 
 KINDS = ("noop-rw", "noop-gen", "noop-sync", "lwepp", "bbr", "onehop")
 HEADERS = [

@@ -51,13 +51,13 @@ the demo and the end-to-end tests cover that hop). GIE's tests pin replicas with
 GIE's lwepp always does and Switchyard does only when asked: both flags turn them on."""
 
 ONE_HOP: Final = (
-    'sh -c \'exec "$0" -m lwepp.onehop --pods "$1" --pool-label app --pool "${{2#app=}}=*" '
+    'sh -c \'exec "$0" -m onehop --pods "$1" --pool-label app --pool "${{2#app=}}=*" '
     '--host "$3" --grpc-port "$4" --grpc-health-port "$5" --metrics-port "$6" '
     "--enable-test-selection-header --report-served-endpoint "
     "--secure-serving=false --log-level info' "
     "{python} {pods} {selector} {host} {grpc_port} {health_port} {metrics_port}"
 )
-"""Switchyard's one-hop service (``lwepp.onehop``: BBR's chain, then the pick) as each pool's
+"""Switchyard's one-hop service (``onehop``: BBR's chain, then the pick) as each pool's
 picker, taking any model (``--pool NAME=*``, NAME the pool's ``app`` label, which the shell cuts
 from ``{selector}``). The suite's gateway routes by HTTPRoute, so its one ext_proc filter per pool
 is the one hop: the tests then check the pick, and the model header rides along."""

@@ -35,8 +35,8 @@ from google.protobuf import json_format
 
 from conformance.client import Failed, Observation, Request, Unreachable
 from conformance.envoy import Gateway, HTTPRoute, resolve
-from protos.extproc import BodyMode
-from protos.testing import (
+from wire.extproc import BodyMode
+from wire.testing import (
     ExtProcClient,
     request_body,
     request_headers,

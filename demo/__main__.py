@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     add(
         "--one-hop",
         action="store_true",
-        help="one ext_proc service (python -m lwepp.onehop) does BBR's job and every pool's "
+        help="one ext_proc service (python -m onehop) does BBR's job and every pool's "
         "pick, so Envoy calls Python once per request instead of twice (BBR, then the pool's "
         "picker, GIE's topology and the default); FailOpen then has no meaning: the one "
         "service reads every body, and fails closed as BBR does",

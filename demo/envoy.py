@@ -20,7 +20,7 @@ filter placed just before the router is the first to see the response.
 
 Some answers come from the gateway itself, without calling any service:
 ``/health`` (200, empty, as vLLM answers it); and, as OpenAI-style JSON
-errors or lists (``protos.exchange.error_body``), ``GET /v1/models`` and
+errors or lists (``wire.exchange.error_body``), ``GET /v1/models`` and
 ``/v1/models/{id}`` (the union of the models the pools serve) and the 404s
 for a model no pool serves; and Envoy's own failures (a replica that
 refuses connections, a service that is down), rewritten by the HCM's
@@ -65,7 +65,7 @@ from envoy_data_plane.envoy.type.matcher import v3 as matcher
 from envoy_data_plane.google.protobuf import Any as AnyMessage
 from envoy_data_plane.google.protobuf import Struct
 
-from protos.exchange import error_body
+from wire.exchange import error_body
 
 MODEL_HEADER: Final = "x-gateway-model-name"
 """Set by BBR from the body's ``model``; the routes match on it (GIE's BBR guide)."""
@@ -111,7 +111,7 @@ The services must welcome these pings on a *quiet* stream too: a picker that
 hears the response has nothing to send while the model server works on a
 non-streamed answer, and gRPC's default policy takes three pings in that
 state for abuse (GOAWAY "too_many_pings": every request on the connection
-fails). They accept a ping every ``protos.server.MIN_PING_INTERVAL_MS`` (1 s);
+fails). They accept a ping every ``serving.server.MIN_PING_INTERVAL_MS`` (1 s);
 Envoy adds up to 15% jitter to the interval, never subtracts, so a keepalive
 of 1 s or more is always welcome. ``Gateway.keepalive`` changes it (tests).
 """
@@ -166,7 +166,7 @@ class Gateway:
     tls: bool = True
     """Dial BBR and the pickers over TLS (they serve it by default, as GIE's lwepp)."""
     one_hop_port: int | None = None
-    """The one-hop service's port (``lwepp.onehop``): one ext_proc filter in place of BBR
+    """The one-hop service's port (``onehop``): one ext_proc filter in place of BBR
     and the pickers (``bbr_port`` and the pools' picker ports are then unused)."""
     one_hop_response_headers: bool = True
     """Send the one-hop service the response headers (``GatewayPool.response_headers``)."""
@@ -490,7 +490,7 @@ def _picker_mode(response_headers: bool) -> ext_proc.ProcessingMode:
 
 
 def one_hop_filter(response_headers: bool = True) -> hcm.HttpFilter:
-    """BBR's job and the picker's in one filter (``lwepp.onehop``): the picker's processing mode.
+    """BBR's job and the picker's in one filter (``onehop``): the picker's processing mode.
 
     The request body comes FULL_DUPLEX_STREAMED, as to both services: the
     service holds the headers answer until it has read the body, then sends

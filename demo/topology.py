@@ -46,7 +46,7 @@ from demo.envoy import KEEPALIVE, Gateway, GatewayPool, write_bootstrap
 from demo.servers import Readiness, ServerCheck, check_servers
 from pods.file import load_pods
 from pods.model import Pod, endpoints_of
-from protos.server import die_with_parent as _tie_to_parent
+from serving.server import die_with_parent as _tie_to_parent
 
 HOST: Final = "127.0.0.1"
 STOP_TIMEOUT: Final = 15.0
@@ -78,7 +78,7 @@ class Service:
         self, name: str, argv: Sequence[str], log: Path, *, die_with_parent: bool = False
     ) -> None:
         """``die_with_parent``: SIGTERM the child if this process dies, even by SIGKILL
-        (``protos.server.die_with_parent``; start it from the main thread)."""
+        (``serving.server.die_with_parent``; start it from the main thread)."""
         self.name, self.argv, self.log = name, list(argv), log
         self.listening: dict[str, Any] = {}
         self._log_file: IO[bytes] = log.open("wb")
@@ -338,7 +338,7 @@ class Topology(Processes):
     module docstring); ``on_server_change(pod, why)`` then hears each
     readiness change (``why`` None: ready again). ``demo_flags``: start the
     services with ``DEMO_PICKER_FLAGS`` and ``DEMO_BBR_FLAGS`` (False: with
-    their production defaults). ``one_hop``: one ``lwepp.onehop`` service
+    their production defaults). ``one_hop``: one ``onehop`` service
     (named ``onehop``) does BBR's job and every pool's pick, and Envoy calls
     it once per request, in place of BBR and the pickers (it gets the
     pickers' demo flags; ``picker_args`` and ``bbr_args`` go to it too).
@@ -467,7 +467,7 @@ class Topology(Processes):
         """The one service of ``one_hop``: every pool and its models, as ``--pool`` flags."""
         self._ext_proc(
             "onehop",
-            "lwepp.onehop",
+            "onehop",
             "--pods",
             pods,
             *(f"--pool={pool.name}={','.join(pool.models)}" for pool in self.pools),

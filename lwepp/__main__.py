@@ -34,7 +34,7 @@ from pods.kubeapi import KubeconfigError, load_kubeconfig
 from pods.kubernetes import DEFAULT_GROUP, InferencePoolSource
 from pods.model import PodSource
 from pods.selector import LabelSelector, SelectorError
-from protos.cli import (
+from serving.cli import (
     COMMON_IGNORED,
     Ignored,
     Parser,
@@ -50,10 +50,10 @@ from protos.cli import (
     server_tls,
     serving_problem,
 )
-from protos.logs import configure_logging
-from protos.metrics_auth import MetricsAuth
-from protos.server import EXT_PROC_SERVICE, Health, Ports, run_workers, serve
-from protos.tls import ServerTLS, TLSError, shared_tls
+from serving.logs import configure_logging
+from serving.metrics_auth import MetricsAuth
+from serving.server import EXT_PROC_SERVICE, Health, Ports, run_workers, serve
+from serving.tls import ServerTLS, TLSError, shared_tls
 
 log = structlog.get_logger()
 

@@ -1,7 +1,7 @@
 """Endpoint attributes: the store data sources write and picks read, and how sources run.
 
 Data sources (metrics scrapers, model lists, a user's own) are plugins that
-run in the background, each in its own task started by ``protos.server.serve``.
+run in the background, each in its own task started by ``serving.server.serve``.
 They write ``Measurement`` snapshots into one ``AttributeStore``; a pick reads
 the store's ``snapshot`` once and builds its candidates from it. A pick never
 waits for a source: it uses what was last measured, and each measurement

@@ -2,7 +2,7 @@
 
 Both are optional work. The request body is parsed only when a configured
 plugin says it ``needs_body`` (into the read-only view BBR's plugins get too,
-``plugin.frozen``); the response body is read only when a plugin hooks the
+``plugin_api.frozen``); the response body is read only when a plugin hooks the
 response's end, and then only for its ``usage`` object.
 """
 
@@ -13,7 +13,7 @@ from typing import Any, Final
 import orjson
 
 from lwepp.contracts import Usage
-from plugin.frozen import FrozenDict, parse_object
+from plugin_api.frozen import FrozenDict, parse_object
 
 
 def parse_request(body: bytes) -> FrozenDict | None:

@@ -16,7 +16,7 @@ over, for the plugins Switchyard has::
       - pluginRef: queue
         weight: 2                      # scorers only; default 1.0; never negative
 
-**What runs.** A plugin plays every role whose method it has (``plugin``).
+**What runs.** A plugin plays every role whose method it has (``plugin_api``).
 Filters, scorers and pickers run only where the scheduling profile lists
 them (with no profile, one named ``default`` lists every plugin, as the
 router does); every other plugin (data sources, plugins that are only hooks)
@@ -36,7 +36,7 @@ to the ``prefix-cache-scorer`` naming it in ``prefixMatchInfoProducerName``
 ``dataLayer.sources`` pairs it with (or the only one, or the added one).
 
 **User plugins.** A ``type`` with a dot is a dotted path, imported when the
-file is loaded, and called as ``factory(name, params)`` (``plugin.Params``):
+file is loaded, and called as ``factory(name, params)`` (``plugin_api.Params``):
 a class, a function, or a classmethod named in the path
 (``pkg.module.Class.from_params``). ``examples/custom_scorer/`` shows one.
 
@@ -84,7 +84,7 @@ from lwepp.plugins.inflight import InFlightLoadProducer
 from lwepp.plugins.metrics_source import CoreMetricsExtractor, MetricsDataSource
 from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
 from lwepp.plugins.prefix import DEFAULT_PRODUCER, ApproxPrefixCacheProducer, PrefixCacheScorer
-from plugin import Built, ConfigError, Factory, Params, Role, build, needs_body
+from plugin_api import Built, ConfigError, Factory, Params, Role, build, needs_body
 from pods.file import read_utf8
 
 API_VERSION: Final = "llm-d.ai/v1alpha1"
@@ -318,7 +318,7 @@ def _keys(field: str) -> list[str | int]:
 
 @dataclass(slots=True)
 class _Decoder:
-    """Walks the parsed file with ``plugin.Params``, collecting every error with its line."""
+    """Walks the parsed file with ``plugin_api.Params``, collecting every error with its line."""
 
     path: str
     node: yaml.Node | None
@@ -740,7 +740,7 @@ class _Decoder:
 
 
 def _make(factory: Factory, kind: str, name: str, parameters: Any) -> Built:
-    """A folded type's object, built as ``plugin.build`` builds plugins (strict parameters)."""
+    """A folded type's object, built as ``plugin_api.build`` builds plugins (strict parameters)."""
     where = f"plugin {name!r} ({kind})"
     params = Params(parameters, where)
     try:

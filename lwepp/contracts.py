@@ -1,12 +1,12 @@
 """The plugin contracts of the endpoint picker: what a filter, scorer, picker or hook is.
 
-Plugin authors import this module (and ``plugin.Params`` for parameters) and
+Plugin authors import this module (and ``plugin_api.Params`` for parameters) and
 nothing else of LWEPP. Each contract is a ``typing.Protocol`` with one
-method: a plugin plays every role whose method it has (``plugin.Role``), so
+method: a plugin plays every role whose method it has (``plugin_api.Role``), so
 one small class can be a scorer and a picked hook at once, and a hook
 implements only the steps it needs. No base class, no registration.
 
-One request meets the plugins in this order (``plugin.Role``)::
+One request meets the plugins in this order (``plugin_api.Role``)::
 
     prepare            compute per-request data once (e.g. prefix hashes) into request.state
     filter             candidates → the subset allowed, in order

@@ -89,7 +89,7 @@ class Strategy(Protocol):
         """Choose among ``candidates``: never empty, only endpoints the request may go to.
 
         A pick with no endpoints means none is acceptable: the service answers
-        HTTP 503. A strategy may also raise ``protos.exchange.Refusal`` to
+        HTTP 503. A strategy may also raise ``wire.exchange.Refusal`` to
         answer with a status and headers of its own.
         """
         ...

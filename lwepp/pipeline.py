@@ -1,6 +1,6 @@
 """The filter/scorer pipeline: a ``Strategy`` that picks for one request, then hears its response.
 
-Each plugin plays every role whose method it has (``plugin.Role``), at each
+Each plugin plays every role whose method it has (``plugin_api.Role``), at each
 stage in the order the plugins were given. Request side (``decide``), each
 stage one loop::
 
@@ -93,14 +93,14 @@ from lwepp.contracts import (
 )
 from lwepp.picking import Pick, PickRequest, RoundRobin
 from lwepp.plugins.pickers import MaxScorePicker
-from plugin import ConfigError, Role, needs_body, roles_of
+from plugin_api import ConfigError, Role, needs_body, roles_of
 from pods.model import Endpoint
-from protos.exchange import HEADER_VALUE_LIMIT, MAX_BODY_BYTES, Refusal, header_value_problem
+from wire.exchange import HEADER_VALUE_LIMIT, MAX_BODY_BYTES, Refusal, header_value_problem
 
 log = structlog.get_logger()
 
 ROLES: Final = tuple(role for role in Role if role not in (Role.REQUEST, Role.RESPONSE))
-"""The roles a picker's plugins play: every ``plugin.Role`` but BBR's two, in stage order."""
+"""The roles a picker's plugins play: every ``plugin_api.Role`` but BBR's two, in stage order."""
 
 MODEL_HEADER: Final = "x-gateway-model-name"
 """Set by BBR from the body's ``model``; the request's model when the body is not parsed."""
@@ -490,7 +490,7 @@ class Pipeline:
     def background(
         self, endpoints: Callable[[], Sequence[Endpoint]]
     ) -> list[Callable[[], Coroutine[Any, Any, None]]]:
-        """The data sources' tasks, for ``protos.server.serve`` to run (each restarted on failure).
+        """The data sources' tasks, for ``serving.server.serve`` to run (each restarted on failure).
 
         A source that fails is counted as ``llm_d_epp_plugin_errors_total{stage="source"}``.
         """

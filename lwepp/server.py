@@ -60,8 +60,9 @@ from lwepp.picking import (
     candidates,
 )
 from pods.model import Endpoint
-from protos import extproc
-from protos.exchange import (
+from serving.server import Stream
+from wire import extproc
+from wire.exchange import (
     MAX_BODY_BYTES,
     Exchange,
     Half,
@@ -69,8 +70,7 @@ from protos.exchange import (
     check_headers_fit,
     header_value_problem,
 )
-from protos.extproc import BodyMode, HttpBody, ProcessingRequest, ProcessingResponse
-from protos.server import Stream
+from wire.extproc import BodyMode, HttpBody, ProcessingRequest, ProcessingResponse
 
 log = structlog.get_logger()
 

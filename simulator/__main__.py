@@ -11,10 +11,10 @@ from typing import Final
 
 import structlog
 
-from lwepp.vllm_hash import HASH_ALGORITHMS
+from blockhash.vllm import HASH_ALGORITHMS
 from pods.file import PodFileError, load_pods
 from pods.model import Pod, parse_selector
-from protos.logs import configure_logging
+from serving.logs import configure_logging
 from simulator.engine import Faults, Scheduling, Settings
 from simulator.kv_events import KVEventsConfig
 from simulator.metrics import ENGINES

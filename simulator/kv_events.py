@@ -19,7 +19,7 @@ and the events, each a tagged array with trailing defaults left out::
     ["BlockRemoved", [hash, ...], medium]
     ["AllBlocksCleared"]
 
-**Block hashes are vLLM's** (``lwepp.vllm_hash``, which the picker's precise
+**Block hashes are vLLM's** (``blockhash.vllm``, which the picker's precise
 prefix producer shares to check an engine's seed and algorithm): the chain
 vLLM computes over each block's token ids, seeded from ``PYTHONHASHSEED`` as
 vLLM is, sent as the digest's low 64 bits. So a subscriber that hashes a
@@ -42,7 +42,7 @@ import msgpack
 import orjson
 import zmq
 
-from lwepp.vllm_hash import BlockHasher, external, hash_function
+from blockhash.vllm import BlockHasher, external, hash_function
 
 MEDIUM: Final = "GPU"
 DEFAULT_ENDPOINT: Final = "tcp://*:5557"

@@ -41,7 +41,7 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from lwepp.vllm_hash import BlockHasher
+from blockhash.vllm import BlockHasher
 from pods.model import Pod, join_host_port
 from simulator import metrics, openai
 from simulator.clocks import EngineError, RealTimeEngine, Sleep

@@ -30,8 +30,8 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
-from protos import extproc
-from protos.server import Health, Ports, Stream, serve
+from serving.server import Health, Ports, Stream, serve
+from wire import extproc
 
 DESTINATION = "x-gateway-destination-endpoint"
 

@@ -9,7 +9,7 @@ from typing import Any
 from lwepp.contracts import AttributeWriter, Candidate, LLMRequest, Measurement, Usage
 from lwepp.pipeline import ROLES
 from lwepp.plugins import REGISTRY
-from plugin import Params, build
+from plugin_api import Params, build
 from pods.model import Endpoint
 
 

@@ -20,10 +20,10 @@ import pytest
 
 from bench.soak import error_lines
 from demo.topology import Topology
-from protos.exchange import HEADER_VALUE_LIMIT, HEADERS_SIZE_LIMIT, MAX_BODY_BYTES
 from tests.conftest import write_pod_file
 from tests.http_clients import Answer, cut_off, http1, http2, read_then_hang_up
 from tests.reliability import record
+from wire.exchange import HEADER_VALUE_LIMIT, HEADERS_SIZE_LIMIT, MAX_BODY_BYTES
 
 pytestmark = pytest.mark.e2e
 

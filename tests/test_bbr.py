@@ -22,11 +22,12 @@ from structlog.testing import capture_logs
 from bbr.message import Message
 from bbr.plugins import DEFAULT_PLUGINS, PLUGINS, PluginSpec
 from bbr.server import HEALTH_SERVICES, BodyBasedRouter
-from plugin import Factory, Params
-from protos.exchange import Refusal
-from protos.extproc import CHUNK_LIMIT, BodyMode, ProcessingRequest, ProcessingResponse
-from protos.server import Health, Stream
-from protos.testing import (
+from plugin_api import Factory, Params
+from serving.server import Health, Stream
+from tests.processes import service
+from wire.exchange import Refusal
+from wire.extproc import CHUNK_LIMIT, BodyMode, ProcessingRequest, ProcessingResponse
+from wire.testing import (
     ExtProcClient,
     request_body,
     request_headers,
@@ -36,7 +37,6 @@ from protos.testing import (
     running,
     set_headers,
 )
-from tests.processes import service
 
 POST = {
     ":method": "POST",

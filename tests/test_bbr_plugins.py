@@ -24,9 +24,9 @@ from bbr.plugins import (
     build_chains,
     go_format,
 )
-from plugin import ConfigError, Params
-from plugin.frozen import FrozenDict, FrozenList
-from protos.exchange import Refusal
+from plugin_api import ConfigError, Params
+from plugin_api.frozen import FrozenDict, FrozenList
+from wire.exchange import Refusal
 
 HEADERS = {"content-type": "application/json", "x-gateway-model-name": "old"}
 

@@ -13,9 +13,9 @@ import pytest
 from bench import floor
 from bench.overhead import GRPC_JS, NODE_NOOP
 from bench.streams import HEADERS, chat_body
-from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse
-from protos.server import EXT_PROC_SERVICE
-from protos.testing import (
+from serving.server import EXT_PROC_SERVICE
+from wire.extproc import BodyMode, ProcessingRequest, ProcessingResponse
+from wire.testing import (
     request_body,
     request_headers,
     request_trailers,

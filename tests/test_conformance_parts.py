@@ -37,9 +37,9 @@ from conformance.picker import PickerTransport
 from conformance.run import run_suite
 from conformance.topology import EchoPod
 from demo import envoy as demo
-from protos import extproc
-from protos.server import Stream
-from protos.testing import running
+from serving.server import Stream
+from wire import extproc
+from wire.testing import running
 
 PRIMARY, SECONDARY = Gateway("conformance-primary"), Gateway("conformance-secondary", "sec.example")
 POOLS = {

@@ -90,7 +90,7 @@ def test_lwepp_with_the_recommended_config_passes(tmp_path: Path) -> None:
 
 
 def test_the_one_hop_service_as_each_pools_picker_passes(tmp_path: Path) -> None:
-    """lwepp.onehop (BBR's chain, then the pick, in one stream) held to the same tests passes
+    """onehop (BBR's chain, then the pick, in one stream) held to the same tests passes
     them both ways: the model header it adds changes no pick, no report, no failure mode."""
     only = [c.name for c in CASES if c.name != "GatewayWeightedAcrossTwoInferencePools"]
     timing = Timing(max_time_to_consistency=30.0, delay_after_failure=0.1)

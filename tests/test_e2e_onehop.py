@@ -1,7 +1,7 @@
 """The one-hop gateway through the real Envoy: one ext_proc service for BBR's job and the picks.
 
 The same checks as ``test_e2e.py``'s where they apply (``demo --one-hop``):
-the simulated replicas, Envoy, and ``python -m lwepp.onehop`` in place of BBR
+the simulated replicas, Envoy, and ``python -m onehop`` in place of BBR
 and the pickers.
 """
 

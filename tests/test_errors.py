@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from protos.exchange import Refusal, error_body
+from wire.exchange import Refusal, error_body
 
 
 @pytest.mark.parametrize(

@@ -47,8 +47,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE
-from protos.exchange import header_value_problem
-from protos.extproc import (
+from serving.server import EXT_PROC_SERVICE
+from wire.exchange import header_value_problem
+from wire.extproc import (
     CHUNK_LIMIT,
     BodyMode,
     ProcessingRequest,
@@ -56,7 +57,6 @@ from protos.extproc import (
     SendMode,
     struct,
 )
-from protos.server import EXT_PROC_SERVICE
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "0"))
 FUZZ = settings(

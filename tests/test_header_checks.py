@@ -19,8 +19,10 @@ from lwepp.metrics import PickerMetrics
 from lwepp.picking import Pool, RoundRobin
 from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER, Pipeline, header_json
 from lwepp.server import EndpointPickerService
-from plugin import ConfigError, Params
-from protos.exchange import (
+from plugin_api import ConfigError, Params
+from tests.fakes import StaticPods, pod
+from tests.plugin_fakes import RecordingHook
+from wire.exchange import (
     HEADER_VALUE_LIMIT,
     HEADERS_COUNT_LIMIT,
     HEADERS_SIZE_LIMIT,
@@ -28,8 +30,8 @@ from protos.exchange import (
     check_headers_fit,
     header_value_problem,
 )
-from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse
-from protos.testing import (
+from wire.extproc import BodyMode, ProcessingRequest, ProcessingResponse
+from wire.testing import (
     ExtProcClient,
     request_body,
     request_headers,
@@ -37,8 +39,6 @@ from protos.testing import (
     running,
     set_headers,
 )
-from tests.fakes import StaticPods, pod
-from tests.plugin_fakes import RecordingHook
 
 ROOT = Path(__file__).resolve().parent.parent
 FDS = (BodyMode.FULL_DUPLEX_STREAMED, BodyMode.NONE)

@@ -15,7 +15,7 @@ import xxhash
 import zmq
 import zmq.asyncio
 
-from lwepp.vllm_hash import (
+from blockhash.vllm import (
     DEFAULT_SEED,
     HASH_ALGORITHMS,
     BlockHasher,

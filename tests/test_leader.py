@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2
 
 from lwepp.leader import LeaderElector, LeaseTimings, micro_time
 from pods.kubeapi import ClusterConfig, KubeApi
-from protos.server import Health
+from serving.server import Health
 from tests.fake_kube import FakeKube, eventually
 
 LEASE = "/apis/coordination.k8s.io/v1/namespaces/models/leases/lwepp-llama"

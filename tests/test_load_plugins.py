@@ -16,8 +16,8 @@ from lwepp.plugins.inflight import STALE_SECONDS, InFlightLoadProducer, load_key
 from lwepp.plugins.load_scorers import ActiveRequestScorer, LoadAwareScorer, TokenLoadScorer
 from lwepp.plugins.no_hit_lru import NoHitLRUScorer
 from lwepp.plugins.prefix import PrefixCacheScorer, PrefixMatch, match_key
-from plugin import Params
-from plugin.frozen import frozen
+from plugin_api import Params
+from plugin_api.frozen import frozen
 from pods.model import Endpoint
 
 NOW = 1000.0

@@ -9,7 +9,7 @@ import sys
 
 WRITER = """
 import structlog
-from protos.logs import configure_logging
+from serving.logs import configure_logging
 configure_logging("info")
 log = structlog.get_logger()
 for i in range(2000):

@@ -7,7 +7,7 @@ non-streamed answer. Envoy pings the connection all the while
 (``demo.envoy.KEEPALIVE``). gRPC's default server policy counts those pings
 as abuse once it has sent nothing for a while, and closes the connection
 (GOAWAY "too_many_pings"): every request on it failed with 503
-``ext_proc_error``. The services' ping policy (``protos.server.PING_POLICY``)
+``ext_proc_error``. The services' ping policy (``serving.server.PING_POLICY``)
 and Envoy's keepalive are set together so that they do not.
 
 The quick tests shorten Envoy's keepalive to half a second, so that the old
@@ -31,7 +31,7 @@ import pytest
 
 from demo.envoy import KEEPALIVE
 from demo.topology import Topology
-from protos.server import MIN_PING_INTERVAL_MS
+from serving.server import MIN_PING_INTERVAL_MS
 from tests.conftest import POOLS, write_pod_file
 from tests.reliability import record
 
@@ -183,7 +183,7 @@ def test_a_minute_long_answer_with_the_demo_settings(tmp_path: Path) -> None:
         "response (recommended config, served-endpoint report, BBR response plugin; the one hop "
         "too), Envoy pinging every 5 s",
         f"**200** ×4 after {took:.0f} s, the whole answer. Before the services accepted a "
-        "gateway's pings on a quiet stream (`protos.server.PING_POLICY`), the non-streamed one "
+        "gateway's pings on a quiet stream (`serving.server.PING_POLICY`), the non-streamed one "
         "got **503** `ext_proc_error_gRPC_error_14{Too_many_pings{via_upstream}}` after 27 s "
         "(measured then), and every request sharing its connection failed the same way",
     )

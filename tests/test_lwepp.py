@@ -28,9 +28,10 @@ from lwepp.picking import (
 )
 from lwepp.server import EndpointPickerService
 from pods.model import Endpoint
-from protos.extproc import BodyMode, ProcessingResponse
-from protos.server import Health
-from protos.testing import (
+from serving.server import Health
+from tests.fakes import StaticPods, pod
+from wire.extproc import BodyMode, ProcessingResponse
+from wire.testing import (
     ExtProcClient,
     request_body,
     request_headers,
@@ -40,7 +41,6 @@ from protos.testing import (
     running,
     set_headers,
 )
-from tests.fakes import StaticPods, pod
 
 PODS = (
     pod("p0", "10.0.0.1", 3000, pool="a"),

@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from protos.testing import ExtProcClient, request_body, request_headers
 from tests.processes import service, start_events
+from wire.testing import ExtProcClient, request_body, request_headers
 
 PODS = """
 pods:
@@ -38,7 +38,7 @@ def test_help_explains_the_flags() -> None:
         (["--pods", "{dir}/missing.yaml"], "missing.yaml: cannot read"),
         (["--pods", "{dir}/bad.yaml"], "pods[0].ports: required"),
         (["--pods", "{dir}/pods.yaml", "--selector", "pool in ()"], "in needs at least one"),
-        # The serving flags are BBR's, with the same checks (protos.cli).
+        # The serving flags are BBR's, with the same checks (serving.cli).
         (["--pods", "{dir}/pods.yaml", "--grpc-port", "70000"], "70000 is not a port"),
         (["--pods", "{dir}/pods.yaml", "--metrics-port", "9002"], "must differ"),
         (["--pods", "{dir}/pods.yaml", "--max-body-bytes", "0"], "must be at least 1"),

@@ -25,7 +25,7 @@ from lwepp.__main__ import explain_mode
 from lwepp.config import load_config
 from lwepp.leader import LeaderElector
 from pods.kubeapi import ClusterConfig, KubeApi
-from protos.metrics_auth import MetricsAuth
+from serving.metrics_auth import MetricsAuth
 from tests.fake_kube import FakeKube, eventually
 from tests.test_kubernetes import PODS, POOLS, k8s_pod, k8s_pool, tracking
 

@@ -22,7 +22,7 @@ from lwepp.contracts import Candidate, DataSource
 from lwepp.plugins import REGISTRY
 from lwepp.plugins.metrics_source import BUILTIN_ENGINES, MetricsDataSource
 from lwepp.plugins.prometheus import parse
-from plugin import ConfigError, Params
+from plugin_api import ConfigError, Params
 from pods.model import Endpoint, Pod
 from simulator import Settings, serve_pods
 from tests.fakes import RecordingStore

@@ -13,7 +13,7 @@ from aiohttp import web
 from lwepp.contracts import DataSource
 from lwepp.plugins import REGISTRY
 from lwepp.plugins.models_source import ModelsDataSource, served_models
-from plugin import ConfigError, Params
+from plugin_api import ConfigError, Params
 from pods.model import Endpoint, Pod
 from simulator import Settings, serve_pods
 from tests.fakes import RecordingStore

@@ -15,11 +15,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from bbr.server import BodyBasedRouter
 from lwepp.metrics import PickerMetrics
-from lwepp.onehop import OneHop, Registries, build_parser, main, with_changes
 from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, Pool, RoundRobin
 from lwepp.server import EndpointPickerService
-from protos.extproc import BodyMode, ProcessingResponse
-from protos.testing import (
+from onehop.__main__ import build_parser, main
+from onehop.server import OneHop, Registries, with_changes
+from tests.fakes import StaticPods, pod
+from tests.processes import start_events
+from wire.extproc import BodyMode, ProcessingResponse
+from wire.testing import (
     ExtProcClient,
     request_body,
     request_headers,
@@ -28,8 +31,6 @@ from protos.testing import (
     running,
     set_headers,
 )
-from tests.fakes import StaticPods, pod
-from tests.processes import start_events
 
 PODS = (
     pod("a0", "10.0.0.1", 3000, pool="a"),
@@ -286,7 +287,7 @@ def test_a_pool_no_pod_belongs_to_is_warned_about_at_start(tmp_path: Path) -> No
     the file before the service listens; it still starts (the file may gain such pods)."""
     pods = tmp_path / "pods.yaml"
     pods.write_text("pods:\n- {name: a-0, address: 127.0.0.1, ports: [18001], labels: {pool: a}}\n")
-    events = start_events("lwepp.onehop", "--pods", str(pods), "--pool", "a=m1", "--pool", "zzz=m2")
+    events = start_events("onehop", "--pods", str(pods), "--pool", "a=m1", "--pool", "zzz=m2")
     warned = [e for e in events if e["event"] == "no pod matches the pool"]
     assert [(e["pool"], e["selector"], e["level"]) for e in warned] == [
         ("zzz", "pool=zzz", "warning")

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from demo.topology import Topology
-from protos.exchange import MAX_BODY_BYTES
+from wire.exchange import MAX_BODY_BYTES
 
 pytestmark = pytest.mark.e2e
 

@@ -15,9 +15,7 @@ from lwepp.config import ConfigErrors, PickerConfig, load_config
 from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER
 from lwepp.plugins import REGISTRY
 from lwepp.plugins.pickers import MaxScorePicker, RandomPicker
-from plugin import Role
-from protos.extproc import ProcessingResponse
-from protos.testing import ExtProcClient, request_headers, response_headers, set_headers
+from plugin_api import Role
 from tests.plugin_fakes import (
     FakeFilter,
     FakeScorer,
@@ -27,6 +25,8 @@ from tests.plugin_fakes import (
     fake_source,
 )
 from tests.processes import service
+from wire.extproc import ProcessingResponse
+from wire.testing import ExtProcClient, request_headers, response_headers, set_headers
 
 TYPES = {
     **REGISTRY,

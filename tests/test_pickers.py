@@ -13,7 +13,7 @@ from lwepp.contracts import Candidate, LLMRequest, Scored
 from lwepp.picking import PickRequest, RoundRobin
 from lwepp.plugins import REGISTRY
 from lwepp.plugins.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
-from plugin import ConfigError, Params
+from plugin_api import ConfigError, Params
 from pods.model import Endpoint
 from tests.plugin_fakes import configured
 

@@ -19,10 +19,12 @@ from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, Pool, RoundRobin, Strate
 from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER, DecisionLog, Pipeline
 from lwepp.plugins.pickers import MaxScorePicker
 from lwepp.server import EndpointPickerService
-from plugin import Params
-from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse
-from protos.server import Handler
-from protos.testing import (
+from plugin_api import Params
+from serving.server import Handler
+from tests.fakes import StaticPods, pod
+from tests.plugin_fakes import FakeFilter, FakeScorer, RecordingHook
+from wire.extproc import BodyMode, ProcessingRequest, ProcessingResponse
+from wire.testing import (
     ExtProcClient,
     request_body,
     request_headers,
@@ -32,8 +34,6 @@ from protos.testing import (
     running,
     set_headers,
 )
-from tests.fakes import StaticPods, pod
-from tests.plugin_fakes import FakeFilter, FakeScorer, RecordingHook
 
 PODS = (
     pod("p0", "10.0.0.1", 3000, pool="a"),

@@ -15,12 +15,12 @@ import orjson
 import pytest
 import structlog
 
+from blockhash.vllm import DEFAULT_SEED, BlockHasher, external
 from lwepp.config import ConfigErrors, load_text
 from lwepp.contracts import Candidate, LLMRequest
 from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer, chain
 from lwepp.plugins.prefix import PrecisePrefixCacheScorer, PrefixCacheScorer
-from lwepp.vllm_hash import DEFAULT_SEED, BlockHasher, external
-from plugin import ConfigError, Params
+from plugin_api import ConfigError, Params
 from pods.model import Endpoint
 from simulator.engine import Settings
 from simulator.kv_events import KVEventsConfig

@@ -24,7 +24,7 @@ from lwepp.contracts import (
 from lwepp.plugins import REGISTRY
 from lwepp.plugins.prefix import PrefixCacheScorer, prompt_text
 from lwepp.plugins.prefix_index import PrefixIndex, block_hashes, seed
-from plugin import ConfigError, Params
+from plugin_api import ConfigError, Params
 from pods.model import Endpoint
 from tests.plugin_fakes import configured
 

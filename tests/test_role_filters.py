@@ -6,7 +6,7 @@ import pytest
 
 from lwepp.contracts import Candidate, LLMRequest
 from lwepp.plugins.role_filters import ByLabelFilter, DecodeFilter, EncodeFilter, PrefillFilter
-from plugin import ConfigError, Params
+from plugin_api import ConfigError, Params
 from pods.model import Endpoint
 
 ROLES = ["decode", "prefill", "prefill-decode", "both", "encode", "encode-prefill",

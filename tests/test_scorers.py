@@ -15,7 +15,7 @@ from lwepp.plugins.label_selector import LabelSelectorFilter
 from lwepp.plugins.lora_affinity import LoraAffinityScorer
 from lwepp.plugins.queue_scorer import QueueScorer
 from lwepp.plugins.session_affinity import SessionAffinityScorer, token
-from plugin import ConfigError, Params
+from plugin_api import ConfigError, Params
 from pods.model import Endpoint
 from tests.plugin_fakes import configured
 

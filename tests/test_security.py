@@ -25,26 +25,26 @@ from demo.envoy import GATEWAY_ONLY_HEADERS
 from demo.topology import Topology
 from lwepp.__main__ import build_parser, explain_mode
 from lwepp.metrics import PickerMetrics
-from lwepp.onehop import build_parser as onehop_parser
 from lwepp.picking import Pool, RoundRobin, Strategy
 from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER, ExplainMode, Pipeline
 from lwepp.server import EndpointPickerService
+from onehop.__main__ import build_parser as onehop_parser
 from pods.kubeapi import ClusterConfig
-from protos.cli import serving_problem
-from protos.metrics_auth import MetricsAuth, bearer_token
-from protos.testing import (
-    ExtProcClient,
-    request_headers,
-    response_headers,
-    running,
-    set_headers,
-)
+from serving.cli import serving_problem
+from serving.metrics_auth import MetricsAuth, bearer_token
 from tests.conftest import write_pod_file
 from tests.fake_kube import FakeKube, ThreadedFakeKube
 from tests.fakes import StaticPods, pod
 from tests.http_clients import Answer, http1
 from tests.plugin_fakes import FakeScorer
 from tests.processes import service
+from wire.testing import (
+    ExtProcClient,
+    request_headers,
+    response_headers,
+    running,
+    set_headers,
+)
 
 POST = {":method": "POST", ":path": "/v1/completions", "x-request-id": "r-1"}
 SERVED = {"envoy.lb": {"x-gateway-destination-endpoint-served": "10.0.0.1:3000"}}
@@ -266,7 +266,7 @@ def test_metrics_auth_asks_the_api_server_who_and_whether() -> None:
 
 @pytest.mark.parametrize(
     ("module", "extra"),
-    [("lwepp", []), ("lwepp.onehop", ["--pool", "p=model-a"])],
+    [("lwepp", []), ("onehop", ["--pool", "p=model-a"])],
     ids=["picker", "one-hop"],
 )
 def test_lwepp_guards_its_metrics_port_with_the_flag(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from protos import extproc
-from protos.server import Stream
-from protos.testing import ExtProcClient, request_headers, running
+from serving.server import Stream
+from wire import extproc
+from wire.testing import ExtProcClient, request_headers, running
 
 BURST = 2500
 """Streams opened at once: past gRPC's default of 1,000 held before the loop takes them."""

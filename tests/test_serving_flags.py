@@ -12,9 +12,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lwepp.__main__ import build_parser, load_picker_config
-from protos.cli import byte_size, duration, go_bool, log_level
-from protos.testing import ExtProcClient, request_body, request_headers
+from serving.cli import byte_size, duration, go_bool, log_level
 from tests.processes import service
+from wire.testing import ExtProcClient, request_body, request_headers
 
 PODS = "pods:\n- {name: a, address: 10.0.0.1, ports: [8000]}\n"
 

@@ -17,10 +17,8 @@ from cryptography.hazmat.primitives import hashes
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from protos import extproc
-from protos.server import Health, Ports, Stream, serve
-from protos.testing import ExtProcClient, request_headers
-from protos.tls import (
+from serving.server import Health, Ports, Stream, serve
+from serving.tls import (
     CERT_FILE,
     KEY_FILE,
     ORGANIZATION,
@@ -32,6 +30,8 @@ from protos.tls import (
     self_signed,
 )
 from tests.processes import service
+from wire import extproc
+from wire.testing import ExtProcClient, request_headers
 
 PODS = "pods:\n- {name: a, address: 10.0.0.1, ports: [8000]}\n"
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -23,7 +23,7 @@ import yaml
 from bbr.__main__ import IGNORED as BBR_IGNORED
 from bbr.__main__ import parser as bbr_parser
 from lwepp.__main__ import build_parser, warnings
-from protos.cli import ignored_warnings, log_level
+from serving.cli import ignored_warnings, log_level
 from tests.fake_kube import FakeKube, ThreadedFakeKube
 
 DATA = Path(__file__).parent / "data"

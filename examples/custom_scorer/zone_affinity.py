@@ -1,8 +1,8 @@
 """A scorer of one's own for Switchyard's endpoint picker: keep each client in its zone.
 
 Nothing here is part of Switchyard. The module imports the plugin contracts
-(``lwepp.contracts``) and the parameter decoder (``plugin.Params``), and is named in the picker's
-configuration by dotted path — no fork, no registration::
+(``lwepp.contracts``) and the parameter decoder (``plugin_api.Params``), and is
+named in the picker's configuration by dotted path — no fork, no registration::
 
     - type: examples.custom_scorer.zone_affinity.ZoneAffinityScorer
       name: zone
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lwepp.contracts import Candidate, LLMRequest
-from plugin import Params
+from plugin_api import Params
 
 
 class ZoneAffinityScorer:

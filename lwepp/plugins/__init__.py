@@ -35,7 +35,7 @@ from lwepp.plugins.prefix import (
 from lwepp.plugins.queue_scorer import QueueScorer
 from lwepp.plugins.role_filters import ByLabelFilter, DecodeFilter, EncodeFilter, PrefillFilter
 from lwepp.plugins.session_affinity import SessionAffinityScorer
-from plugin import Factory
+from plugin_api import Factory
 
 REGISTRY: Final[Mapping[str, Factory]] = {
     # data sources

@@ -65,7 +65,7 @@ from lwepp.plugins.prefix import (
     match_key,
     prompt_text,
 )
-from plugin import NO_PARAMS, Params
+from plugin_api import NO_PARAMS, Params
 from pods.model import Endpoint
 
 PRODUCER: Final = "inflight-load-producer"

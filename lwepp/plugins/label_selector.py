@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from lwepp.contracts import Candidate, LLMRequest
-from plugin import NO_PARAMS, Params
+from plugin_api import NO_PARAMS, Params
 
 Requirement = Callable[[Mapping[str, str]], bool]
 OPERATORS: Final = ("In", "NotIn", "Exists", "DoesNotExist")

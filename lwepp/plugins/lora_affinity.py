@@ -27,7 +27,7 @@ from typing import ClassVar, Final
 
 from lwepp.contracts import Candidate, LLMRequest
 from lwepp.plugins.staleness import max_age
-from plugin import NO_PARAMS, Params
+from plugin_api import NO_PARAMS, Params
 
 RUNNING: Final = 1.0
 ROOM: Final = 0.8

@@ -70,7 +70,7 @@ import aiohttp
 
 from lwepp.plugins import polling
 from lwepp.plugins.prometheus import Families, Selector, parse, parse_selector
-from plugin import NO_PARAMS, Params
+from plugin_api import NO_PARAMS, Params
 from pods.model import Endpoint
 
 ENGINE_LABEL: Final = "llm-d.ai/engine-type"

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 from lwepp.contracts import Candidate, LLMRequest
 from lwepp.plugins.prefix import DEFAULT_PRODUCER, PrefixMatch, match_key
-from plugin import NO_PARAMS, Params
+from plugin_api import NO_PARAMS, Params
 from pods.model import Endpoint
 
 

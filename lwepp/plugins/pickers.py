@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from operator import attrgetter
 
 from lwepp.contracts import LLMRequest, Scored
-from plugin import NO_PARAMS, Params
+from plugin_api import NO_PARAMS, Params
 from pods.model import Endpoint
 
 

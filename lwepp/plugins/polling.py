@@ -27,7 +27,7 @@ import aiohttp
 import structlog
 
 from lwepp.contracts import AttributeWriter, Measurement
-from plugin import NO_PARAMS, Params
+from plugin_api import NO_PARAMS, Params
 from pods.model import Endpoint
 
 log = structlog.get_logger()

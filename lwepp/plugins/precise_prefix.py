@@ -19,7 +19,7 @@ the block size and the tokenizer.
 **Seed and algorithm, checked.** They still matter to anyone else who reads
 the engine's hashes: the llm-d router given the same configuration keys by
 them and would miss every block. So the first root blocks (no parent, no
-adapter) of each engine are hashed as vLLM does (``lwepp.vllm_hash``) with
+adapter) of each engine are hashed as vLLM does (``blockhash.vllm``) with
 ``hashSeed`` ("" meaning an engine without ``PYTHONHASHSEED``: vLLM's fixed
 ``"vllm-none-hash"``) and ``hashAlgorithm`` (unset: each of vLLM's, and the
 one that matches is logged). The first match settles it; three misses in a
@@ -93,11 +93,11 @@ import xxhash
 import zmq
 import zmq.asyncio
 
+from blockhash.vllm import DEFAULT_SEED, HASH_ALGORITHMS, BlockHasher, external
 from lwepp.contracts import AttributeWriter, LLMRequest
-from lwepp.vllm_hash import DEFAULT_SEED, HASH_ALGORITHMS, BlockHasher, external
-from plugin import NO_PARAMS, Params
+from plugin_api import NO_PARAMS, Params
 from pods.model import Endpoint
-from protos.cli import duration
+from serving.cli import duration
 
 log = structlog.get_logger()
 

@@ -80,8 +80,8 @@ from typing import Any, Final
 from lwepp.contracts import AttributeWriter, Candidate, LLMRequest, Usage
 from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
 from lwepp.plugins.prefix_index import PrefixIndex, block_hashes, seed
-from plugin import NO_PARAMS, Params
-from plugin.frozen import dumps
+from plugin_api import NO_PARAMS, Params
+from plugin_api.frozen import dumps
 from pods.model import Endpoint
 
 CHARS_PER_TOKEN: Final = 4

@@ -23,7 +23,7 @@ from typing import ClassVar
 
 from lwepp.contracts import Candidate, LLMRequest
 from lwepp.plugins.staleness import max_age
-from plugin import NO_PARAMS, Params
+from plugin_api import NO_PARAMS, Params
 
 
 class QueueScorer:

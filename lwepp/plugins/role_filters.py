@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from lwepp.contracts import Candidate, LLMRequest
-from plugin import NO_PARAMS, Params
+from plugin_api import NO_PARAMS, Params
 
 ROLE_LABEL: Final = "llm-d.ai/role"
 

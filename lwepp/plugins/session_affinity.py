@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Final
 
 from lwepp.contracts import Candidate, LLMRequest
-from plugin import NO_PARAMS, Params
+from plugin_api import NO_PARAMS, Params
 from pods.model import Endpoint
 
 HEADER: Final = "x-session-token"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from plugin import Params
+from plugin_api import Params
 
 MAX_AGE_SECONDS: Final = 1.0
 

@@ -42,9 +42,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess, start_http_server
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from protos.extproc import ProcessingRequest, ProcessingResponse
-from protos.metrics_auth import MetricsAuth
-from protos.tls import ServerTLS
+from serving.metrics_auth import MetricsAuth
+from serving.tls import ServerTLS
+from wire.extproc import ProcessingRequest, ProcessingResponse
 
 WORKER_ENV: Final = "SWITCHYARD_WORKER"
 """Set by ``run_workers`` in each worker's environment: ``<index>/<count>``."""
@@ -386,7 +386,7 @@ async def serve(
     whoever reaches the port about the traffic: ``--enable-debug-pages``).
     ``metrics_auth``: every path of the metrics port answers only the callers
     the Kubernetes API allows (``--metrics-endpoint-auth``).
-    ``tls``: serve the ext_proc port over TLS (``protos.tls``); the health port
+    ``tls``: serve the ext_proc port over TLS (``serving.tls``); the health port
     stays plaintext, for kubelet's probes. ``grpc_options`` go to the ext_proc
     server (message size limits). ``health_on_ext_proc`` also answers the
     health service on the ext_proc port (GIE's ``--health-checking``).

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from typing import Any, Final, NoReturn
 
 from pods.kubeapi import load_kubeconfig
-from protos.exchange import MAX_BODY_BYTES
-from protos.metrics_auth import MetricsAuth
-from protos.server import Ports
-from protos.tls import ServerTLS
+from serving.metrics_auth import MetricsAuth
+from serving.server import Ports
+from serving.tls import ServerTLS
+from wire.exchange import MAX_BODY_BYTES
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ENCODERS: Final = ("json", "console")
@@ -399,7 +399,7 @@ def metrics_auth(args: argparse.Namespace, kubeconfig: str | None = None) -> Met
 
 
 def server_tls(args: argparse.Namespace) -> ServerTLS | None:
-    """What the ext_proc port serves, or None for plaintext. Raises ``protos.tls.TLSError``."""
+    """What the ext_proc port serves, or None for plaintext. Raises ``serving.tls.TLSError``."""
     if not args.secure_serving:
         return None
     return ServerTLS.configure(args.cert_path, bool(args.enable_cert_reload))

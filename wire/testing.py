@@ -20,10 +20,10 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client import CollectorRegistry
 
-from protos.extproc import BodyMode, ProcessingRequest, ProcessingResponse, SendMode, struct
-from protos.metrics_auth import MetricsAuth
-from protos.server import EXT_PROC_SERVICE, Handler, Health, JsonRoutes, Ports, serve
-from protos.tls import ServerTLS
+from serving.metrics_auth import MetricsAuth
+from serving.server import EXT_PROC_SERVICE, Handler, Health, JsonRoutes, Ports, serve
+from serving.tls import ServerTLS
+from wire.extproc import BodyMode, ProcessingRequest, ProcessingResponse, SendMode, struct
 
 Headers = Mapping[str, str] | Sequence[tuple[str, str]]
 

@@ -40,8 +40,8 @@ from typing import Final
 
 import orjson
 
-from protos import extproc
-from protos.extproc import BodyMode, Phase, ProcessingRequest, ProcessingResponse
+from wire import extproc
+from wire.extproc import BodyMode, Phase, ProcessingRequest, ProcessingResponse
 
 _FULL_DUPLEX: Final = int(BodyMode.FULL_DUPLEX_STREAMED)
 

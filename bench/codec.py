@@ -16,8 +16,8 @@ import envoy_data_plane.envoy.service.ext_proc.v3 as edp
 from envoy_data_plane.google.protobuf import Struct as EdpStruct
 
 from bench.streams import HEADERS
+from serving.testing import request_headers
 from wire import extproc
-from wire.testing import request_headers
 
 ENDPOINT = "10.0.0.7:8000"
 

@@ -37,8 +37,8 @@ from bench import hooks
 from bench.streams import HEADERS
 from serving.logs import configure_logging
 from serving.server import Handler, Stream
+from serving.testing import request_body, request_headers
 from wire.extproc import BodyMode, ProcessingRequest, ProcessingResponse
-from wire.testing import request_body, request_headers
 
 PICKS: Final = 1000
 STREAMS: Final = 500

@@ -93,7 +93,7 @@ from bench import peers
 from bench.report import Options, Plot, Section, Series, Table, Target, percentile, progress
 from bench.workloads import Arrival, MultiTurn, SharedPrefix, multi_turn, shared_prefix
 from demo import llamacpp
-from demo.topology import HOST, Service, Topology, free_ports, listening_line, wait_for
+from demo.topology import HOST, Process, Topology, free_ports, listening_line, wait_for
 from lwepp.plugins.prometheus import parse
 from pods.file import dump_pods
 from pods.model import Pod
@@ -650,10 +650,10 @@ def simulator_args(size: Size) -> list[str]:
 
 
 @contextlib.contextmanager
-def simulators(work_dir: Path, pods: Path, args: Sequence[str]) -> Iterator[Service]:
+def simulators(work_dir: Path, pods: Path, args: Sequence[str]) -> Iterator[Process]:
     """``python -m simulator`` on ``pods`` until the block ends."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    service = Service(
+    service = Process(
         "simulator",
         [sys.executable, "-m", "simulator", "--pods", str(pods), *args],
         work_dir / "simulator.log",
@@ -677,7 +677,7 @@ def llamacpp_engines(work_dir: Path, count: int) -> Iterator[list[int]]:
         *("--ctx-size", str(1024 * LLAMACPP_SLOTS)),
         *("--prompt-cache-mib", str(LLAMACPP_PROMPT_CACHE_MIB)),
     ]
-    engines = [Service(f"llamacpp-{n}", argv, work_dir / f"llamacpp-{n}.log") for n in range(count)]
+    engines = [Process(f"llamacpp-{n}", argv, work_dir / f"llamacpp-{n}.log") for n in range(count)]
     try:
         ports = []
         for engine in engines:

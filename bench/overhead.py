@@ -145,7 +145,7 @@ from demo.envoy import (
 )
 from demo.topology import (
     HOST,
-    Service,
+    Process,
     free_ports,
     listeners,
     listening_line,
@@ -569,7 +569,7 @@ def bootstrap(
 # --- the processes ---------------------------------------------------------------
 
 
-def _first_line_port(service: Service) -> dict[str, Any] | None:
+def _first_line_port(service: Process) -> dict[str, Any] | None:
     """``bench.server`` prints its port as its first line."""
     text = service.log.read_text(errors="replace").split("\n", 1)[0].strip()
     return {"grpc_port": int(text)} if text.isdigit() else None
@@ -600,8 +600,8 @@ class Rig:
         self.all_cases = tuple(cases)
         self.config = config
         self.upstream_ports = list(upstream_ports) if upstream_ports is not None else None
-        self.services: list[Service] = []
-        self.servers: dict[str, Service] = {}
+        self.services: list[Process] = []
+        self.servers: dict[str, Process] = {}
         """Each ext_proc server by kind."""
         self.ports: dict[str, int] = {}
         self.response_headers: dict[str, bool] = {}
@@ -617,13 +617,13 @@ class Rig:
         """The cases this run measures."""
         return [case for case in self.all_cases if case.key not in self.missing]
 
-    def _spawn(self, name: str, argv: Sequence[str], cpus: frozenset[int]) -> Service:
+    def _spawn(self, name: str, argv: Sequence[str], cpus: frozenset[int]) -> Process:
         with pinned(cpus):
-            service = Service(name, argv, self.work_dir / f"{name}.log")
+            service = Process(name, argv, self.work_dir / f"{name}.log")
         self.services.append(service)
         return service
 
-    def _wait(self, service: Service, probe: Callable[[Service], dict[str, Any] | None]) -> None:
+    def _wait(self, service: Process, probe: Callable[[Process], dict[str, Any] | None]) -> None:
         service.listening = wait_for(service, "listening", lambda: probe(service), self.timeout)
 
     def _argv(self, kind: str, pods: Path) -> list[str]:
@@ -654,7 +654,7 @@ class Rig:
 
     def start(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        upstream: Service | None = None
+        upstream: Process | None = None
         upstream_dir = self.work_dir / "upstream"
         if self.upstream_ports is None:
             self.upstream_ports = free_ports(2)
@@ -686,7 +686,7 @@ class Rig:
             self.ports[kind] = int(service.listening["grpc_port"])
             noop = kind.startswith("noop")
             self.response_headers[kind] = not noop and wants_response_headers(service)
-        envoys: dict[str, Service] = {}
+        envoys: dict[str, Process] = {}
         for case in [case for case in self.all_cases if case.envoy]:
             case_dir = self.work_dir / case.key
             case_dir.mkdir(exist_ok=True)

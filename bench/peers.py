@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from demo.topology import HOST, Service, free_ports
+from demo.topology import HOST, Process, free_ports
 
 POLICIES: Final = ("round_robin", "cache_aware")
 """The policies benchmarked on each peer: the baseline and the prefix-aware one."""
@@ -160,7 +160,7 @@ class Router:
     peer: Peer
     policy: str
     url: str
-    service: Service
+    service: Process
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after the stop timeout; closes its log."""
@@ -185,7 +185,7 @@ def start(
     work_dir.mkdir(parents=True, exist_ok=True)
     port, metrics_port = free_ports(2)
     name = f"{peer.name}-{policy}"
-    service = Service(
+    service = Process(
         name, peer.argv(policy, port, metrics_port, workers), work_dir / f"{name}.log"
     )
     router = Router(peer, policy, f"http://{HOST}:{port}", service)

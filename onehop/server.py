@@ -8,7 +8,8 @@ Python whatever the service does (``make bench-overhead``), so a gateway
 that runs both services itself, on one machine, can do both in one stream.
 
 ``OneHop`` is that stream. It keeps GIE's two services' rules, reusing their
-code rather than restating it:
+code, through each package's API alone (``bbr`` and ``lwepp`` list it),
+rather than restating it:
 
 ``request_headers``
     Kept, with the message (its ``envoy.lb.subset_hint`` metadata names the
@@ -38,8 +39,8 @@ What is lost against two hops: Envoy's own route match between the services
 (the one hop maps models to pools itself, from its flags, which must agree
 with the routes), a pool-by-pool failure mode (the one service is BBR, which
 fails closed, so every pool does), and separate scaling of the two services.
-``lwepp.server`` itself stays unaware of BBR; this module is the one place
-that imports both.
+Neither service knows of the other, or of this package: ``onehop`` stands
+above both, the one place that imports both.
 """
 
 from __future__ import annotations
@@ -51,10 +52,10 @@ import structlog
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
-from bbr.server import BodyBasedRouter
-from lwepp.metrics import MODEL_HEADER
-from lwepp.server import (
+from bbr import BodyBasedRouter
+from lwepp import (
     DESTINATION,
+    MODEL_HEADER,
     EndpointPickerService,
     PickState,
     pass_chunk,

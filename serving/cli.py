@@ -1,12 +1,20 @@
-"""The serving flags both services take, defined and checked once.
+"""The serving flags every service takes, defined, checked and read once; the one way to run.
 
-``python -m lwepp`` and ``python -m bbr`` listen the same way (an ext_proc
-port, a gRPC health port, a metrics port), serve TLS the same way, run as N
-workers the same way, drain the same way on SIGTERM and cap held bodies the
-same way; only their default ports differ. ``add_serving_flags`` adds those
-flags to a service's parser, ``serving_problem`` says what is wrong with their
-values, and ``Parser`` prints one line per error (the flag and what is wrong),
-exit 2.
+``python -m lwepp``, ``python -m bbr`` and ``python -m onehop`` listen the
+same way (an ext_proc port, a gRPC health port, a metrics port), serve TLS
+the same way, run as N workers the same way, drain the same way on SIGTERM
+and cap held bodies the same way; only their default ports differ. Each
+``main`` does the same four things::
+
+    parser = ...; add_serving_flags(parser, Ports(...))   # the flags
+    options = options_or_exit(parser, args)               # checked, read whole; logging
+    ...                                                   # its own flags, config
+    return run(module, options, lambda: Service(...))     # logs, workers or serve
+
+``serving_options`` is the only reader of the serving flags, and ``run`` the
+only caller of ``serve`` and ``run_workers``: a serving flag added to
+``add_serving_flags`` and ``ServingOptions`` reaches every service.
+``Parser`` prints one line per error (the flag and what is wrong), exit 2.
 
 **The originals' spelling.** Deployments written for GIE's lwepp, the llm-d
 router or the payload processor pass Go flags (``pflag``): ``--secure-serving=false``,
@@ -22,20 +30,29 @@ value asks for something Switchyard does not do.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import math
 import re
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn
 
-from pods.kubeapi import load_kubeconfig
+import structlog
+
+from pods.kubeapi import KubeconfigError, load_kubeconfig
+from serving.logs import configure_logging
 from serving.metrics_auth import MetricsAuth
-from serving.server import Ports
-from serving.tls import ServerTLS
+from serving.options import Ports, ServingOptions
+from serving.server import Service, serve
+from serving.tls import ServerTLS, TLSError, shared_tls
+from serving.workers import run_workers
 from wire.exchange import MAX_BODY_BYTES
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ENCODERS: Final = ("json", "console")
+
+log = structlog.get_logger()
 
 TLS_VERSIONS: Final = ("VersionTLS10", "VersionTLS11", "VersionTLS12", "VersionTLS13")
 """``--tls-min-version`` values, Go's names (the llm-d router's flag)."""
@@ -239,6 +256,12 @@ def add_serving_flags(parser: argparse.ArgumentParser, defaults: Ports) -> None:
         "(SubjectAccessReview), as the llm-d router does (default false here: it needs the "
         "API; the manifests turn it on)",
     )
+    serving.add_argument(
+        "--kubeconfig",
+        help="kubeconfig file for the Kubernetes API (the pods, the Lease, and the reviews "
+        "--metrics-endpoint-auth asks for; default: $KUBECONFIG, else the in-cluster service "
+        "account, from KUBERNETES_SERVICE_HOST/PORT and the mounted token)",
+    )
     add_bool(
         serving,
         "--enable-debug-pages",
@@ -354,10 +377,6 @@ def add_serving_flags(parser: argparse.ArgumentParser, defaults: Ports) -> None:
     )
 
 
-def ports_of(args: argparse.Namespace) -> Ports:
-    return Ports(args.host, args.grpc_port, args.grpc_health_port, args.metrics_port)
-
-
 DEBUG_VERBOSITY: Final = 4
 """The originals' ``logutil.DEBUG``: ``-v 4`` and above log debug lines."""
 
@@ -377,32 +396,6 @@ def log_level(args: argparse.Namespace) -> str:
     if args.verbosity is not None and args.verbosity >= DEBUG_VERBOSITY:
         return "debug"
     return "info"
-
-
-def grpc_options(args: argparse.Namespace) -> list[tuple[str, int]]:
-    """The ext_proc server's gRPC message size limits, when set."""
-    options = []
-    if args.grpc_max_recv_msg_size is not None:
-        options.append(("grpc.max_receive_message_length", args.grpc_max_recv_msg_size))
-    if args.grpc_max_send_msg_size is not None:
-        options.append(("grpc.max_send_message_length", args.grpc_max_send_msg_size))
-    return options
-
-
-def metrics_auth(args: argparse.Namespace, kubeconfig: str | None = None) -> MetricsAuth | None:
-    """The metrics port's guard (``--metrics-endpoint-auth``), asking the API server that
-    ``kubeconfig`` (else ``$KUBECONFIG``, else the pod's account) names; None when off.
-    Raises ``pods.kubeapi.KubeconfigError``."""
-    if not args.metrics_endpoint_auth:
-        return None
-    return MetricsAuth(load_kubeconfig(kubeconfig))
-
-
-def server_tls(args: argparse.Namespace) -> ServerTLS | None:
-    """What the ext_proc port serves, or None for plaintext. Raises ``serving.tls.TLSError``."""
-    if not args.secure_serving:
-        return None
-    return ServerTLS.configure(args.cert_path, bool(args.enable_cert_reload))
 
 
 def serving_problem(args: argparse.Namespace) -> str | None:
@@ -427,3 +420,87 @@ def serving_problem(args: argparse.Namespace) -> str | None:
     if args.tls_min_version is not None and args.tls_min_version not in TLS_VERSIONS:
         return f"argument --tls-min-version: expected one of {', '.join(TLS_VERSIONS)}"
     return None
+
+
+def serving_options(args: argparse.Namespace) -> ServingOptions:
+    """The serving flags as one value: the only reader of the flags ``add_serving_flags`` adds.
+
+    TLS is set up here (a self-signed pair made, or ``--cert-path``'s read:
+    raises ``serving.tls.TLSError``), and the metrics port's guard asks the API
+    server that ``--kubeconfig`` (else ``$KUBECONFIG``, else the pod's account)
+    names (raises ``pods.kubeapi.KubeconfigError``).
+    """
+    limits = (
+        ("grpc.max_receive_message_length", args.grpc_max_recv_msg_size),
+        ("grpc.max_send_message_length", args.grpc_max_send_msg_size),
+    )
+    tls = (
+        ServerTLS.configure(args.cert_path, bool(args.enable_cert_reload))
+        if args.secure_serving
+        else None
+    )
+    kubeconfig = args.kubeconfig
+    auth = MetricsAuth(load_kubeconfig(kubeconfig)) if args.metrics_endpoint_auth else None
+    return ServingOptions(
+        ports=Ports(args.host, args.grpc_port, args.grpc_health_port, args.metrics_port),
+        workers=args.workers,
+        grace=args.grace,
+        drain=args.drain_timeout,
+        max_body_bytes=args.max_body_bytes,
+        grpc_options=tuple((name, size) for name, size in limits if size is not None),
+        health_on_ext_proc=bool(args.health_checking),
+        debug_pages=bool(args.enable_debug_pages),
+        tls=tls,
+        metrics_auth=auth,
+        kubeconfig=kubeconfig,
+        trace_messages=args.trace_messages,
+        log_level=log_level(args),
+        log_encoder=args.zap_encoder,
+    )
+
+
+# --- the one way to run a service ------------------------------------------------------------
+
+
+def run(
+    module: str,
+    options: ServingOptions,
+    service: Callable[[], Service],
+    argv: Sequence[str] | None = None,
+    warnings: Sequence[str] = (),
+) -> int:
+    """What every service's ``main`` ends with, once its own flags and config are checked.
+
+    Warns once per line of ``warnings`` (the ignored flags, say), then
+    serves: ``service()``, made inside the event loop, with ``options``
+    (``serving.server.serve``); or, with ``--workers N``, N processes of
+    ``python -m module`` with ``argv`` on the same ports, all
+    serving the supervisor's TLS pair (``serving.workers``). Returns the exit
+    status.
+    """
+    for warning in warnings:
+        log.warning("flag", detail=warning)
+    if options.workers > 1:
+        flags = list(sys.argv[1:] if argv is None else argv)
+        return run_workers(module, flags, options.workers, options.ports, shared_tls(options.tls))
+
+    async def serving() -> None:
+        await serve(service(), options)
+
+    asyncio.run(serving())
+    return 0
+
+
+def options_or_exit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ServingOptions:
+    """``serving_options``, after ``serving_problem``: a bad flag is the parser's one-line
+    error (exit 2), a TLS pair or kubeconfig that cannot be read the service's (exit 1).
+    Logging is set up as the options say before they are returned: what the service logs
+    while it builds itself (its configuration's warnings, say) is in its format."""
+    if problem := serving_problem(args):
+        parser.error(problem)
+    try:
+        options = serving_options(args)
+    except (TLSError, KubeconfigError) as error:
+        sys.exit(f"{parser.prog.removeprefix('python -m ')}: {error}")
+    configure_logging(options.log_level, options.log_encoder)
+    return options

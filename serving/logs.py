@@ -8,8 +8,23 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TextIO, cast
 
 import structlog
+
+
+class _Stderr:
+    """Whatever ``sys.stderr`` is when a line is written (a test may have swapped it since
+    logging was set up), written to in one call per line."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+_STDERR = _Stderr()
 
 
 def configure_logging(level: str = "info", encoder: str = "json") -> None:
@@ -33,6 +48,6 @@ def configure_logging(level: str = "info", encoder: str = "json") -> None:
         ),
         # One write per line: stderr is unbuffered, and print() writes the line and its
         # newline apart, so the workers of --workers, sharing one stderr, interleaved them.
-        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(cast(TextIO, _STDERR)),
         cache_logger_on_first_use=True,
     )

@@ -6,29 +6,22 @@ stream, a second gRPC server on its own port for the standard health service
 small HTTP server for Prometheus metrics. ``serve`` owns all three and the
 background tasks a service needs, and takes them down in order on SIGTERM.
 
-One Python process serves one core: the event loop runs the handlers one at
-a time. ``run_workers`` runs N copies of a service (``--workers N``) on the
-same ext_proc and health ports, which Linux spreads over them by connection
-(``SO_REUSEPORT``); each worker keeps its own state, and the supervisor serves
-their metrics, summed, on the one metrics port (prometheus_client's
-multiprocess mode).
+A service hands ``serve`` a ``Service`` (what it serves: its handler, health,
+metrics, background work and debug pages) and the ``ServingOptions`` its
+flags made (how: ports, TLS, shutdown...); ``serving.cli.run`` is the one
+way every command line gets there. ``serving.workers`` runs N processes of a
+service on one port.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import importlib.metadata
 import itertools
 import json
 import os
-import shutil
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,18 +32,13 @@ import structlog
 from aiohttp import web
 from google.protobuf import text_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry, generate_latest, multiprocess, start_http_server
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from serving.metrics_auth import MetricsAuth
-from serving.tls import ServerTLS
+from serving.options import Ports, ServingOptions
+from serving.workers import WORKER_ENV
 from wire.extproc import ProcessingRequest, ProcessingResponse
-
-WORKER_ENV: Final = "SWITCHYARD_WORKER"
-"""Set by ``run_workers`` in each worker's environment: ``<index>/<count>``."""
-
-MULTIPROCESS_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
-"""prometheus_client's switch to multiprocess mode: where each process writes its samples."""
 
 EXT_PROC_SERVICE: Final = "envoy.service.ext_proc.v3.ExternalProcessor"
 """The gRPC service name Envoy calls; also a health service name the GIE protocol lists."""
@@ -208,16 +196,6 @@ request the gateway accepted; it is served once the loop gets to it.
 """
 
 
-@dataclass(frozen=True, slots=True)
-class Ports:
-    """Where a service listens; 0 asks the OS for a free port."""
-
-    host: str = "127.0.0.1"
-    grpc: int = 9002
-    health: int = 9003
-    metrics: int = 9090
-
-
 @dataclass(slots=True)
 class Health:
     """The health services a replica reports, and whether it is ready to serve.
@@ -354,80 +332,102 @@ def _bound_port(runner: web.AppRunner) -> int:
     raise RuntimeError("metrics server is not listening")
 
 
+@dataclass(frozen=True, slots=True)
+class Service:
+    """What one service hands ``serve``: what it serves, as its flags and config made it.
+
+    ``name``: in the logs. ``handler``: one call per ext_proc stream.
+    ``health``: the names it reports, and when it is ready. ``registry``: its
+    Prometheus metrics. ``background``: tasks that run while it serves (pod
+    watching, scraping...), cancelled at shutdown. ``debug_pages``: GET paths
+    beside ``/metrics``, each answering JSON (served only with
+    ``ServingOptions.debug_pages``: they tell whoever reaches the port about
+    the traffic). ``announce``: more fields for the ``listening`` log line,
+    which is how a gateway that starts the service learns its ports (and
+    whether it needs the response: LWEPP's ``response_headers``, BBR's
+    ``response``).
+    """
+
+    name: str
+    handler: Handler
+    health: Health
+    registry: CollectorRegistry
+    background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = ()
+    debug_pages: JsonRoutes = field(default_factory=dict)
+    announce: Mapping[str, Any] = field(default_factory=dict)
+
+
 async def serve(
-    name: str,
-    handler: Handler,
-    ports: Ports,
-    health_state: Health,
-    registry: CollectorRegistry,
+    service: Service,
+    options: ServingOptions,
     *,
-    background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
-    grace: float = 10.0,
-    trace: TextIO | None = None,
     stop: asyncio.Event | None = None,
     on_listening: Callable[[Ports], Awaitable[None] | None] | None = None,
-    json_routes: JsonRoutes | None = None,
-    tls: ServerTLS | None = None,
-    drain: float = 0.0,
-    grpc_options: Sequence[tuple[str, Any]] = (),
-    health_on_ext_proc: bool = False,
-    metrics_auth: MetricsAuth | None = None,
-    announce: Mapping[str, Any] | None = None,
 ) -> None:
-    """Run a service until SIGTERM/SIGINT, or, when ``stop`` is given, until it is set.
+    """Serve ``service`` as ``options`` say until SIGTERM/SIGINT, or, given ``stop``, until set.
 
-    ``announce``: more fields for the ``listening`` log line, which is how a
-    gateway that starts the service learns its ports (and, from LWEPP, whether
-    it needs the response headers).
-
-    ``json_routes`` serves debug pages beside ``/metrics`` (LWEPP's
-    ``/debug/decisions``) with ``/debug/runtime`` (memory, file descriptors,
-    asyncio tasks); None, the default, serves no debug page at all (they tell
-    whoever reaches the port about the traffic: ``--enable-debug-pages``).
-    ``metrics_auth``: every path of the metrics port answers only the callers
-    the Kubernetes API allows (``--metrics-endpoint-auth``).
-    ``tls``: serve the ext_proc port over TLS (``serving.tls``); the health port
-    stays plaintext, for kubelet's probes. ``grpc_options`` go to the ext_proc
-    server (message size limits). ``health_on_ext_proc`` also answers the
-    health service on the ext_proc port (GIE's ``--health-checking``).
+    ``on_listening`` hears the ports once all three servers listen (0s in
+    ``options.ports`` resolved). The ext_proc port serves TLS when
+    ``options.tls`` is set (``serving.tls``); the health port stays
+    plaintext, for kubelet's probes; the metrics port answers only the
+    callers the Kubernetes API allows when ``options.metrics_auth`` is set.
 
     Order of shutdown: health goes NOT_SERVING (the ``live`` names stay
-    SERVING), the ext_proc server keeps accepting streams for ``drain``
-    seconds while load balancers take the replica out (the llm-d router's
-    ``--drain-timeout``; a second signal, or ``stop`` set again, ends the
-    drain early), then stops accepting new streams and gives in-flight
-    streams ``grace`` seconds to finish; then background tasks are cancelled
-    and the side servers close.
+    SERVING), the ext_proc server keeps accepting streams for
+    ``options.drain`` seconds while load balancers take the replica out (the
+    llm-d router's ``--drain-timeout``; a second signal, or ``stop`` set
+    again, ends the drain early), then stops accepting new streams and gives
+    in-flight streams ``options.grace`` seconds to finish; then background
+    tasks are cancelled and the side servers close.
     """
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+    with _trace_file(options.trace_messages) as trace:
+        await _serve(service, options, stop, on_listening, trace)
 
+
+def _trace_file(path: str | None) -> contextlib.AbstractContextManager[TextIO | None]:
+    """``--trace-messages``'s file, opened to append (nothing without one)."""
+    return open(path, "a") if path else contextlib.nullcontext()
+
+
+async def _serve(
+    service: Service,
+    options: ServingOptions,
+    stop: asyncio.Event,
+    on_listening: Callable[[Ports], Awaitable[None] | None] | None,
+    trace: TextIO | None,
+) -> None:
+    ports, health_state = options.ports, service.health
     # SO_REUSEPORT (grpc's default on Linux, spelled out): the workers of
-    # ``run_workers`` bind the same ext_proc and health ports. PING_POLICY: a
+    # ``serving.workers`` bind the same ext_proc and health ports. PING_POLICY: a
     # gateway's keepalive on a quiet stream is no abuse.
-    options = [("grpc.so_reuseport", 1), *PING_POLICY]
-    server = grpc.aio.server(options=[*options, *EXT_PROC_OPTIONS, *grpc_options])
-    server.add_generic_rpc_handlers((ext_proc_handler(handler, trace),))
+    shared = [("grpc.so_reuseport", 1), *PING_POLICY]
+    server = grpc.aio.server(options=[*shared, *EXT_PROC_OPTIONS, *options.grpc_options])
+    server.add_generic_rpc_handlers((ext_proc_handler(service.handler, trace),))
     address = f"{ports.host}:{ports.grpc}"
-    if tls is None:
+    if options.tls is None:
         grpc_port = server.add_insecure_port(address)
     else:
-        grpc_port = server.add_secure_port(address, tls.credentials())
-    if health_on_ext_proc:
+        grpc_port = server.add_secure_port(address, options.tls.credentials())
+    if options.health_on_ext_proc:
         health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)
 
-    health_server = grpc.aio.server(options=options)
+    health_server = grpc.aio.server(options=shared)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, health_server)
     health_port = health_server.add_insecure_port(f"{ports.host}:{ports.health}")
     await health_state.set_all(False)
 
-    metrics = await _metrics_app(registry, ports.host, ports.metrics, json_routes, metrics_auth)
+    pages = service.debug_pages if options.debug_pages else None
+    metrics = await _metrics_app(
+        service.registry, ports.host, ports.metrics, pages, options.metrics_auth
+    )
     await health_server.start()
     await server.start()
-    tasks = [asyncio.create_task(job()) for job in background]
+    tasks = [asyncio.create_task(job()) for job in service.background]
     watcher = asyncio.create_task(health_state.watch_ready())
     tasks.append(watcher)
 
@@ -435,15 +435,15 @@ async def serve(
     worker = os.environ.get(WORKER_ENV)
     log.info(
         "listening",
-        service=name,
+        service=service.name,
         host=bound.host,
         grpc_port=bound.grpc,
         health_port=bound.health,
         metrics_port=bound.metrics,
-        tls=tls is not None,
+        tls=options.tls is not None,
         pid=os.getpid(),
         **({"worker": worker} if worker else {}),
-        **(announce or {}),
+        **service.announce,
     )
     if on_listening is not None:
         result = on_listening(bound)
@@ -451,152 +451,20 @@ async def serve(
             await result
     try:
         await stop.wait()
-        if drain > 0:
-            log.info("draining", service=name, drain_seconds=drain)
+        if options.drain > 0:
+            log.info("draining", service=service.name, drain_seconds=options.drain)
             watcher.cancel()  # readiness no longer follows ready(): it is over
             await health_state.set_all(False, health_state.names)
             stop.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), drain)
+                await asyncio.wait_for(stop.wait(), options.drain)
     finally:
-        log.info("stopping", service=name, grace_seconds=grace)
+        log.info("stopping", service=service.name, grace_seconds=options.grace)
         await health_state.set_all(False)
-        await server.stop(grace)
+        await server.stop(options.grace)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await health_server.stop(0)
         await metrics.cleanup()
-        log.info("stopped", service=name)
-
-
-# --- several processes on one port ------------------------------------------------
-
-
-def _reserve(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port`` with SO_REUSEPORT, never listening.
-
-    It holds the port (``0``: a free one, chosen once for every worker) while
-    the workers bind it too: Linux hands connections only to listening sockets,
-    so this one takes no traffic, and no unrelated process can take the port.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    holder = socket.socket(family, socket.SOCK_STREAM)
-    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    holder.bind((host, port))
-    return holder
-
-
-def die_with_parent() -> None:
-    """In a child, before it runs: SIGTERM when its parent dies (``PR_SET_PDEATHSIG``).
-
-    A supervisor killed outright (SIGKILL, an OOM kill) cannot forward the
-    signal itself; without this, its workers would go on serving the port.
-    Linux ties the signal to the thread that started the child: start it from
-    a thread that lives as long as the parent (the main one).
-    """
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-def worker_argv(args: Sequence[str], ports: Ports) -> list[str]:
-    """A worker's flags: the supervisor's, then its ports and ``--workers 1`` (the last wins).
-
-    The ext_proc and health ports are the shared ones. Each worker serves its
-    own metrics page on a free port (its debug pages are there too); the
-    supervisor serves all their samples together on ``--metrics-port``.
-    """
-    return [
-        *args,
-        *("--grpc-port", str(ports.grpc), "--grpc-health-port", str(ports.health)),
-        *("--metrics-port", "0", "--workers", "1"),
-    ]
-
-
-def serve_worker_metrics(directory: str, ports: Ports) -> Any:
-    """The one metrics page of N workers: every worker's samples, read from ``directory``.
-
-    Workers started with ``PROMETHEUS_MULTIPROC_DIR`` write each sample to a
-    file there; counters and histograms are summed over the workers, gauges
-    declare how to combine (``multiprocess_mode``, e.g. the largest of the live
-    workers). Served from a thread of the supervisor, which otherwise only
-    waits for its workers. Returns the HTTP server (``shutdown()`` stops it).
-    """
-    registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
-    server, _thread = start_http_server(ports.metrics, ports.host, registry)
-    log.info("serving metrics", metrics_port=server.server_port, pid=os.getpid())
-    return server
-
-
-def run_workers(
-    module: str,
-    args: Sequence[str],
-    workers: int,
-    ports: Ports,
-    environ: Mapping[str, str] | None = None,
-) -> int:
-    """Run ``python -m module`` ``workers`` times on the same ports; return an exit status.
-
-    The workers share the ext_proc port and the gRPC health port (any worker
-    can answer a probe: each reports its own state, and they start and stop
-    together), and one metrics page (``serve_worker_metrics``); ``environ``
-    is added to their environment. SIGTERM or SIGINT here is passed to every
-    worker, which drains as a single process does; the supervisor returns
-    once all have exited. Should one worker exit by itself, the others are
-    stopped too and the status is 1: a replica serving on fewer cores than
-    asked should be restarted whole (by Kubernetes, say), not limp on.
-    """
-    holders = [_reserve(ports.host, ports.grpc), _reserve(ports.host, ports.health)]
-    shared = Ports(
-        ports.host, holders[0].getsockname()[1], holders[1].getsockname()[1], ports.metrics
-    )
-    samples = tempfile.mkdtemp(prefix="switchyard-metrics-")
-    metrics_server = serve_worker_metrics(samples, shared)
-    stopping = False
-    running: dict[int, subprocess.Popen[bytes]] = {}
-
-    def stop(_signum: int, _frame: Any) -> None:
-        nonlocal stopping
-        stopping = True
-        for pid in running:
-            os.kill(pid, signal.SIGTERM)
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        for index in range(workers):
-            child = subprocess.Popen(
-                [sys.executable, "-m", module, *worker_argv(args, shared)],
-                env={
-                    **os.environ,
-                    **(environ or {}),
-                    WORKER_ENV: f"{index}/{workers}",
-                    MULTIPROCESS_ENV: samples,
-                },
-                preexec_fn=die_with_parent,
-            )
-            running[child.pid] = child
-        status = 0
-        while running:
-            pid, code = os.wait()  # children are reaped here only, never by Popen.poll
-            if pid not in running:
-                continue
-            child = running.pop(pid)
-            child.returncode = os.waitstatus_to_exitcode(code)
-            multiprocess.mark_process_dead(pid, samples)  # type: ignore[no-untyped-call]
-            if not stopping:
-                log.error("worker exited", pid=pid, status=child.returncode)
-                status = 1
-                stop(signal.SIGTERM, None)
-        return status
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        for child in running.values():
-            child.kill()
-            child.wait()
-        for holder in holders:
-            holder.close()
-        metrics_server.shutdown()
-        metrics_server.server_close()
-        shutil.rmtree(samples, ignore_errors=True)
+        log.info("stopped", service=service.name)

@@ -86,7 +86,7 @@ def self_signed(hostname: str | None = None) -> KeyPair:
     """A new self-signed certificate for this host, valid for ten years (GIE's choice).
 
     Its names (``localhost`` and the host name) only matter to a client that
-    verifies; one that trusts this very certificate (``wire.testing``) asks
+    verifies; one that trusts this very certificate (``serving.testing``) asks
     for ``localhost``.
     """
     key = ec.generate_private_key(ec.SECP256R1())

@@ -30,7 +30,8 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
-from serving.server import Health, Ports, Stream, serve
+from serving.options import Ports, ServingOptions
+from serving.server import Health, Service, Stream, serve
 from wire import extproc
 
 DESTINATION = "x-gateway-destination-endpoint"
@@ -92,7 +93,8 @@ def main() -> None:
         parser.error("--endpoints: no endpoint")
     ports = Ports(args.host, args.port, args.health_port, 0)
     health = Health([args.health_service])
-    asyncio.run(serve("broken-picker", IgnoresHints(endpoints), ports, health, CollectorRegistry()))
+    service = Service("broken-picker", IgnoresHints(endpoints), health, CollectorRegistry())
+    asyncio.run(serve(service, ServingOptions(ports)))
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER
 from lwepp.plugins import REGISTRY
 from lwepp.server import EndpointPickerService
 from pods.model import Endpoint
+from serving.testing import ExtProcClient, request_headers, response_headers, running, set_headers
 from tests.fakes import StaticPods, pod
 from tests.plugin_fakes import Boom, FakeSource, fake_scorer, fake_source
-from wire.testing import ExtProcClient, request_headers, response_headers, running, set_headers
 
 
 def test_a_write_makes_a_new_snapshot_and_leaves_the_old_one_alone() -> None:

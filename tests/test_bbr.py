@@ -24,10 +24,7 @@ from bbr.plugins import DEFAULT_PLUGINS, PLUGINS, PluginSpec
 from bbr.server import HEALTH_SERVICES, BodyBasedRouter
 from plugin_api import Factory, Params
 from serving.server import Health, Stream
-from tests.processes import service
-from wire.exchange import Refusal
-from wire.extproc import CHUNK_LIMIT, BodyMode, ProcessingRequest, ProcessingResponse
-from wire.testing import (
+from serving.testing import (
     ExtProcClient,
     request_body,
     request_headers,
@@ -37,6 +34,9 @@ from wire.testing import (
     running,
     set_headers,
 )
+from tests.processes import service
+from wire.exchange import Refusal
+from wire.extproc import CHUNK_LIMIT, BodyMode, ProcessingRequest, ProcessingResponse
 
 POST = {
     ":method": "POST",

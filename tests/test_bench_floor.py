@@ -14,14 +14,14 @@ from bench import floor
 from bench.overhead import GRPC_JS, NODE_NOOP
 from bench.streams import HEADERS, chat_body
 from serving.server import EXT_PROC_SERVICE
-from wire.extproc import BodyMode, ProcessingRequest, ProcessingResponse
-from wire.testing import (
+from serving.testing import (
     request_body,
     request_headers,
     request_trailers,
     response_body,
     response_headers,
 )
+from wire.extproc import BodyMode, ProcessingRequest, ProcessingResponse
 
 FULL_DUPLEX = (BodyMode.FULL_DUPLEX_STREAMED, BodyMode.NONE)
 

@@ -11,8 +11,8 @@ import pytest
 from bench import hooks, instructions
 from bench.server import handler_for
 from lwepp.pipeline import Pipeline
+from serving.testing import ExtProcClient, request_headers, set_headers
 from wire.extproc import ProcessingRequest, ProcessingResponse
-from wire.testing import ExtProcClient, request_headers, set_headers
 
 ADDRESSES = {f"{pod.address}:{pod.ports[0]}" for pod in hooks.PODS}
 

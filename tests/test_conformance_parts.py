@@ -38,8 +38,8 @@ from conformance.run import run_suite
 from conformance.topology import EchoPod
 from demo import envoy as demo
 from serving.server import Stream
+from serving.testing import running
 from wire import extproc
-from wire.testing import running
 
 PRIMARY, SECONDARY = Gateway("conformance-primary"), Gateway("conformance-secondary", "sec.example")
 POOLS = {

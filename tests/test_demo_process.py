@@ -13,8 +13,8 @@ from pathlib import Path
 STARTS_A_SLEEPER = """
 import sys, time
 from pathlib import Path
-from demo.topology import Service
-service = Service(
+from demo.topology import Process
+service = Process(
     "sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], Path(sys.argv[1]),
     die_with_parent=True,
 )

@@ -34,14 +34,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.soak import error_lines
-from demo.topology import Service, Topology, listening_line, wait_for
+from demo.topology import Process, Topology, listening_line, wait_for
 from serving.server import EXT_PROC_SERVICE
+from serving.testing import request_headers
 from tests.conftest import write_pod_file
 from tests.http_clients import http1
 from tests.reliability import ENV as RELIABILITY_ENV
 from tests.reliability import record
 from wire.extproc import ProcessingRequest, ProcessingResponse
-from wire.testing import request_headers
 
 pytestmark = pytest.mark.e2e
 
@@ -176,7 +176,7 @@ def restart(topology: Topology, name: str) -> None:
         ("--metrics-port", "metrics_port"),
     ):
         argv[argv.index(flag) + 1] = str(old.listening[key])
-    new = Service(name, argv, topology.work_dir / f"{name}-restarted-{time.monotonic_ns()}.log")
+    new = Process(name, argv, topology.work_dir / f"{name}-restarted-{time.monotonic_ns()}.log")
     topology.services[name] = new
     new.listening = wait_for(new, "listening", functools.partial(listening_line, new), 30)
     wait_for(new, "SERVING", functools.partial(serving, new.listening["health_port"]), 30)
@@ -724,7 +724,7 @@ def test_a_hung_or_garbled_metrics_endpoint_does_not_delay_picks(tmp_path: Path)
         args = ["--pods", str(tmp_path / "pods.yaml"), "--config", str(tmp_path / "picker.yaml")]
         ports = ["--grpc-port=0", "--grpc-health-port=0", "--metrics-port=0"]
         ports.append("--secure-serving=false")  # the test dials it in plaintext
-        picker = Service(
+        picker = Process(
             "lwepp", [sys.executable, "-m", "lwepp", *args, *ports], tmp_path / "lwepp.log"
         )
         try:

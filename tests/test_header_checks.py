@@ -20,6 +20,14 @@ from lwepp.picking import Pool, RoundRobin
 from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER, Pipeline, header_json
 from lwepp.server import EndpointPickerService
 from plugin_api import ConfigError, Params
+from serving.testing import (
+    ExtProcClient,
+    request_body,
+    request_headers,
+    response_headers,
+    running,
+    set_headers,
+)
 from tests.fakes import StaticPods, pod
 from tests.plugin_fakes import RecordingHook
 from wire.exchange import (
@@ -31,14 +39,6 @@ from wire.exchange import (
     header_value_problem,
 )
 from wire.extproc import BodyMode, ProcessingRequest, ProcessingResponse
-from wire.testing import (
-    ExtProcClient,
-    request_body,
-    request_headers,
-    response_headers,
-    running,
-    set_headers,
-)
 
 ROOT = Path(__file__).resolve().parent.parent
 FDS = (BodyMode.FULL_DUPLEX_STREAMED, BodyMode.NONE)

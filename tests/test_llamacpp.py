@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from demo.llamacpp import MODEL_ALIAS, packaged_model
-from demo.topology import HOST, Service, Topology, free_ports, listening_line, wait_for
+from demo.topology import HOST, Process, Topology, free_ports, listening_line, wait_for
 from lwepp.plugins.prometheus import parse
 from pods.file import dump_pods
 from pods.model import Pod
@@ -45,7 +45,7 @@ PREFIX = (
 
 @dataclass(frozen=True)
 class Engine:
-    service: Service
+    service: Process
     port: int
 
     @property
@@ -76,7 +76,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Engine]]:
     model = packaged_model()  # assembled once, before two engines could race to do it
     work = tmp_path_factory.mktemp("engines")
     started = [
-        Service(
+        Process(
             f"llamacpp-{n}",
             [sys.executable, "-m", "demo.llamacpp", "--model-file", str(model), "--threads", "1"],
             work / f"llamacpp-{n}.log",

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from lwepp.__main__ import HEALTH_SERVICES
+from lwepp.assembly import HEALTH_SERVICES
 from lwepp.metrics import PickerMetrics
 from lwepp.picking import (
     SUBSET_KEY,
@@ -29,9 +29,7 @@ from lwepp.picking import (
 from lwepp.server import EndpointPickerService
 from pods.model import Endpoint
 from serving.server import Health
-from tests.fakes import StaticPods, pod
-from wire.extproc import BodyMode, ProcessingResponse
-from wire.testing import (
+from serving.testing import (
     ExtProcClient,
     request_body,
     request_headers,
@@ -41,6 +39,8 @@ from wire.testing import (
     running,
     set_headers,
 )
+from tests.fakes import StaticPods, pod
+from wire.extproc import BodyMode, ProcessingResponse
 
 PODS = (
     pod("p0", "10.0.0.1", 3000, pool="a"),

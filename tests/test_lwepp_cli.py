@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from serving.testing import ExtProcClient, request_body, request_headers
 from tests.processes import service, start_events
-from wire.testing import ExtProcClient, request_body, request_headers
 
 PODS = """
 pods:

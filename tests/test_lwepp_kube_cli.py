@@ -17,10 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lwepp.__main__ import build_parser, pod_source
 from pods.file import PodFileError
 from pods.kubeapi import KubeconfigError
+from serving.testing import ExtProcClient, request_headers, set_headers
 from tests.fake_kube import ThreadedFakeKube
 from tests.processes import service
 from tests.test_kubernetes import NS, PODS, POOLS, k8s_pod, k8s_pool
-from wire.testing import ExtProcClient, request_headers, set_headers
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

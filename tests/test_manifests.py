@@ -19,9 +19,9 @@ import yaml
 
 from bbr.__main__ import parser as bbr_parser
 from bbr.server import HEALTH_SERVICES as BBR_HEALTH
-from lwepp.__main__ import HEALTH_SERVICES as LWEPP_HEALTH
 from lwepp.__main__ import build_parser as lwepp_parser
-from lwepp.__main__ import explain_mode
+from lwepp.assembly import HEALTH_SERVICES as LWEPP_HEALTH
+from lwepp.assembly import PickerOptions
 from lwepp.config import load_config
 from lwepp.leader import LeaderElector
 from pods.kubeapi import ClusterConfig, KubeApi
@@ -646,7 +646,7 @@ def test_the_pickers_guard_their_metrics_with_exactly_the_rbac_it_needs(tmp_path
         assert args.metrics_endpoint_auth is True
         on = [args.test_selection, args.report_served_endpoint, args.enable_debug_pages]
         assert on == [False, False, False]
-        assert explain_mode(args) == "off"
+        assert PickerOptions.from_args(args).explain == "off"
         account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
         assert cluster_granted(base, account) == used_by_metrics_auth()
     reader = one(base, "ClusterRole", "switchyard-metrics-reader")

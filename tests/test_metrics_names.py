@@ -20,14 +20,14 @@ from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, PickRequest, Pool
 from lwepp.pipeline import Pipeline
 from lwepp.server import EndpointPickerService
 from pods.model import Endpoint
-from tests.fakes import StaticPods, pod
-from wire.testing import (
+from serving.testing import (
     ExtProcClient,
     request_body,
     request_headers,
     response_headers,
     running,
 )
+from tests.fakes import StaticPods, pod
 
 ROOT = Path(__file__).parent.parent
 DASHBOARD = ROOT / "manifests" / "components" / "monitoring" / "switchyard-dashboard.json"

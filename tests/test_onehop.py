@@ -19,10 +19,7 @@ from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, Pool, RoundRobin
 from lwepp.server import EndpointPickerService
 from onehop.__main__ import build_parser, main
 from onehop.server import OneHop, Registries, with_changes
-from tests.fakes import StaticPods, pod
-from tests.processes import start_events
-from wire.extproc import BodyMode, ProcessingResponse
-from wire.testing import (
+from serving.testing import (
     ExtProcClient,
     request_body,
     request_headers,
@@ -31,6 +28,9 @@ from wire.testing import (
     running,
     set_headers,
 )
+from tests.fakes import StaticPods, pod
+from tests.processes import start_events
+from wire.extproc import BodyMode, ProcessingResponse
 
 PODS = (
     pod("a0", "10.0.0.1", 3000, pool="a"),

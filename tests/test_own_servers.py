@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import pytest
 
 from demo.servers import findings, probe
-from demo.topology import HOST, Service, Topology, free_ports, listening_line, wait_for
+from demo.topology import HOST, Process, Topology, free_ports, listening_line, wait_for
 from lwepp.check_model_server import ApiCheck, Report
 from pods.file import dump_pods
 from pods.model import Pod
@@ -39,13 +39,13 @@ def pod(name: str, port: int) -> Pod:
 
 
 @contextlib.contextmanager
-def servers(work_dir: Path, *pods: Pod) -> Iterator[Service]:
+def servers(work_dir: Path, *pods: Pod) -> Iterator[Process]:
     """Simulated model servers on ``pods``' ports, running until the block ends."""
     work_dir.mkdir(parents=True, exist_ok=True)
     path = work_dir / f"{pods[0].name}.yaml"
     path.write_text(dump_pods(pods))
     argv = [sys.executable, "-m", "simulator", "--pods", str(path), "--time-scale", "0.1"]
-    service = Service(f"servers-{pods[0].name}", argv, work_dir / f"{pods[0].name}.log")
+    service = Process(f"servers-{pods[0].name}", argv, work_dir / f"{pods[0].name}.log")
     try:
         wait_for(service, "listening", lambda: listening_line(service), 30)
         yield service

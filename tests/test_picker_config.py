@@ -16,6 +16,7 @@ from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER
 from lwepp.plugins import REGISTRY
 from lwepp.plugins.pickers import MaxScorePicker, RandomPicker
 from plugin_api import Role
+from serving.testing import ExtProcClient, request_headers, response_headers, set_headers
 from tests.plugin_fakes import (
     FakeFilter,
     FakeScorer,
@@ -26,7 +27,6 @@ from tests.plugin_fakes import (
 )
 from tests.processes import service
 from wire.extproc import ProcessingResponse
-from wire.testing import ExtProcClient, request_headers, response_headers, set_headers
 
 TYPES = {
     **REGISTRY,

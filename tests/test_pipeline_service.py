@@ -21,10 +21,7 @@ from lwepp.plugins.pickers import MaxScorePicker
 from lwepp.server import EndpointPickerService
 from plugin_api import Params
 from serving.server import Handler
-from tests.fakes import StaticPods, pod
-from tests.plugin_fakes import FakeFilter, FakeScorer, RecordingHook
-from wire.extproc import BodyMode, ProcessingRequest, ProcessingResponse
-from wire.testing import (
+from serving.testing import (
     ExtProcClient,
     request_body,
     request_headers,
@@ -34,6 +31,9 @@ from wire.testing import (
     running,
     set_headers,
 )
+from tests.fakes import StaticPods, pod
+from tests.plugin_fakes import FakeFilter, FakeScorer, RecordingHook
+from wire.extproc import BodyMode, ProcessingRequest, ProcessingResponse
 
 PODS = (
     pod("p0", "10.0.0.1", 3000, pool="a"),

@@ -23,7 +23,8 @@ from prometheus_client import CollectorRegistry
 from bbr.__main__ import parser as bbr_parser
 from demo.envoy import GATEWAY_ONLY_HEADERS
 from demo.topology import Topology
-from lwepp.__main__ import build_parser, explain_mode
+from lwepp.__main__ import build_parser
+from lwepp.assembly import PickerOptions
 from lwepp.metrics import PickerMetrics
 from lwepp.picking import Pool, RoundRobin, Strategy
 from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER, ExplainMode, Pipeline
@@ -32,19 +33,19 @@ from onehop.__main__ import build_parser as onehop_parser
 from pods.kubeapi import ClusterConfig
 from serving.cli import serving_problem
 from serving.metrics_auth import MetricsAuth, bearer_token
-from tests.conftest import write_pod_file
-from tests.fake_kube import FakeKube, ThreadedFakeKube
-from tests.fakes import StaticPods, pod
-from tests.http_clients import Answer, http1
-from tests.plugin_fakes import FakeScorer
-from tests.processes import service
-from wire.testing import (
+from serving.testing import (
     ExtProcClient,
     request_headers,
     response_headers,
     running,
     set_headers,
 )
+from tests.conftest import write_pod_file
+from tests.fake_kube import FakeKube, ThreadedFakeKube
+from tests.fakes import StaticPods, pod
+from tests.http_clients import Answer, http1
+from tests.plugin_fakes import FakeScorer
+from tests.processes import service
 
 POST = {":method": "POST", ":path": "/v1/completions", "x-request-id": "r-1"}
 SERVED = {"envoy.lb": {"x-gateway-destination-endpoint-served": "10.0.0.1:3000"}}
@@ -66,7 +67,8 @@ SERVED = {"envoy.lb": {"x-gateway-destination-endpoint-served": "10.0.0.1:3000"}
 )
 def test_decisions_are_explained_only_when_a_flag_says_so(flags: list[str], mode: str) -> None:
     """No ``x-switchyard-decision`` unless ``--explain`` or ``--emit-endpoint-scores`` asks."""
-    assert explain_mode(build_parser().parse_args(["--pods", "p.yaml", *flags])) == mode
+    args = build_parser().parse_args(["--pods", "p.yaml", *flags])
+    assert PickerOptions.from_args(args).explain == mode
 
 
 @pytest.mark.parametrize(
@@ -77,7 +79,7 @@ def test_decisions_are_explained_only_when_a_flag_says_so(flags: list[str], mode
 def test_the_one_hop_explains_only_when_a_flag_says_so(flags: list[str], mode: str) -> None:
     """The one hop's ``--explain`` is off unless given, as the picker's is."""
     args = onehop_parser().parse_args(["--pods", "p.yaml", "--pool", "a=m", *flags])
-    assert args.explain == mode
+    assert PickerOptions.from_args(args).explain == mode
 
 
 def test_the_one_hop_takes_a_kubeconfig_for_its_metrics_auth() -> None:

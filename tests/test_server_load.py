@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from serving.server import Stream
+from serving.testing import ExtProcClient, request_headers, running
 from wire import extproc
-from wire.testing import ExtProcClient, request_headers, running
 
 BURST = 2500
 """Streams opened at once: past gRPC's default of 1,000 held before the loop takes them."""

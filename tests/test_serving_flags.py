@@ -11,10 +11,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from lwepp.__main__ import build_parser, load_picker_config
+from lwepp.__main__ import build_parser
+from lwepp.assembly import PickerOptions
 from serving.cli import byte_size, duration, go_bool, log_level
+from serving.testing import ExtProcClient, request_body, request_headers
 from tests.processes import service
-from wire.testing import ExtProcClient, request_body, request_headers
 
 PODS = "pods:\n- {name: a, address: 10.0.0.1, ports: [8000]}\n"
 
@@ -54,7 +55,7 @@ def test_config_text_is_the_configuration_itself() -> None:
     """--config-text is read as the picker configuration itself; its source is named --config-text."""
     text = "apiVersion: llm-d.ai/v1\nkind: EndpointPickerConfig\nplugins:\n- type: random-picker\n"
     args = build_parser().parse_args(["--pods", "p.yaml", "--config-text", text])
-    config = load_picker_config(args)
+    config = PickerOptions.from_args(args).load_config()
     assert config is not None
     assert config.path == "--config-text"
     assert type(config.pipeline().picker).__name__ == "RandomPicker"

@@ -17,7 +17,9 @@ from cryptography.hazmat.primitives import hashes
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from serving.server import Health, Ports, Stream, serve
+from serving.options import Ports, ServingOptions
+from serving.server import Health, Service, Stream, serve
+from serving.testing import ExtProcClient, request_headers
 from serving.tls import (
     CERT_FILE,
     KEY_FILE,
@@ -31,7 +33,6 @@ from serving.tls import (
 )
 from tests.processes import service
 from wire import extproc
-from wire.testing import ExtProcClient, request_headers
 
 PODS = "pods:\n- {name: a, address: 10.0.0.1, ports: [8000]}\n"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -254,15 +255,10 @@ def test_drain_keeps_serving_with_readiness_off_until_it_ends() -> None:
         health = Health(["", "readiness"], live=["liveness"])
         task = asyncio.create_task(
             serve(
-                "t",
-                handler,
-                Ports("127.0.0.1", 0, 0, 0),
-                health,
-                CollectorRegistry(),
+                Service("t", handler, health, CollectorRegistry()),
+                ServingOptions(Ports("127.0.0.1", 0, 0, 0), drain=600, grace=1),
                 stop=stop,
                 on_listening=listening.set_result,
-                drain=600,
-                grace=1,
             )
         )
         ports = await listening

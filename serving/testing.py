@@ -21,7 +21,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client import CollectorRegistry
 
 from serving.metrics_auth import MetricsAuth
-from serving.server import EXT_PROC_SERVICE, Handler, Health, JsonRoutes, Ports, serve
+from serving.options import Ports, ServingOptions
+from serving.server import EXT_PROC_SERVICE, Handler, Health, JsonRoutes, Service, serve
 from serving.tls import ServerTLS
 from wire.extproc import BodyMode, ProcessingRequest, ProcessingResponse, SendMode, struct
 
@@ -204,24 +205,29 @@ async def running(
     tls: ServerTLS | None = None,
     metrics_auth: MetricsAuth | None = None,
 ) -> AsyncIterator[Ports]:
-    """Serve ``handler`` in this event loop on free 127.0.0.1 ports; stop on exit."""
+    """Serve ``handler`` in this event loop on free 127.0.0.1 ports; stop on exit.
+
+    ``json_routes``: debug pages, served (None: none, as without ``--enable-debug-pages``).
+    """
     stop = asyncio.Event()
     listening: asyncio.Future[Ports] = asyncio.get_running_loop().create_future()
+    service = Service(
+        name,
+        handler,
+        health or Health([""]),
+        registry or CollectorRegistry(),
+        background=background,
+        debug_pages=json_routes or {},
+    )
+    options = ServingOptions(
+        Ports("127.0.0.1", 0, 0, 0),
+        grace=grace,
+        debug_pages=json_routes is not None,
+        tls=tls,
+        metrics_auth=metrics_auth,
+    )
     task = asyncio.create_task(
-        serve(
-            name,
-            handler,
-            Ports("127.0.0.1", 0, 0, 0),
-            health or Health([""]),
-            registry or CollectorRegistry(),
-            background=background,
-            grace=grace,
-            stop=stop,
-            on_listening=listening.set_result,
-            json_routes=json_routes,
-            tls=tls,
-            metrics_auth=metrics_auth,
-        )
+        serve(service, options, stop=stop, on_listening=listening.set_result)
     )
     waiting: list[asyncio.Future[Any]] = [task, listening]
     await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)

@@ -1,0 +1,228 @@
+"""Assembling an endpoint picker: the flags that shape it, and the one function that builds it.
+
+``python -m lwepp`` serves one pool; ``python -m onehop`` serves several in
+one process, one picker each. Both take the same picking flags
+(``add_picker_flags``, read into ``PickerOptions``) and build every picker
+with ``assemble``: the stream handler (``EndpointPickerService``) over the
+pool, round-robin or the configuration's pipeline as its strategy, its
+metrics, and the background work and debug pages that come with it. What a
+plugin learns belongs to one picker: each ``assemble`` gets a configuration
+of its own (``PickerOptions.load_config`` builds fresh plugins each call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, cast
+
+import structlog
+from prometheus_client import CollectorRegistry
+
+from lwepp import config as picker_config
+from lwepp.metrics import PickerMetrics
+from lwepp.picking import Pool, RoundRobin, Strategy
+from lwepp.pipeline import DecisionLog, ExplainMode, Pipeline
+from lwepp.server import EndpointPickerService
+from pods.model import Endpoint
+from serving.cli import add_bool, duration
+from serving.server import EXT_PROC_SERVICE
+
+log = structlog.get_logger()
+
+HEALTH_SERVICES: Final = ("", "inference-extension", "liveness", "readiness", EXT_PROC_SERVICE)
+"""GIE's lwepp reports ``inference-extension``; the protocol document lists the others."""
+
+Job = Callable[[], Coroutine[Any, Any, None]]
+"""A background task's factory, as ``serving.server.Service.background`` takes them."""
+
+
+def add_picker_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that shape a picker: its configuration, explanations, the pool gauges' refresh
+    and GIE's two conformance switches (the llm-d router's spellings where it has them)."""
+    picking = parser.add_argument_group("picking")
+    configs = picking.add_mutually_exclusive_group()
+    configs.add_argument(
+        "--config",
+        "--config-file",
+        dest="config",
+        metavar="FILE",
+        help="an EndpointPickerConfig (the llm-d router's YAML format): filters, scorers, a "
+        "picker and data sources instead of plain round-robin (format: lwepp/config.py)",
+    )
+    configs.add_argument(
+        "--config-text",
+        metavar="YAML",
+        help="the EndpointPickerConfig itself, in lieu of a file",
+    )
+    picking.add_argument(
+        "--explain",
+        choices=["header", "all", "off"],
+        default=None,
+        help="with --config: explain decisions (every candidate's address, scores and "
+        "measurements) to the client, in the response header x-switchyard-decision, when a "
+        "request asks (x-switchyard-explain: 1), for every request, or never (default off)",
+    )
+    add_bool(
+        picking,
+        "--emit-endpoint-scores",
+        False,
+        "the llm-d router's switch for the same: --explain=all (default false)",
+    )
+    picking.add_argument(
+        "--debug-decisions",
+        type=int,
+        default=100,
+        metavar="N",
+        help="with --config and --enable-debug-pages: how many explained decisions and "
+        "fallbacks GET /debug/decisions on the metrics port keeps",
+    )
+    picking.add_argument(
+        "--refresh-prometheus-metrics-interval",
+        type=duration,
+        default=5.0,
+        metavar="DURATION",
+        help="how often the pool gauges (ready endpoints, with --config the pool's averages) "
+        "are recomputed (default 5s, as the llm-d router)",
+    )
+    conformance = parser.add_argument_group(
+        "GIE's conformance tests (both off: they let a client choose, or learn, its replica)"
+    )
+    conformance.add_argument(
+        "--enable-test-selection-header",
+        dest="test_selection",
+        action="store_true",
+        help="honour test-epp-endpoint-selection, the header with which a client names the "
+        "replicas that may serve it (GIE's lwepp always does; default: ignored)",
+    )
+    conformance.add_argument(
+        "--disable-test-selection-header",
+        dest="test_selection",
+        action="store_false",
+        help="ignore that header: the default; accepted for deployments that still say so "
+        "(of the two flags, the last one given wins)",
+    )
+    conformance.add_argument(
+        "--report-served-endpoint",
+        action="store_true",
+        help="name the replica that served each request in the response header "
+        "x-conformance-test-served-endpoint (with x-went-into-resp-headers), and ask GIE's "
+        "echo server to echo it, as GIE's lwepp always does (default: never)",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PickerOptions:
+    """The picking flags, decoded (``add_picker_flags`` explains each).
+
+    ``explain``: ``--explain``, else ``all`` with ``--emit-endpoint-scores``,
+    else ``off``: a decision shows every candidate's address and load, so no
+    client sees one unasked.
+    """
+
+    config_path: str | None = None
+    config_text: str | None = None
+    explain: ExplainMode = "off"
+    decisions: int = 100
+    refresh_every: float = 5.0
+    test_selection: bool = False
+    report_served: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> PickerOptions:
+        explain = args.explain or ("all" if args.emit_endpoint_scores else "off")
+        return cls(
+            config_path=args.config,
+            config_text=args.config_text,
+            explain=cast(ExplainMode, explain),
+            decisions=args.debug_decisions,
+            refresh_every=args.refresh_prometheus_metrics_interval,
+            test_selection=args.test_selection,
+            report_served=args.report_served_endpoint,
+        )
+
+    def load_config(self) -> picker_config.PickerConfig | None:
+        """The configuration, built anew (fresh plugins) on each call; None for round-robin.
+        Raises ``lwepp.config.ConfigErrors`` listing every problem."""
+        if self.config_path is not None:
+            return picker_config.load_config(self.config_path)
+        if self.config_text is not None:
+            return picker_config.load_text(self.config_text)
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Assembly:
+    """One pool's picker, ready to serve: its stream handler, what runs beside it (the pool
+    gauges' refresh, the pipeline's data sources) and its debug pages."""
+
+    service: EndpointPickerService
+    background: list[Job] = field(default_factory=list)
+    debug_pages: dict[str, Callable[[], bytes]] = field(default_factory=dict)
+
+
+def assemble(
+    pool: Pool,
+    config: picker_config.PickerConfig | None,
+    options: PickerOptions,
+    registry: CollectorRegistry,
+    *,
+    name: str,
+    namespace: str = "",
+    max_body_bytes: int,
+) -> Assembly:
+    """The picker for ``pool``: round-robin, or ``config``'s pipeline (its warnings logged).
+
+    ``name`` labels its metrics (``llm_d_epp_*{name}``) and its log lines;
+    ``registry`` takes its metrics. The pool's endpoints are read afresh by
+    every background task (``Pool.endpoints``).
+    """
+    strategy: Strategy = RoundRobin()
+    pipeline: Pipeline | None = None
+    jobs: list[Job] = []
+    pages: dict[str, Callable[[], bytes]] = {}
+    if config is not None:
+        for warning in config.warnings:
+            log.warning("configuration", pool=name, detail=warning)
+        pipeline = config.pipeline(
+            registry=registry,
+            explain=options.explain,
+            decisions=DecisionLog(options.decisions),
+            pool=name,
+        )
+        strategy, jobs, pages = (
+            pipeline,
+            pipeline.background(functools.partial(current_endpoints, pool)),
+            pipeline.debug_pages(),
+        )
+    metrics = PickerMetrics(registry, name, namespace)
+    service = EndpointPickerService(
+        pool,
+        strategy,
+        metrics,
+        max_body_bytes,
+        test_selection=options.test_selection,
+        report_served=options.report_served,
+    )
+    jobs.append(functools.partial(refresh_metrics, options.refresh_every, metrics, pool, pipeline))
+    return Assembly(service, jobs, pages)
+
+
+def current_endpoints(pool: Pool) -> Sequence[Endpoint]:
+    """The pool's endpoints at this moment (what a pipeline's data sources poll)."""
+    return pool.endpoints
+
+
+async def refresh_metrics(
+    every: float, metrics: PickerMetrics, pool: Pool, pipeline: Pipeline | None
+) -> None:
+    """Recompute the pool gauges now and every ``every`` seconds (the router's
+    ``--refresh-prometheus-metrics-interval``): one value per scrape, in every worker."""
+    while True:
+        metrics.refresh(pool.endpoints)
+        if pipeline is not None:
+            pipeline.refresh_metrics(pool.endpoints)
+        await asyncio.sleep(every)

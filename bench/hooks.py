@@ -9,7 +9,7 @@ What real plugins cost on top is ``bench/plugins.py``'s table.
 
 Two measurements, each a ratio to plain round-robin in the same run:
 
-1. **The pick**, in process: the core's ``EndpointPickerService.pick`` with
+1. **The pick**, in process: the core's ``EndpointPickerService.route`` with
    ``RoundRobin`` as its strategy against the same with each ``Pipeline``, 8
    candidates, the 15 request headers of ``bench.streams``.
 2. **Whole ext_proc streams** (``bench.streams``: headers + a 4 KB body in
@@ -32,10 +32,11 @@ from prometheus_client import CollectorRegistry
 
 from bench.streams import HEADERS, measure
 from lwepp.contracts import Candidate, LLMRequest
+from lwepp.explain import EXPLAIN_HEADER
 from lwepp.metrics import PickerMetrics
 from lwepp.picking import Pool, RoundRobin, Strategy
-from lwepp.pipeline import EXPLAIN_HEADER, Pipeline
-from lwepp.server import EndpointPickerService, PickState
+from lwepp.pipeline import Pipeline
+from lwepp.server import EndpointPickerService, PickerState
 from pods.model import Endpoint, Pod, StaticSource
 from wire.extproc import ProcessingResponse
 
@@ -125,12 +126,12 @@ class Variant:
     service: EndpointPickerService
     headers: Sequence[tuple[str, str]] = tuple(HEADERS)
 
-    def pick(self) -> Callable[[], ProcessingResponse]:
+    def route(self) -> Callable[[], ProcessingResponse]:
         """One pick as the service makes it once the request headers are in, ready to time."""
-        state = PickState(self.service.max_body_bytes)
+        state = PickerState(self.service.max_body_bytes)
         state.request.headers = list(self.headers)
         state.candidates = self.service.pool.endpoints
-        return lambda: self.service.pick(state)
+        return lambda: self.service.route(state)
 
 
 def variants() -> list[Variant]:
@@ -151,7 +152,7 @@ def _us_per_call(fn: Callable[[], object], budget: float) -> float:
 
 def run(budget: float = 0.3, rounds: int = 3) -> list[Row]:
     """Per-pick µs of each variant, interleaved ``rounds`` times, best round kept."""
-    measured = [(v.what, v.pick()) for v in variants()]
+    measured = [(v.what, v.route()) for v in variants()]
     best: dict[str, float] = {}
     for _ in range(rounds):
         for name, fn in measured:

@@ -77,7 +77,7 @@ def _handler(kind: str) -> Handler:
 def _measured(what: str, which: str) -> tuple[Callable[[], Any], int]:
     """The call to count, ``n`` times over."""
     if what == "pick":
-        return hooks.variants()[int(which)].pick(), PICKS
+        return hooks.variants()[int(which)].route(), PICKS
     loop = asyncio.new_event_loop()
     handler = _handler(which)
     return (lambda: loop.run_until_complete(handler(WireStream()))), STREAMS

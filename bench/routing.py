@@ -26,7 +26,7 @@ offline-partition  ``bench.oracle.partition``: every group on one engine, from t
 The first six are the picker users run: ``lwepp.config.load_config(path)
 .pipeline(store=..., clock=...)`` with the virtual clock, each request routed
 through the ``Strategy`` seam exactly as the service does it,
-``pipeline.pick(PickRequest(headers, body), endpoints)``.
+``pipeline.choose(RequestInfo(headers, body), endpoints)``.
 The metrics a configured ``metrics-data-source`` would scrape are what the
 simulator's HTTP server would serve: each engine's state rendered as vLLM's
 ``/metrics`` page (``simulator.metrics.render``), read by that plugin's own
@@ -84,7 +84,7 @@ from bench.workloads import Arrival, MultiTurn, Replay, SharedPrefix
 from lwepp.attributes import AttributeStore
 from lwepp.config import load_config
 from lwepp.contracts import DataSource, Measurement
-from lwepp.picking import Followup, PickRequest
+from lwepp.picking import Followup, RequestInfo
 from lwepp.pipeline import Pipeline
 from lwepp.plugins.metrics_source import MetricsDataSource
 from lwepp.plugins.pickers import RandomPicker
@@ -196,7 +196,7 @@ class PipelineRouter:
         failures = pipeline.plugin_errors
         before = _request_side_failures(failures)
         try:
-            pick = pipeline.pick(PickRequest(headers, body), self.endpoints)
+            pick = pipeline.choose(RequestInfo(headers, body), self.endpoints)
         except Refusal:
             return None, None
         finally:

@@ -12,7 +12,7 @@ meant to be imported from outside it:
     The gRPC health names a picker reports.
 ``Pool``
     One pool's endpoints, from a pod source and a label selector.
-``EndpointPickerService``, ``PickState``
+``EndpointPickerService``, ``PickerState``
     The stream handler and what one stream holds. Beside serving a stream
     whole (``__call__``), its steps serve a stream that a composing handler
     reads itself: ``candidates_for`` (the endpoints a request may go to),
@@ -31,7 +31,7 @@ from lwepp.picking import Pool
 from lwepp.server import (
     DESTINATION,
     EndpointPickerService,
-    PickState,
+    PickerState,
     pass_chunk,
     routing_headers,
 )
@@ -42,8 +42,8 @@ __all__ = [
     "MODEL_HEADER",
     "Assembly",
     "EndpointPickerService",
-    "PickState",
     "PickerOptions",
+    "PickerState",
     "Pool",
     "add_picker_flags",
     "assemble",

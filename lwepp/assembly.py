@@ -23,9 +23,10 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from lwepp import config as picker_config
+from lwepp.explain import DecisionLog, ExplainMode
 from lwepp.metrics import PickerMetrics
 from lwepp.picking import Pool, RoundRobin, Strategy
-from lwepp.pipeline import DecisionLog, ExplainMode, Pipeline
+from lwepp.pipeline import Pipeline
 from lwepp.server import EndpointPickerService
 from pods.model import Endpoint
 from serving.cli import add_bool, duration

@@ -1,4 +1,4 @@
-"""Which endpoints may serve a request, and which one does: candidates and the pick seam.
+"""Which endpoints may serve a request, and which one does: candidates and the one seam.
 
 Picking happens in two steps, kept apart on purpose:
 
@@ -8,8 +8,8 @@ Picking happens in two steps, kept apart on purpose:
    ``envoy.lb.subset_hint`` / ``x-gateway-destination-endpoint-subset``; GIE's
    conformance tests pin requests with the ``test-epp-endpoint-selection``
    header instead. Both hold ``ip`` or ``ip:port`` entries.
-2. **The pick.** A ``Strategy`` gets the request and the candidates and returns
-   a ``Pick``: endpoints in order of preference and, when the strategy wants
+2. **The choice.** A ``Strategy`` gets the request and the candidates and
+   returns a ``Choice``: endpoints in order of preference and, when it wants
    to hear the response, a ``Followup``. Round-robin is the default; the
    filter/scorer pipeline (``lwepp.pipeline``) is another strategy, and plugs
    in here, and only here, without touching the stream handling around it.
@@ -29,10 +29,10 @@ SUBSET_KEY: Final = "x-gateway-destination-endpoint-subset"
 TEST_SELECTION_HEADER: Final = "test-epp-endpoint-selection"
 
 
-class PickRequest(NamedTuple):
+class RequestInfo(NamedTuple):
     """What a strategy may look at: the request headers (and the body, when it was held).
 
-    Like ``Pick``, a named tuple: immutable, and made on every request.
+    Like ``Choice``, a named tuple: immutable, and made on every request.
     """
 
     headers: Sequence[tuple[str, str]]
@@ -40,7 +40,8 @@ class PickRequest(NamedTuple):
 
 
 class Followup(Protocol):
-    """What a strategy hears of the response to its pick; the core calls it as the response passes.
+    """What a strategy hears of the response to its choice; the core calls it as the response
+    passes.
 
     ``headers`` once, when the response headers arrive; ``chunk`` for each
     piece of the response body Envoy sends (only in a body mode other than
@@ -59,7 +60,7 @@ class Followup(Protocol):
     def end(self) -> None: ...
 
 
-class Pick(NamedTuple):
+class Choice(NamedTuple):
     """What a strategy chose: endpoints best first (the first is the destination, the others
     fallbacks in order), and the followup to call on the response, if any.
 
@@ -80,15 +81,15 @@ class Strategy(Protocol):
 
     @property
     def hears_response(self) -> bool:
-        """Whether a pick may carry a ``Followup``. When no pick can, the gateway need not
+        """Whether a choice may carry a ``Followup``. When none can, the gateway need not
         send the picker the response headers at all, which spares every request one
         exchange with the picker on its way back (``EndpointPickerService.hears_response``)."""
         ...
 
-    def pick(self, request: PickRequest, candidates: Sequence[Endpoint]) -> Pick:
+    def choose(self, request: RequestInfo, candidates: Sequence[Endpoint]) -> Choice:
         """Choose among ``candidates``: never empty, only endpoints the request may go to.
 
-        A pick with no endpoints means none is acceptable: the service answers
+        A choice with no endpoints means none is acceptable: the service answers
         HTTP 503. A strategy may also raise ``wire.exchange.Refusal`` to
         answer with a status and headers of its own.
         """
@@ -96,7 +97,7 @@ class Strategy(Protocol):
 
 
 class RoundRobin:
-    """Each pick takes the next candidate in turn, with one counter for all streams.
+    """Each choice takes the next candidate in turn, with one counter for all streams.
 
     As in GIE's lwepp the counter is advanced before use, so the first request
     goes to the second candidate. Advancing an ``itertools.count`` is a single
@@ -109,8 +110,8 @@ class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count(1)
 
-    def pick(self, request: PickRequest, candidates: Sequence[Endpoint]) -> Pick:
-        return Pick((candidates[next(self._counter) % len(candidates)],))
+    def choose(self, request: RequestInfo, candidates: Sequence[Endpoint]) -> Choice:
+        return Choice((candidates[next(self._counter) % len(candidates)],))
 
 
 class Pool:

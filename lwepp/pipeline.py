@@ -13,7 +13,7 @@ stage one loop::
     picked      each learns the pick
 
 Response side: when a plugin hooks the response (or the decision is to be
-explained), the ``Pick`` carries a ``Followup``, which the core calls as the
+explained), the ``Choice`` carries a ``Followup``, which the core calls as the
 response passes: its headers (hooks add headers), each body chunk, and its
 end (hooks hear the served endpoint and the token usage read from the body).
 
@@ -41,27 +41,21 @@ standard deviation of the attributes the data sources measured:
 pool's ``name``. ``llm_d_epp_plugin_errors_total{plugin,stage}`` is
 Switchyard's own (the router has no such count).
 
-Explaining (off unless asked for: a decision names every candidate's address
-and load): with ``explain="header"`` a request with ``x-switchyard-explain: 1``
-(with ``explain="all"`` every request) gets ``x-switchyard-decision`` on its response:
-compact JSON of what each filter removed, every candidate's scores and the
-pick, or the failure that made it round-robin. The record is built only when
-asked for. The last ones, and every fallback, are kept for
-``GET /debug/decisions``.
+Every plugin call goes through one helper, ``Pipeline.call`` (timed, and a
+failure named), or ``Pipeline.hook`` for the calls a failure must not stop.
+Explaining a decision, off unless asked for, is ``lwepp.explain``'s.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
-import json
 import math
 import statistics
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Final, Literal
+from typing import Any, Final, TypeVar
 
 import orjson
 import structlog
@@ -73,7 +67,6 @@ from lwepp.attributes import (
     Snapshot,
     forget_departed,
     keep_running,
-    plain,
 )
 from lwepp.body import SSE_TAIL, parse_request, response_usage
 from lwepp.contracts import (
@@ -91,13 +84,23 @@ from lwepp.contracts import (
     Scored,
     Scorer,
 )
-from lwepp.picking import Pick, PickRequest, RoundRobin
+from lwepp.explain import (
+    DECISION_HEADER,
+    DecisionLog,
+    ExplainMode,
+    Explanation,
+    asked,
+    header_json,
+)
+from lwepp.picking import Choice, RequestInfo, RoundRobin
 from lwepp.plugins.pickers import MaxScorePicker
 from plugin_api import ConfigError, Role, needs_body, roles_of
 from pods.model import Endpoint
-from wire.exchange import HEADER_VALUE_LIMIT, MAX_BODY_BYTES, Refusal, header_value_problem
+from wire.exchange import MAX_BODY_BYTES, Refusal, header_value_problem
 
 log = structlog.get_logger()
+
+T = TypeVar("T")
 
 ROLES: Final = tuple(role for role in Role if role not in (Role.REQUEST, Role.RESPONSE))
 """The roles a picker's plugins play: every ``plugin_api.Role`` but BBR's two, in stage order."""
@@ -105,16 +108,6 @@ ROLES: Final = tuple(role for role in Role if role not in (Role.REQUEST, Role.RE
 MODEL_HEADER: Final = "x-gateway-model-name"
 """Set by BBR from the body's ``model``; the request's model when the body is not parsed."""
 
-EXPLAIN_HEADER: Final = "x-switchyard-explain"
-"""Request header asking for the decision to be explained (``1``, ``true``, ``yes``)."""
-
-DECISION_HEADER: Final = "x-switchyard-decision"
-"""Response header carrying the explained decision, compact JSON."""
-
-ExplainMode = Literal["header", "all", "off"]
-"""When to explain: on request (the header), every request, or never."""
-
-_YES: Final = frozenset({"1", "true", "yes", "on"})
 NO_SCORES: Final[Mapping[str, float]] = MappingProxyType({})
 
 EXTENSION_POINTS: Final = {
@@ -169,32 +162,6 @@ class Decision:
     request: LLMRequest
     explanation: dict[str, Any] | None = None
     failure: PluginFailure | None = None
-
-
-class DecisionLog:
-    """The last decisions explained, and every fallback, for ``GET /debug/decisions``.
-
-    A bounded deque: the oldest record goes when a new one comes. A fallback
-    is kept even unexplained (a short record): a failing plugin is exactly
-    what one looks for here.
-    """
-
-    def __init__(self, size: int = 100) -> None:
-        self._records: collections.deque[Mapping[str, Any]] = collections.deque(maxlen=size)
-
-    def add(self, decision: Decision) -> None:
-        record = decision.explanation
-        if record is None:
-            record = {
-                "request": decision.request.request_id,
-                "picked": [e.hostport for e in decision.endpoints],
-                "fallback": str(decision.failure),
-            }
-        self._records.append(record)
-
-    def render(self) -> bytes:
-        """The records, oldest first, as a JSON array."""
-        return orjson.dumps(list(self._records))
 
 
 class Pipeline:
@@ -298,15 +265,20 @@ class Pipeline:
 
     # --- the Strategy seam -----------------------------------------------------------
 
-    def pick(self, request: PickRequest, candidates: Sequence[Endpoint]) -> Pick:
+    def choose(self, request: RequestInfo, candidates: Sequence[Endpoint]) -> Choice:
         """Decide, and carry the response side along when a hook or an explanation needs it."""
         llm = self.request_of(request)
-        explain = self.explain == "all" or (
-            self.explain == "header" and llm.headers.get(EXPLAIN_HEADER, "").lower() in _YES
-        )
-        decision = self.decide(llm, candidates, explain=explain)
-        if decision.explanation is not None or decision.failure is not None:
-            self.decisions.add(decision)
+        decision = self.decide(llm, candidates, explain=asked(self.explain, llm.headers))
+        if decision.explanation is not None:
+            self.decisions.add(decision.explanation)
+        elif decision.failure is not None:  # kept unexplained too: what one looks for there
+            self.decisions.add(
+                {
+                    "request": llm.request_id,
+                    "picked": [e.hostport for e in decision.endpoints],
+                    "fallback": str(decision.failure),
+                }
+            )
         if not decision.endpoints:
             explained = decision.explanation
             headers = [(DECISION_HEADER, header_json(explained))] if explained else []
@@ -314,10 +286,10 @@ class Pipeline:
                 503, "no endpoint accepted the request", reason="no_pick", headers=headers
             )
         if self.response_hooks or decision.explanation is not None:
-            return Pick(decision.endpoints, Followup(self, decision))
-        return Pick(decision.endpoints)
+            return Choice(decision.endpoints, ResponseHooks(self, decision))
+        return Choice(decision.endpoints)
 
-    def request_of(self, request: PickRequest) -> LLMRequest:
+    def request_of(self, request: RequestInfo) -> LLMRequest:
         """The request as plugins see it: headers (lower-case, first value), model, body."""
         # Envoy sends header names lower-case; read backwards, the first value is the one kept.
         headers = dict(reversed(request.headers))
@@ -333,6 +305,30 @@ class Pipeline:
             parsed=parsed,
         )
 
+    # --- one plugin call ---------------------------------------------------------------
+
+    def call(self, role: Role, plugin: Plugin, method: Callable[..., T], *args: Any) -> T:
+        """One plugin call: timed into its ``plugin_duration_seconds`` for the stage, and any
+        exception it raises turned into a ``PluginFailure`` naming the plugin and the stage."""
+        started = time.perf_counter()
+        try:
+            result = method(*args)
+        except Exception as error:
+            raise PluginFailure.of(plugin, role, error) from error
+        self.timers[role, plugin.name].observe(time.perf_counter() - started)
+        return result
+
+    def hook(
+        self, role: Role, plugin: Plugin, request: LLMRequest, method: Callable[..., T], *args: Any
+    ) -> T | None:
+        """A hook's call (picked, response): as ``call``, but a failure is counted and logged
+        and the request goes on (None), since what it serves is already decided."""
+        try:
+            return self.call(role, plugin, method, *args)
+        except PluginFailure as failure:
+            self.failed(failure, request)
+            return None
+
     # --- the request side ------------------------------------------------------------
 
     def decide(
@@ -344,17 +340,12 @@ class Pipeline:
             chosen = self._choose(request, candidates, record)
         except PluginFailure as failure:
             self.failed(failure, request)
-            chosen = tuple(self._fallback.pick(PickRequest(()), candidates).endpoints)
+            chosen = tuple(self._fallback.choose(RequestInfo(()), candidates).endpoints)
             if record is not None:
                 record.fell_back(failure, chosen)
             return Decision(chosen, request, record.data if record else None, failure)
         for hook in self.picked:
-            started = time.perf_counter()
-            try:
-                hook.picked(request, chosen)
-            except Exception as error:
-                self.failed(PluginFailure.of(hook, Role.PICKED, error), request)
-            self.timed(Role.PICKED, hook, started)
+            self.hook(Role.PICKED, hook, request, hook.picked, request, chosen)
         return Decision(chosen, request, record.data if record else None)
 
     def _choose(
@@ -365,23 +356,13 @@ class Pipeline:
         candidates: Sequence[Candidate] = given.candidates
 
         for hook in self.prepare:
-            started = time.perf_counter()
-            try:
-                hook.prepare(request)
-            except Exception as error:
-                raise PluginFailure.of(hook, Role.PREPARE, error) from error
-            self.timed(Role.PREPARE, hook, started)
+            self.call(Role.PREPARE, hook, hook.prepare, request)
 
         for step in self.filters:
-            started = time.perf_counter()
-            try:
-                kept = list(step.filter(request, candidates, now))
-                ids = {id(c) for c in candidates}
-                if any(id(c) not in ids for c in kept):
-                    raise ValueError("returned a candidate it was not given")
-            except Exception as error:
-                raise PluginFailure.of(step, Role.FILTER, error) from error
-            self.timed(Role.FILTER, step, started)
+            kept = list(self.call(Role.FILTER, step, step.filter, request, candidates, now))
+            ids = {id(c) for c in candidates}
+            if any(id(c) not in ids for c in kept):
+                raise PluginFailure(step.name, "filter", "returned a candidate it was not given")
             if record is not None:
                 record.filtered(step.name, candidates, kept)
             candidates = kept
@@ -392,18 +373,14 @@ class Pipeline:
         totals = [0.0] * len(candidates)
         raw: list[dict[str, float]] = [{} for _ in candidates] if self.scorers else []
         for scorer, weight in self.scorers:
-            started = time.perf_counter()
-            try:
-                scores = scorer.score(request, candidates, now)
-                if len(scores) != len(candidates):
-                    raise ValueError(f"{len(scores)} scores for {len(candidates)} candidates")
-                for i, score in enumerate(scores):
-                    score = min(1.0, max(0.0, score))  # NaN fails both tests: it counts as 0
-                    raw[i][scorer.name] = score
-                    totals[i] += weight * score
-            except Exception as error:
-                raise PluginFailure.of(scorer, Role.SCORE, error) from error
-            self.timed(Role.SCORE, scorer, started)
+            scores = self.call(Role.SCORE, scorer, scorer.score, request, candidates, now)
+            if len(scores) != len(candidates):
+                problem = f"{len(scores)} scores for {len(candidates)} candidates"
+                raise PluginFailure(scorer.name, "score", problem)
+            for i, score in enumerate(scores):
+                score = min(1.0, max(0.0, score))  # NaN fails both tests: it counts as 0
+                raw[i][scorer.name] = score
+                totals[i] += weight * score
         if unfiltered and not self.scorers:
             scored: Sequence[Scored] = given.unscored
         else:
@@ -414,18 +391,15 @@ class Pipeline:
         if record is not None:
             record.scored(self.scorers, scored, self.reads, now)
 
-        started = time.perf_counter()
-        try:
-            chosen = tuple(self.picker.pick(request, scored))
-            allowed = given.hostports if unfiltered else {c.endpoint.hostport for c in candidates}
-            for endpoint in chosen:
-                if endpoint.hostport not in allowed:  # the subset hint is the protocol's hard rule
-                    raise ValueError(f"chose {endpoint.hostport}, which is not a candidate")
-        except Exception as error:
-            raise PluginFailure.of(self.picker, Role.PICK, error) from error
-        self.timed(Role.PICK, self.picker, started)
+        picker = self.picker
+        chosen = tuple(self.call(Role.PICK, picker, picker.pick, request, scored))
+        allowed = given.hostports if unfiltered else {c.endpoint.hostport for c in candidates}
+        for endpoint in chosen:
+            if endpoint.hostport not in allowed:  # the subset hint is the protocol's hard rule
+                problem = f"chose {endpoint.hostport}, which is not a candidate"
+                raise PluginFailure(picker.name, "pick", problem)
         if record is not None:
-            record.picked(self.picker.name, chosen)
+            record.picked(picker.name, chosen)
         return chosen
 
     def candidates(self, endpoints: Sequence[Endpoint]) -> _Candidates:
@@ -448,10 +422,6 @@ class Pipeline:
                 tuple(Scored(c, 0.0, NO_SCORES) for c in candidates),
             )
         return last
-
-    def timed(self, role: Role, plugin: Plugin, started: float) -> None:
-        """Record one call's time in the plugin's ``plugin_duration_seconds`` of that stage."""
-        self.timers[role, plugin.name].observe(time.perf_counter() - started)
 
     def refresh_metrics(self, endpoints: Sequence[Endpoint]) -> None:
         """Set the pool gauges from the attributes measured within ``FRESH_SECONDS``.
@@ -521,8 +491,8 @@ class Pipeline:
         return pages
 
 
-class Followup:
-    """One request's response side: what the pipeline's response hooks hear as it passes.
+class ResponseHooks:
+    """One request's response side, the pipeline's ``Followup``: what its hooks hear as it passes.
 
     The body is kept (its tail, for an event stream) only when a
     ``response_complete`` hook will want the token usage read from it.
@@ -541,16 +511,10 @@ class Followup:
         self.served = served
         request, added = self.decision.request, list[tuple[str, str]]()
         for hook in self.pipeline.on_headers:
-            started = time.perf_counter()
-            try:
-                pairs = hook.response_headers(request, served, headers).items()
-                for name, value in pairs:  # Envoy would fail the whole response on one
-                    if problem := header_value_problem(value):
-                        raise ValueError(f"the value for header {name} {problem}")
-                added += pairs
-            except Exception as error:
-                self._failed(hook, Role.RESPONSE_HEADERS, error)
-            self.pipeline.timed(Role.RESPONSE_HEADERS, hook, started)
+            pairs = self.pipeline.hook(
+                Role.RESPONSE_HEADERS, hook, request, _header_values, hook, request, served, headers
+            )
+            added += pairs or ()
         if self.pipeline.on_complete:
             self.event_stream = "text/event-stream" in headers.get("content-type", "")
             self.body = bytearray()
@@ -560,13 +524,11 @@ class Followup:
 
     def chunk(self, chunk: bytes) -> None:
         """A piece of the response body: to every chunk hook, and kept for its usage."""
+        request = self.decision.request
         for hook in self.pipeline.on_chunk:
-            started = time.perf_counter()
-            try:
-                hook.response_chunk(self.decision.request, chunk)
-            except Exception as error:
-                self._failed(hook, Role.RESPONSE_CHUNK, error)
-            self.pipeline.timed(Role.RESPONSE_CHUNK, hook, started)
+            self.pipeline.hook(
+                Role.RESPONSE_CHUNK, hook, request, hook.response_chunk, request, chunk
+            )
         if self.body is not None:
             self.body += chunk
             if self.event_stream:
@@ -578,47 +540,32 @@ class Followup:
         """The response is over: the served endpoint and the usage, to every completion hook."""
         body, self.body = self.body, None
         usage = response_usage(bytes(body), self.event_stream) if body else None
+        request = self.decision.request
         for hook in self.pipeline.on_complete:
-            started = time.perf_counter()
-            try:
-                hook.response_complete(self.decision.request, self.served, usage)
-            except Exception as error:
-                self._failed(hook, Role.RESPONSE_COMPLETE, error)
-            self.pipeline.timed(Role.RESPONSE_COMPLETE, hook, started)
-
-    def _failed(self, hook: Plugin, stage: Role, error: Exception) -> None:
-        self.pipeline.failed(PluginFailure.of(hook, stage, error), self.decision.request)
-
-
-def header_json(data: Mapping[str, Any]) -> str:
-    """Compact JSON that is safe in a header value: ASCII only, no line breaks, bounded.
-
-    A decision over ``HEADER_VALUE_LIMIT`` bytes (a large pool, a long client
-    ``x-request-id``) keeps the best-scored rows that fit and says it was cut
-    short; the whole record is on ``/debug/decisions``.
-    """
-    text = _compact(data)
-    if len(text) <= HEADER_VALUE_LIMIT:
-        return text
-    cut: dict[str, Any] = {
-        key: value for key, value in data.items() if key not in ("candidates", "filters", "scores")
-    }
-    cut["truncated"] = "the whole decision is on /debug/decisions"
-    budget = HEADER_VALUE_LIMIT - len(_compact({**cut, "scores": []}))
-    rows = []
-    for row in data.get("scores", ()):
-        budget -= len(_compact(row)) + 1
-        if budget < 0:
-            break
-        rows.append(row)
-    cut["scores"] = rows
-    if len(text := _compact(cut)) > HEADER_VALUE_LIMIT:  # a request id of kilobytes, say
-        text = _compact({"picked": list(data.get("picked", ()))[:1], "truncated": cut["truncated"]})
-    return text
+            self.pipeline.hook(
+                Role.RESPONSE_COMPLETE,
+                hook,
+                request,
+                hook.response_complete,
+                request,
+                self.served,
+                usage,
+            )
 
 
-def _compact(data: Any) -> str:
-    return json.dumps(data, separators=(",", ":"), ensure_ascii=True)
+def _header_values(
+    hook: ResponseHeadersHook,
+    request: LLMRequest,
+    served: str | None,
+    headers: Mapping[str, str],
+) -> list[tuple[str, str]]:
+    """A headers hook's additions, each checked: Envoy would fail the whole response on one
+    value no header can carry (the hook fails instead)."""
+    pairs = list(hook.response_headers(request, served, headers).items())
+    for name, value in pairs:
+        if problem := header_value_problem(value):
+            raise ValueError(f"the value for header {name} {problem}")
+    return pairs
 
 
 @dataclass(frozen=True, slots=True)
@@ -631,67 +578,3 @@ class _Candidates:
     hostports: frozenset[str]
     unscored: tuple[Scored, ...]
     """Every candidate with a total of 0: the scored list when no scorer is configured."""
-
-
-class Explanation:
-    """Why a request went where it went, as JSON-ready data (built only when asked for).
-
-    ``candidates``: the endpoints the request could go to; ``filters``: what
-    each filter removed; ``weights``: each scorer's weight; ``scores``: each
-    candidate (best first) with its total, each scorer's raw score and the
-    attributes the plugins read (value and age in seconds); ``picked``: the
-    answer; ``fallback``: the plugin failure that made it round-robin.
-    """
-
-    __slots__ = ("data",)
-
-    def __init__(self, request_id: str, candidates: Sequence[Endpoint]) -> None:
-        self.data: dict[str, Any] = {
-            "request": request_id,
-            "candidates": [e.hostport for e in candidates],
-            "filters": [],
-            "weights": {},
-            "scores": [],
-            "picker": None,
-            "picked": [],
-            "fallback": None,
-        }
-
-    def filtered(self, name: str, before: Sequence[Candidate], after: Sequence[Candidate]) -> None:
-        kept = {id(c) for c in after}
-        removed = [c.endpoint.hostport for c in before if id(c) not in kept]
-        self.data["filters"].append({"filter": name, "removed": removed})
-
-    def scored(
-        self,
-        scorers: Sequence[tuple[Scorer, float]],
-        scored: Sequence[Scored],
-        reads: frozenset[str],
-        now: float,
-    ) -> None:
-        self.data["weights"] = {scorer.name: weight for scorer, weight in scorers}
-        rows = []
-        for s in sorted(scored, key=lambda s: s.total, reverse=True):
-            row: dict[str, Any] = {
-                "endpoint": s.candidate.endpoint.hostport,
-                "total": round(s.total, 4),
-                "scores": {name: round(score, 4) for name, score in s.scores.items()},
-            }
-            measured = {
-                n: s.candidate.attributes[n] for n in sorted(reads) if n in s.candidate.attributes
-            }
-            if measured:
-                row["attributes"] = {
-                    n: {"value": plain(m.value), "age": round(now - m.at, 3)}
-                    for n, m in measured.items()
-                }
-            rows.append(row)
-        self.data["scores"] = rows
-
-    def picked(self, picker: str, endpoints: Sequence[Endpoint]) -> None:
-        self.data["picker"] = picker
-        self.data["picked"] = [e.hostport for e in endpoints]
-
-    def fell_back(self, failure: PluginFailure, endpoints: Sequence[Endpoint]) -> None:
-        self.data["fallback"] = str(failure)
-        self.picked("round-robin (fallback)", endpoints)

@@ -17,8 +17,8 @@ request_body chunks    In FULL_DUPLEX_STREAMED mode Envoy forwards only what
 response_headers       With ``report_served`` (GIE's conformance tests), report
                        the endpoint the gateway says served the request
                        (``envoy.lb`` metadata) as a response header; add
-                       whatever the pick's followup adds.
-response_body chunks   Passed on, and to the pick's followup.
+                       whatever the choice's followup adds.
+response_body chunks   Passed on, and to the choice's followup.
 anything else          Acknowledge unchanged.
 =====================  =====================================================
 
@@ -27,7 +27,7 @@ request header ``x-gateway-destination-endpoint`` (which an ORIGINAL_DST
 cluster routes on) and the same value in dynamic metadata ``envoy.lb``; it
 also clears the route cache so Envoy routes again with the new header.
 
-The pick itself is the ``Strategy``'s (``lwepp.picking``): round-robin, or
+The choice itself is the ``Strategy``'s (``lwepp.picking``): round-robin, or
 the filter/scorer pipeline. What it returns may carry a ``Followup``, which
 this service calls as the response passes (headers, body chunks, end); that
 is the whole seam.
@@ -53,8 +53,8 @@ from lwepp.picking import (
     SUBSET_NAMESPACE,
     TEST_SELECTION_HEADER,
     Followup,
-    PickRequest,
     Pool,
+    RequestInfo,
     Strategy,
     allowed_entries,
     candidates,
@@ -86,8 +86,8 @@ MODES: Final = (BodyMode.FULL_DUPLEX_STREAMED, BodyMode.NONE)
 """Body modes assumed when Envoy sends no ``protocol_config``: GIE's full-duplex request."""
 
 
-class PickState(Exchange):
-    """What one stream remembers: the two halves, the candidates, and the pick's followup."""
+class PickerState(Exchange):
+    """What one stream remembers: the two halves, the candidates, and the choice's followup."""
 
     __slots__ = ("candidates", "followup")
 
@@ -150,7 +150,7 @@ class EndpointPickerService:
         self.attempt_counter = functools.lru_cache(maxsize=4096)(metrics.attempts.labels)
 
     async def __call__(self, stream: Stream) -> None:
-        state = PickState(self.max_body_bytes)
+        state = PickerState(self.max_body_bytes)
         while (message := await stream.recv()) is not None:
             try:
                 match extproc.kind(message):
@@ -185,7 +185,7 @@ class EndpointPickerService:
             for reply in replies:
                 await stream.send(reply)
 
-    def refuse(self, state: PickState, refusal: Refusal) -> ProcessingResponse:
+    def refuse(self, state: PickerState, refusal: Refusal) -> ProcessingResponse:
         """The one place a refusal becomes an HTTP answer (an ``ImmediateResponse``)."""
         labels = self.metrics.labels(state.request.headers)
         self.metrics.errors.labels(*labels, ERROR_CODES.get(refusal.status, "Internal")).inc()
@@ -202,25 +202,25 @@ class EndpointPickerService:
     # --- request side ----------------------------------------------------------
 
     def on_request_headers(
-        self, message: ProcessingRequest, state: PickState
+        self, message: ProcessingRequest, state: PickerState
     ) -> list[ProcessingResponse]:
         """Work out the candidates now; pick now unless the body is coming to us."""
         state.use_modes(message)
         state.request.headers = extproc.header_pairs(message.request_headers)
         state.candidates = self.candidates_for(message, state.request.headers)
         if message.request_headers.end_of_stream or not state.request.streamed:
-            return [self.pick(state)]
+            return [self.route(state)]
         state.request.held = True
         return []
 
-    def on_request_body(self, chunk: HttpBody, state: PickState) -> list[ProcessingResponse]:
+    def on_request_body(self, chunk: HttpBody, state: PickerState) -> list[ProcessingResponse]:
         if not state.request.held:
             return [pass_chunk(state.request, chunk)]
         state.request.hold(chunk.body)
         return self.finish_request(state) if chunk.end_of_stream else []
 
     def finish_request(
-        self, state: PickState, *, end_of_stream: bool = True
+        self, state: PickerState, *, end_of_stream: bool = True
     ) -> list[ProcessingResponse]:
         """The held headers reply, then the body we kept, now that the body has ended.
 
@@ -232,7 +232,7 @@ class EndpointPickerService:
         state.request.held = False
         body = state.request.take()
         chunks = extproc.streamed_body_responses("request", body, end_of_stream=end_of_stream)
-        return [self.pick(state, body), *chunks]
+        return [self.route(state, body), *chunks]
 
     def candidates_for(
         self, message: ProcessingRequest, headers: Sequence[tuple[str, str]]
@@ -253,11 +253,11 @@ class EndpointPickerService:
             )
         return found
 
-    def pick(self, state: PickState, body: bytes | None = None) -> ProcessingResponse:
+    def route(self, state: PickerState, body: bytes | None = None) -> ProcessingResponse:
         """Ask the strategy (given the body, when it was held), then route to its choice."""
-        return self.routing_reply(self.choose(state, body))
+        return self.routing_reply(self.destination(state, body))
 
-    def choose(self, state: PickState, body: bytes | None = None) -> str:
+    def destination(self, state: PickerState, body: bytes | None = None) -> str:
         """The strategy's choice as the destination header's value, counted in the metrics.
 
         Several endpoints travel as one ordered list, ``ip:port,ip:port`` (GIE
@@ -265,7 +265,7 @@ class EndpointPickerService:
         The headers this adds must fit Envoy's limits with the client's own
         (``check_headers_fit``): a client near them gets 431, not Envoy's 500.
         """
-        chosen = self.strategy.pick(PickRequest(state.request.headers, body), state.candidates)
+        chosen = self.strategy.choose(RequestInfo(state.request.headers, body), state.candidates)
         if not chosen.endpoints:
             raise Refusal(503, "no endpoint accepted the request", reason="no_pick")
         state.followup = chosen.followup
@@ -287,9 +287,9 @@ class EndpointPickerService:
     # --- response side ----------------------------------------------------------
 
     def on_response_headers(
-        self, message: ProcessingRequest, state: PickState
+        self, message: ProcessingRequest, state: PickerState
     ) -> list[ProcessingResponse]:
-        """Report the served endpoint (if asked to), with the headers the pick's followup adds."""
+        """Report the served endpoint (if asked to), with the headers the followup adds."""
         if state.followup is None:
             if not self.report_served:
                 return [UNCHANGED_RESPONSE_HEADERS]
@@ -303,7 +303,7 @@ class EndpointPickerService:
             return [extproc.headers_response("response", added)]
         return [served_endpoint_reply(served_report(message), tuple(added))]
 
-    def on_response_body(self, chunk: HttpBody, state: PickState) -> list[ProcessingResponse]:
+    def on_response_body(self, chunk: HttpBody, state: PickerState) -> list[ProcessingResponse]:
         if state.followup is not None:
             state.followup.chunk(chunk.body)
             if chunk.end_of_stream:
@@ -311,7 +311,7 @@ class EndpointPickerService:
         return [pass_chunk(state.response, chunk)]
 
     @staticmethod
-    def end_response(state: PickState) -> None:
+    def end_response(state: PickerState) -> None:
         """Tell the followup, once, that the response is over."""
         followup, state.followup = state.followup, None
         if followup is not None:

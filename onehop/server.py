@@ -57,7 +57,7 @@ from lwepp import (
     DESTINATION,
     MODEL_HEADER,
     EndpointPickerService,
-    PickState,
+    PickerState,
     pass_chunk,
     routing_headers,
 )
@@ -72,7 +72,7 @@ ANY_MODEL: Final = "*"
 """``--pool NAME=*``: the pool for any model no other pool names (one pool, one machine)."""
 
 
-class OneHopState(PickState):
+class OneHopState(PickerState):
     """A picker's stream state, plus the headers message and the pool's picker, once chosen."""
 
     __slots__ = ("first", "picker")
@@ -216,7 +216,7 @@ class OneHop:
         if picker is not None and state.first is not None:
             state.picker = picker
             state.candidates = picker.candidates_for(state.first, half.headers)
-            endpoint = picker.choose(state, body)
+            endpoint = picker.destination(state, body)
             set_headers = [*set_headers, *routing_headers(endpoint, picker.report_served)]
             metadata = {extproc.LB_NAMESPACE: {DESTINATION: endpoint}}
         if headers:

@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry
 from lwepp.attributes import AttributeStore, keep_running
 from lwepp.config import load_config
 from lwepp.contracts import Measurement
+from lwepp.explain import DECISION_HEADER, EXPLAIN_HEADER
 from lwepp.metrics import PickerMetrics
 from lwepp.picking import Pool
-from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER
 from lwepp.plugins import REGISTRY
 from lwepp.server import EndpointPickerService
 from pods.model import Endpoint

@@ -40,10 +40,10 @@ def test_each_timed_call_is_a_whole_pick_through_its_plugins() -> None:
     the picker at work in the very call the benchmark times.
     """
     for variant in hooks.variants():
-        reply = variant.pick()()
+        reply = variant.route()()
         assert dict(set_headers(reply))["x-gateway-destination-endpoint"] in ADDRESSES
     explained = hooks.variants()[-1]
-    explained.pick()()
+    explained.route()()
     pipeline = explained.service.strategy
     assert isinstance(pipeline, Pipeline)
     (record,) = json.loads(pipeline.decisions.render())

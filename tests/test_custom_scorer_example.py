@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lwepp.config import load_config
-from lwepp.picking import PickRequest, Pool
+from lwepp.picking import Pool, RequestInfo
 from pods.file import load_pods
 from pods.model import StaticSource
 
@@ -27,5 +27,5 @@ def test_the_example_scorer_keeps_clients_in_their_zone(
     assert [(s.name, w) for s, w in pipeline.scorers] == [("zone", 3.0), ("queue-scorer", 1.0)]
     endpoints = Pool(StaticSource(*load_pods(EXAMPLE / "pods.yaml")), {"pool": "a"}).endpoints
     headers = [("x-client-zone", zone)] if zone else []
-    picks = [pipeline.pick(PickRequest(headers), endpoints).endpoints[0].pod for _ in range(4)]
+    picks = [pipeline.choose(RequestInfo(headers), endpoints).endpoints[0].pod for _ in range(4)]
     assert picks == expected

@@ -15,9 +15,10 @@ from prometheus_client import CollectorRegistry
 from bbr.plugins import DEFAULT_PLUGINS, PLUGINS, PluginSpec
 from bbr.server import BodyBasedRouter
 from lwepp.__main__ import build_parser
+from lwepp.explain import DECISION_HEADER, EXPLAIN_HEADER, header_json
 from lwepp.metrics import PickerMetrics
 from lwepp.picking import Pool, RoundRobin
-from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER, Pipeline, header_json
+from lwepp.pipeline import Pipeline
 from lwepp.server import EndpointPickerService
 from plugin_api import ConfigError, Params
 from serving.testing import (

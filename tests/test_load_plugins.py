@@ -11,7 +11,7 @@ import pytest
 
 from lwepp.config import ConfigErrors, load_text
 from lwepp.contracts import Candidate, LLMRequest, Measurement
-from lwepp.picking import PickRequest
+from lwepp.picking import RequestInfo
 from lwepp.plugins.inflight import STALE_SECONDS, InFlightLoadProducer, load_key
 from lwepp.plugins.load_scorers import ActiveRequestScorer, LoadAwareScorer, TokenLoadScorer
 from lwepp.plugins.no_hit_lru import NoHitLRUScorer
@@ -249,14 +249,16 @@ def test_in_flight_requests_spread_a_burst_and_are_released_at_the_end() -> None
     )
     pipeline = config.pipeline()
     body = orjson.dumps({"model": "m", "prompt": "hi"})
-    picks = [pipeline.pick(PickRequest((), body), ENDPOINTS) for _ in range(4)]
+    picks = [pipeline.choose(RequestInfo((), body), ENDPOINTS) for _ in range(4)]
     assert {p.endpoints[0] for p in picks} == set(ENDPOINTS)
     for pick in picks[1:]:
         assert pick.followup is not None
         pick.followup.headers(pick.endpoints[0].hostport, {})
         pick.followup.end()
     for _ in range(3):
-        assert pipeline.pick(PickRequest((), body), ENDPOINTS).endpoints[0] != picks[0].endpoints[0]
+        assert (
+            pipeline.choose(RequestInfo((), body), ENDPOINTS).endpoints[0] != picks[0].endpoints[0]
+        )
 
 
 def test_a_consumer_gets_the_producer_it_reads() -> None:

@@ -20,9 +20,9 @@ from lwepp.metrics import PickerMetrics
 from lwepp.picking import (
     SUBSET_KEY,
     SUBSET_NAMESPACE,
-    Pick,
-    PickRequest,
+    Choice,
     Pool,
+    RequestInfo,
     RoundRobin,
     Strategy,
 )
@@ -275,7 +275,7 @@ class Broken:
 
     hears_response = False
 
-    def pick(self, request: PickRequest, candidates: Sequence[Endpoint]) -> Pick:
+    def choose(self, request: RequestInfo, candidates: Sequence[Endpoint]) -> Choice:
         raise RuntimeError("a bug in the strategy")
 
 

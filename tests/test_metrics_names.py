@@ -16,7 +16,7 @@ from bbr.server import BodyBasedRouter
 from lwepp.config import load_config
 from lwepp.contracts import Measurement
 from lwepp.metrics import PickerMetrics
-from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, PickRequest, Pool
+from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, Pool, RequestInfo
 from lwepp.pipeline import Pipeline
 from lwepp.server import EndpointPickerService
 from pods.model import Endpoint
@@ -167,7 +167,7 @@ def test_each_plugin_call_is_timed_under_the_router_s_extension_point_and_type()
     observed once, under the router's extension-point names and the configured types."""
     registry = CollectorRegistry()
     pipeline = load_config(CONFIG).pipeline(registry=registry, pool="a")
-    pipeline.pick(PickRequest((), BODY), [endpoint("e1"), endpoint("e2")])
+    pipeline.choose(RequestInfo((), BODY), [endpoint("e1"), endpoint("e2")])
     counts = {
         (s.labels["extension_point"], s.labels["plugin_type"]): s.value
         for family in registry.collect()

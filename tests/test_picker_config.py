@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lwepp.config import ConfigErrors, PickerConfig, load_config
-from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER
+from lwepp.explain import DECISION_HEADER, EXPLAIN_HEADER
 from lwepp.plugins import REGISTRY
 from lwepp.plugins.pickers import MaxScorePicker, RandomPicker
 from plugin_api import Role

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lwepp.contracts import Candidate, LLMRequest, Scored
-from lwepp.picking import PickRequest, RoundRobin
+from lwepp.picking import RequestInfo, RoundRobin
 from lwepp.plugins import REGISTRY
 from lwepp.plugins.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
 from plugin_api import ConfigError, Params
@@ -53,7 +53,7 @@ def test_max_score_with_all_tied_is_the_cores_round_robin(n: int, picks: int) ->
     candidates = endpoints(n)
     for _ in range(picks):
         ours = picker.pick(REQUEST, [Scored(Candidate(e), 0.0, {}) for e in candidates])
-        assert list(ours) == list(round_robin.pick(PickRequest(()), candidates).endpoints)
+        assert list(ours) == list(round_robin.choose(RequestInfo(()), candidates).endpoints)
 
 
 @given(st.lists(st.floats(0, 10), min_size=1, max_size=8), st.integers(1, 8), st.integers(0, 20))

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from lwepp.picking import (
     SUBSET_KEY,
-    PickRequest,
     Pool,
+    RequestInfo,
     RoundRobin,
     allowed_entries,
     candidates,
@@ -91,7 +91,7 @@ def test_ipv6_entries_match() -> None:
 def test_round_robin_starts_at_the_second_candidate() -> None:
     """As in GIE, the counter advances before use: the first pick is index 1."""
     picker = RoundRobin()
-    picks = [picker.pick(PickRequest([]), ENDPOINTS).endpoints[0].hostport for _ in range(3)]
+    picks = [picker.choose(RequestInfo([]), ENDPOINTS).endpoints[0].hostport for _ in range(3)]
     assert picks == [ENDPOINTS[1].hostport, ENDPOINTS[2].hostport, ENDPOINTS[3].hostport]
 
 
@@ -100,7 +100,7 @@ def test_round_robin_is_fair(n: int, k: int) -> None:
     """n·k picks over n candidates give each candidate exactly k."""
     pool = endpoints_of(tuple(pod(f"p{i}", f"10.1.0.{i + 1}", 80) for i in range(n)), {})
     picker = RoundRobin()
-    counts = Counter(picker.pick(PickRequest([]), pool).endpoints[0] for _ in range(n * k))
+    counts = Counter(picker.choose(RequestInfo([]), pool).endpoints[0] for _ in range(n * k))
     assert set(counts.values()) == {k}
     assert len(counts) == n
 

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from lwepp.attributes import AttributeStore
 from lwepp.contracts import Candidate, LLMRequest, Measurement, Scored
-from lwepp.picking import PickRequest, RoundRobin
+from lwepp.picking import RequestInfo, RoundRobin
 from lwepp.pipeline import Pipeline
 from pods.model import Endpoint
 from tests.plugin_fakes import FakeFilter, FakeScorer, FixedPicker, RecordingHook
@@ -44,7 +44,7 @@ def errors(registry: CollectorRegistry, plugin: str, stage: str) -> float:
 
 
 def decide(pipeline: Pipeline, body: bytes | None = None, explain: bool = False) -> Any:
-    request = pipeline.request_of(PickRequest(HEADERS, body))
+    request = pipeline.request_of(RequestInfo(HEADERS, body))
     return pipeline.decide(request, ENDPOINTS, explain=explain)
 
 
@@ -117,8 +117,8 @@ def test_without_scorers_the_pipeline_is_round_robin() -> None:
     """No plugins: the default picker's picks are RoundRobin's, pick for pick."""
     pipeline, round_robin = Pipeline(), RoundRobin()
     for _ in range(10):
-        assert pipeline.pick(PickRequest(HEADERS), ENDPOINTS) == round_robin.pick(
-            PickRequest(HEADERS), ENDPOINTS
+        assert pipeline.choose(RequestInfo(HEADERS), ENDPOINTS) == round_robin.choose(
+            RequestInfo(HEADERS), ENDPOINTS
         )
 
 
@@ -198,7 +198,7 @@ def test_a_failing_plugin_falls_back_to_round_robin(
         assert decision.failure is not None
         assert (decision.failure.plugin, decision.failure.stage) == (plugin, stage)
         assert problem in str(decision.failure)
-        assert decision.endpoints == round_robin.pick(PickRequest(()), ENDPOINTS).endpoints
+        assert decision.endpoints == round_robin.choose(RequestInfo(()), ENDPOINTS).endpoints
         assert errors(registry, plugin, stage) == count
 
 

@@ -14,9 +14,10 @@ from google.protobuf import json_format
 from prometheus_client import CollectorRegistry
 
 from lwepp.contracts import Usage
+from lwepp.explain import DECISION_HEADER, EXPLAIN_HEADER, DecisionLog
 from lwepp.metrics import PickerMetrics
 from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, Pool, RoundRobin, Strategy
-from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER, DecisionLog, Pipeline
+from lwepp.pipeline import Pipeline
 from lwepp.plugins.pickers import MaxScorePicker
 from lwepp.server import EndpointPickerService
 from plugin_api import Params

@@ -25,9 +25,10 @@ from demo.envoy import GATEWAY_ONLY_HEADERS
 from demo.topology import Topology
 from lwepp.__main__ import build_parser
 from lwepp.assembly import PickerOptions
+from lwepp.explain import DECISION_HEADER, EXPLAIN_HEADER, ExplainMode
 from lwepp.metrics import PickerMetrics
 from lwepp.picking import Pool, RoundRobin, Strategy
-from lwepp.pipeline import DECISION_HEADER, EXPLAIN_HEADER, ExplainMode, Pipeline
+from lwepp.pipeline import Pipeline
 from lwepp.server import EndpointPickerService
 from onehop.__main__ import build_parser as onehop_parser
 from pods.kubeapi import ClusterConfig

@@ -16,7 +16,7 @@ import argparse
 import functools
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
 import structlog
@@ -26,6 +26,8 @@ from lwepp import config as picker_config
 from lwepp.assembly import HEALTH_SERVICES, PickerOptions, add_picker_flags, assemble
 from lwepp.leader import LeaderElector, LeaseTimings
 from lwepp.picking import Pool
+from lwepp.pipeline import ROLES
+from plugin_api import Role, needs_body
 from pods.file import FileSource, PodFileError, load_pods
 from pods.kubeapi import KubeconfigError, load_kubeconfig
 from pods.kubernetes import DEFAULT_GROUP, InferencePoolSource
@@ -116,10 +118,53 @@ class CheckConfig(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
         try:
-            print(picker_config.load_config(args[1]).describe())
+            print("\n".join(describe(picker_config.load_config(args[1]))))
         except picker_config.ConfigErrors as error:
             parser.exit(1, f"{error}\n")
         parser.exit(0)
+
+
+def describe(config: picker_config.PickerConfig) -> Iterator[str]:
+    """The resolved pipeline as ``--check-config`` prints it."""
+    yield f"{config.path}: OK ({config.api_version}, profile {config.profile!r})"
+    yield ""
+    yield "plugins"
+    labels = [p.name if p.name == p.type else f"{p.name} ({p.type})" for p in config.plugins]
+    width = max(map(len, labels), default=0)
+    for label, p in zip(labels, config.plugins, strict=True):
+        details = [", ".join(role.label for role in p.roles)] if p.roles else []
+        provides: frozenset[str] = getattr(p.plugin, "provides", frozenset())
+        if provides:
+            details.append(f"provides {', '.join(sorted(provides))} to the plugins naming it")
+        reads: frozenset[str] = getattr(p.plugin, "reads", frozenset())
+        if reads:
+            details.append(f"reads {', '.join(sorted(reads))}")
+        if Role.SOURCE in p.roles:
+            details.append(f"produces {', '.join(sorted(p.plugin.produces))}")
+        if needs_body(p.plugin):
+            details.append("needs the body")
+        yield f"  {label:<{width}}  {'; '.join(details)}"
+    if not config.plugins:
+        yield "  (none)"
+    yield ""
+    yield f"pipeline (profile {config.profile!r}), stage by stage"
+    pipeline = config.pipeline()
+    for role in ROLES:
+        names = [p.name for p in pipeline.stages[role]]
+        if role is Role.SCORE:
+            names = [f"{s.name} ×{w:g}" for s, w in pipeline.scorers]
+        elif role is Role.PICK and not any(Role.PICK in p.roles for p in config.plugins):
+            names[0] += "  (default: the profile names no picker)"
+        stage = "background" if role is Role.SOURCE else role.value
+        yield f"  {stage:<17}  {', '.join(names) or '-'}"
+    needing = [p.name for p in pipeline.plugins if needs_body(p)]
+    body = f"held and parsed (needed by {', '.join(needing)})" if needing else "not parsed"
+    yield f"  {'body':<17}  {body}"
+    if config.warnings:
+        yield ""
+        yield "warnings"
+        for warning in config.warnings:
+            yield f"  {warning}"
 
 
 def build_parser() -> argparse.ArgumentParser:

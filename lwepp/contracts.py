@@ -28,17 +28,18 @@ Rules every plugin follows:
 - Raising means "this plugin failed". The pipeline logs the error naming the
   plugin, counts it, and answers the request with plain round-robin over the
   candidates it started with: a broken plugin never loses a request.
-- Two optional attributes (``plugin``'s rules, shared with BBR): ``reads``,
+- Optional attributes (``plugin_api``'s rules, shared with BBR): ``reads``,
   the endpoint attributes a plugin uses (e.g. ``frozenset({"queue_depth"})``;
-  configuration fails when no data source produces one), and ``needs_body``
-  (True: LWEPP holds the body and the plugin sees it parsed).
+  configuration fails when no data source produces one), ``needs_body``
+  (True: LWEPP holds the body and the plugin sees it parsed), and ``wants``
+  and ``provides`` (``Want``: the other plugins it is handed by name).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from pods.model import Endpoint
 
@@ -250,3 +251,48 @@ class DataSource(Protocol):
         store: AttributeWriter,
         clock: Callable[[], float],
     ) -> None: ...
+
+
+# --- plugins that name other plugins ---------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Want:
+    """One plugin's need for another, which the configuration names (the router's data graph).
+
+    A plugin lists its needs in ``wants`` (a sequence of these); a plugin that
+    can meet one lists the word in ``provides`` (a frozenset). The
+    configuration loader finds the plugin ``name`` names, checks that it
+    ``provides`` the word, and hands it to ``give``, which may raise
+    ``plugin_api.ConfigError`` (the two plugins' parameters clash, say).
+    ``field`` is the parameter that names it, for errors.
+
+    No plugin of that name: when ``name`` is ``default`` (the parameter was
+    left at its default), that is no error, and with ``add`` the loader adds
+    a plugin of type ``default`` of that name, as the router creates a
+    producer for its consumers. ``name`` None: the plugin the router's
+    ``dataLayer.sources`` pairs with this one, else the only plugin that
+    provides the word, if exactly one does.
+
+    A plugin with no role of its own but something it ``provides`` (the
+    router's ``approx-prefix-cache-producer``, ``core-metrics-extractor``) is
+    there only to be named: it never runs, and is reported when nothing names
+    it.
+    """
+
+    field: str
+    name: str | None
+    provides: str
+    give: Callable[[Any], None]
+    default: str | None = None
+    add: bool = False
+
+
+PREFIX_MATCH: Final = "prefix-match"
+"""What a prefix producer provides: the index a prefix scorer reads (approximate or precise)."""
+
+IN_FLIGHT_LOAD: Final = "in-flight-load"
+"""What ``inflight-load-producer`` provides: the requests and tokens in flight it counts."""
+
+ENGINE_METRICS: Final = "engine-metrics"
+"""What ``core-metrics-extractor`` provides: which metric each engine publishes."""

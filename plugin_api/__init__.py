@@ -17,6 +17,9 @@ they share these words for them:
 - **``needs_body``** (default False): the plugin reads the request body.
   Only then does a service parse it, once, for all its plugins.
 - **``reads``** (LWEPP, default empty): the endpoint attributes it uses.
+- **``provides``** (LWEPP, default empty): what it gives the plugins that
+  name it (``lwepp.contracts.Want``); a plugin that only provides plays no
+  role, and is still a plugin.
 - **``params``** (``Params``) are decoded strictly: every field read with its
   type, and ``build`` refuses any field the plugin did not read, so a typo
   fails at start instead of being ignored.
@@ -300,9 +303,12 @@ def build(
     problems = []
     if getattr(plugin, "name", None) != name:
         problems.append(f"its name is {getattr(plugin, 'name', None)!r}, not {name!r}")
-    if not played:
+    provides: object = getattr(plugin, "provides", frozenset())
+    if not played and not provides:
         methods = ", ".join(role.value for role in Role if role in roles)
         problems.append(f"{type(plugin).__name__} is no plugin here: it has none of {methods}")
+    if not isinstance(provides, frozenset):
+        problems.append("provides: expected a frozenset of what it provides to other plugins")
     if not isinstance(getattr(plugin, "needs_body", False), bool):
         problems.append("needs_body: expected a bool")
     if not isinstance(getattr(plugin, "reads", frozenset()), frozenset):

@@ -6,10 +6,11 @@ configurations carry over) to its plugin class, which is its own factory:
 itself on import. A user's own plugin is named in the configuration by
 dotted path instead (``mypackage.module.ClassName``) and built the same way.
 
-``FOLDED`` names the router's types whose work a built-in does whole here:
-their entries are built for their parameters, which the configuration hands
-to the plugin they serve (``lwepp.config``). ``ALIASES`` are the router's
-deprecated names for built-ins, accepted with a warning.
+Some play no role of their own but are handed to the plugins that name them
+(``provides``; ``lwepp.contracts.Want``): the router's
+``approx-prefix-cache-producer`` and ``core-metrics-extractor``. The
+router's other spellings (deprecated names, types accepted and ignored) are
+``lwepp.router_compat``'s.
 """
 
 from __future__ import annotations
@@ -41,9 +42,12 @@ REGISTRY: Final[Mapping[str, Factory]] = {
     # data sources
     "metrics-data-source": MetricsDataSource,
     "models-data-source": ModelsDataSource,
-    # producers (request-path data for the scorers after them)
+    # producers (request-path data for the scorers after them), and what the router's
+    # producers and extractors hand the plugins that name them
     "inflight-load-producer": InFlightLoadProducer,
+    "approx-prefix-cache-producer": ApproxPrefixCacheProducer,
     "precise-prefix-cache-producer": PrecisePrefixCacheProducer,
+    "core-metrics-extractor": CoreMetricsExtractor,
     # filters
     "label-selector-filter": LabelSelectorFilter,
     "decode-filter": DecodeFilter,
@@ -66,20 +70,3 @@ REGISTRY: Final[Mapping[str, Factory]] = {
     "random-picker": RandomPicker,
     "weighted-random-picker": WeightedRandomPicker,
 }
-
-FOLDED: Final[Mapping[str, tuple[Factory, str]]] = {
-    "approx-prefix-cache-producer": (ApproxPrefixCacheProducer, "prefix-cache-scorer"),
-    "core-metrics-extractor": (CoreMetricsExtractor, "metrics-data-source"),
-}
-"""The router's producer and extractor types, and the built-in that does their work."""
-
-ALIASES: Final[Mapping[str, str]] = {
-    "by-label-selector": "label-selector-filter",
-}
-"""The router's deprecated names (removed there in v0.11) → the built-in's name."""
-
-DEPRECATED: Final[Mapping[str, str]] = {
-    "by-label-selector": "use label-selector-filter",
-    "by-label": "use label-selector-filter, or decode-filter/prefill-filter/encode-filter",
-}
-"""Types the router deprecated in v0.9: they load, with a warning saying what replaces them."""

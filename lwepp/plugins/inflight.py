@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final
 
-from lwepp.contracts import LLMRequest, Usage
+from lwepp.contracts import IN_FLIGHT_LOAD, LLMRequest, Usage
 from lwepp.plugins.prefix import (
     CHARS_PER_TOKEN,
     DEFAULT_PRODUCER,
@@ -100,6 +100,9 @@ class _Entry:
 
 
 class InFlightLoadProducer:
+    provides: Final = frozenset({IN_FLIGHT_LOAD})
+    """The scorers that name it read its counts (``lwepp.contracts.Want``)."""
+
     def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         self.name = name
         self.add_output = params.get("addEstimatedOutputTokens", bool, False)

@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from lwepp.contracts import Candidate, LLMRequest
+from lwepp.contracts import IN_FLIGHT_LOAD, Candidate, LLMRequest, Want
 from lwepp.plugins.inflight import PRODUCER, InFlight, load_key
 from lwepp.plugins.staleness import max_age
 from plugin_api import NO_PARAMS, Params
@@ -52,6 +52,25 @@ def _producer(params: Params) -> str:
     return params.get("inFlightLoadProducerName", str, "") or PRODUCER
 
 
+def _in_flight(producer: str) -> tuple[Want, ...]:
+    """The producer a scorer reads, by name; the configuration adds the default one (the
+    scorer reads its counts from the request, so it is handed nothing)."""
+    return (
+        Want(
+            "inFlightLoadProducerName",
+            producer,
+            IN_FLIGHT_LOAD,
+            _read_from_the_request,
+            default=PRODUCER,
+            add=True,
+        ),
+    )
+
+
+def _read_from_the_request(_producer: object) -> None:
+    """The scorers read the producer's counts from ``request.state``: nothing to keep."""
+
+
 class ActiveRequestScorer:
     def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         self.name = name
@@ -61,6 +80,7 @@ class ActiveRequestScorer:
         self.max_busy = busy if 0.0 <= busy <= 1.0 else 1.0
         self.in_flight_producer = _producer(params)
         """The ``inflight-load-producer`` whose counts this reads (the configuration adds one)."""
+        self.wants = _in_flight(self.in_flight_producer)
         self._key = load_key(self.in_flight_producer)
 
     def score(
@@ -83,6 +103,7 @@ class TokenLoadScorer:
         self.name = name
         self.threshold = params.get("queueThresholdTokens", int, 4194304, above=0)
         self.in_flight_producer = _producer(params)
+        self.wants = _in_flight(self.in_flight_producer)
         self._key = load_key(self.in_flight_producer)
 
     def score(

@@ -68,9 +68,10 @@ from typing import Any, ClassVar, Final
 
 import aiohttp
 
+from lwepp.contracts import ENGINE_METRICS, Want
 from lwepp.plugins import polling
 from lwepp.plugins.prometheus import Families, Selector, parse, parse_selector
-from plugin_api import NO_PARAMS, Params
+from plugin_api import NO_PARAMS, ConfigError, Params
 from pods.model import Endpoint
 
 ENGINE_LABEL: Final = "llm-d.ai/engine-type"
@@ -220,6 +221,17 @@ class MetricsDataSource(polling.HttpSource):
         self.own_settings = [key for key in ENGINE_PARAMETERS if key in params]
         """The extractor parameters set on the source itself (then no extractor may set them)."""
         self.use(Engines.read(params))
+        self.wants = (Want("engineConfigs", None, ENGINE_METRICS, self.use_extractor),)
+        """The ``core-metrics-extractor`` the router's data layer pairs it with, or the only one."""
+
+    def use_extractor(self, extractor: Any) -> None:
+        """Read pages as the extractor's engine configs say (``Want.give``)."""
+        if self.own_settings:
+            raise ConfigError(
+                f"parameters: {', '.join(self.own_settings)} belong to its extractor "
+                f"{extractor.name!r}: set them there only"
+            )
+        self.use(extractor.engines)
 
     def use(self, engines: Engines) -> None:
         """Read pages with ``engines`` (a ``core-metrics-extractor``'s, when one is configured)."""
@@ -270,10 +282,12 @@ class Engines:
 class CoreMetricsExtractor:
     """The router's ``core-metrics-extractor``: here, engine mappings for a metrics source.
 
-    It plays no role of its own: the configuration hands its ``Engines`` to the
-    ``metrics-data-source`` that ``dataLayer.sources`` pairs it with, or to the
-    only one (``lwepp.config``).
+    It plays no role of its own: it is handed to the ``metrics-data-source``
+    that ``dataLayer.sources`` pairs it with, or to the only one, which reads
+    pages with its ``Engines`` (``lwepp.contracts.Want``).
     """
+
+    provides: Final = frozenset({ENGINE_METRICS})
 
     def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         self.name = name

@@ -94,7 +94,7 @@ import zmq
 import zmq.asyncio
 
 from blockhash.vllm import DEFAULT_SEED, HASH_ALGORITHMS, BlockHasher, external
-from lwepp.contracts import AttributeWriter, LLMRequest
+from lwepp.contracts import PREFIX_MATCH, AttributeWriter, LLMRequest
 from plugin_api import NO_PARAMS, Params
 from pods.model import Endpoint
 from serving.cli import duration
@@ -197,6 +197,8 @@ class PrecisePrefixCacheProducer:
     needs_body = True
     produces: ClassVar[frozenset[str]] = frozenset()
     """It writes no endpoint attribute: its index is read by the prefix scorer directly."""
+    provides: Final = frozenset({PREFIX_MATCH})
+    """The prefix scorer that names it reads its index (``lwepp.contracts.Want``)."""
 
     def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         self.name = name

@@ -77,10 +77,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from lwepp.contracts import AttributeWriter, Candidate, LLMRequest, Usage
+from lwepp.contracts import PREFIX_MATCH, AttributeWriter, Candidate, LLMRequest, Usage, Want
 from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
 from lwepp.plugins.prefix_index import PrefixIndex, block_hashes, seed
-from plugin_api import NO_PARAMS, Params
+from plugin_api import NO_PARAMS, ConfigError, Params
 from plugin_api.frozen import dumps
 from pods.model import Endpoint
 
@@ -174,10 +174,12 @@ class IndexSettings:
 class ApproxPrefixCacheProducer:
     """The router's ``approx-prefix-cache-producer``: here, settings for the scorers that name it.
 
-    It plays no role of its own: the configuration hands its settings to each
-    ``prefix-cache-scorer`` whose ``prefixMatchInfoProducerName`` is its name
-    (``lwepp.config``).
+    It plays no role of its own: it is handed to each ``prefix-cache-scorer``
+    whose ``prefixMatchInfoProducerName`` is its name, which indexes with its
+    settings (``lwepp.contracts.Want``).
     """
+
+    provides: Final = frozenset({PREFIX_MATCH})
 
     def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         self.name = name
@@ -192,6 +194,16 @@ class PrefixCacheScorer:
         self.own_settings = [key for key in INDEX_PARAMETERS if key in params]
         """The index parameters set on the scorer itself (then no producer may set them)."""
         self.producer = params.get("prefixMatchInfoProducerName", str, "") or DEFAULT_PRODUCER
+        self.wants = (
+            Want(
+                "prefixMatchInfoProducerName",
+                self.producer,
+                PREFIX_MATCH,
+                self.use_producer,
+                default=DEFAULT_PRODUCER,
+            ),
+        )
+        """Its producer, when the configuration has one of that name (``use_producer``)."""
         self.length_weight = params.get("matchLengthWeight", float, 0.0, at_least=0)
         if self.length_weight > 1:
             raise params.error("matchLengthWeight", "must be at most 1")
@@ -206,6 +218,22 @@ class PrefixCacheScorer:
         """The precise producer this scorer reads, when its producer is one (``use_precise``)."""
         self._seen: set[str] = set()
         self._swept: float | None = None
+
+    def use_producer(self, producer: Any) -> None:
+        """Index as the named producer says: an approximate one's settings, or a precise
+        one's index of the engines' own blocks (``Want.give``)."""
+        approximate = isinstance(producer, ApproxPrefixCacheProducer)
+        if self.own_settings:
+            owner = (
+                f"its producer {producer.name!r}: set them there only"
+                if approximate
+                else f"an approximate index; {producer.name!r} indexes the engines' own blocks"
+            )
+            raise ConfigError(f"parameters: {', '.join(self.own_settings)} belong to {owner}")
+        if approximate:
+            self.use(producer.settings)
+        else:
+            self.use_precise(producer)
 
     def use(self, settings: IndexSettings) -> None:
         """Index with ``settings`` (the producer's, when the configuration names one)."""

@@ -1,0 +1,270 @@
+"""The llm-d router's configuration as Switchyard reads it: its spellings, sections and features.
+
+``lwepp.config`` decodes an ``EndpointPickerConfig`` strictly, as its schema;
+this module is the layer in front of it that knows the router's file as
+users write it (v0.10, and its HEAD's ``llm-d.ai/v1``), so that a router's
+file carries over or is refused in one line naming what is missing:
+
+- **Types** (``verdict``): the router's types Switchyard does not implement
+  (``UNSUPPORTED``, by feature: the file is refused naming the feature and
+  the plugins that need it), those it accepts without effect
+  (``IGNORED_TYPES``: nothing they do changes where a request goes here), and
+  deprecated names (``ALIASES``, ``DEPRECATED``: they load, with a warning).
+- **Feature gates** (``gate_problems``): the router's gates and their
+  defaults; a gate set away from its default here changes nothing, and says so.
+- **Sections** (``section_problems``): ``dataLayer``, ``flowControl``,
+  ``requestHandler`` and the deprecated ``saturationDetector`` and ``parser``,
+  decoded (their fields checked, every plugin they name must exist) and
+  ignored with a warning, but for what ``dataLayer`` says that Switchyard does:
+  ``injectDefaults``, and ``sources``, which pair extractors with sources
+  (``extractor_pairs``).
+
+Refusing what changes nothing would stop router files from carrying over;
+dropping it silently would hide that it has no effect here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+API_VERSION: Final = "llm-d.ai/v1alpha1"
+API_VERSIONS: Final = (API_VERSION, "llm-d.ai/v1")
+DEPRECATED_API_VERSION: Final = "inference.networking.x-k8s.io/v1alpha1"
+KIND: Final = "EndpointPickerConfig"
+
+FEATURE_GATES: Final = {
+    "flowControl": (False, "Switchyard has no flow control (requests are never queued or shed)"),
+    "haPopulateNonLeaderDatastore": (
+        True,
+        "a standby picker always watches its pods (--leader-elect), as the gate's default",
+    ),
+}
+"""The router's registered gates (v0.10): their default, and why a different value changes
+nothing here. Any other name is an error there, and here."""
+
+REMOVED_GATES: Final = {
+    "enableLegacyMetrics": "removed from the router before v0.10; legacy metrics are gone",
+    "dataLayer": "removed from the router before v0.10; the data layer is always on",
+}
+
+SECTIONS: Final = {
+    "dataLayer": (
+        {
+            "injectDefaults", "sources", "discovery", "peerDiscovery", "crossReplica",
+            "crossReplicaSyncerPluginRef", "crossReplicaSyncInterval", "crossReplicaPublishTimeout",
+        },
+        "data sources listed under plugins run without it (sources pair extractors)",
+    ),
+    "flowControl": (
+        {
+            "maxBytes", "maxRequests", "defaultRequestTTL", "noEndpointRequestTTL",
+            "defaultPriorityBand", "defaultNegativePriorityBand", "priorityBands",
+            "usageLimitPolicyPluginRef", "saturationDetector", "enableEviction",
+        },
+        "Switchyard has no flow control (requests are never queued or shed)",
+    ),
+    "requestHandler": (
+        {"parsers", "propagatePriority"},
+        "Switchyard parses OpenAI bodies itself (lwepp/body.py)",
+    ),
+    "saturationDetector": (
+        {"pluginRef"},
+        "deprecated, use flowControl.saturationDetector; Switchyard has no saturation detector",
+    ),
+    "parser": ({"pluginRef"}, "deprecated, use requestHandler.parsers; Switchyard parses OpenAI "
+               "bodies itself"),
+}  # fmt: skip
+"""Top-level sections decoded and ignored: their fields (v1alpha1's and v1's), and why."""
+
+_FLOW: Final = "Switchyard has no flow control or saturation detection"
+_PARSE: Final = "Switchyard parses OpenAI bodies itself (lwepp/body.py)"
+IGNORED_TYPES: Final = {
+    "single-profile-handler": "Switchyard runs its one scheduling profile directly",
+    "models-data-extractor": "models-data-source reads the model lists itself",
+    "models-responder": "the gateway answers GET /v1/models (manifests/envoy-gateway/models.yaml, "
+    "the demo); a picker sends it on to one endpoint",
+    **dict.fromkeys(
+        ("openai-parser", "anthropic-parser", "vllmhttp-parser", "vllmgrpc-parser",
+         "vertexai-parser", "passthrough-parser"),
+        _PARSE,
+    ),
+    **dict.fromkeys(
+        ("utilization-detector", "concurrency-detector", "global-strict-fairness-policy",
+         "round-robin-fairness-policy", "program-aware-fairness", "fcfs-ordering-policy",
+         "edf-ordering-policy", "slo-deadline-ordering-policy", "static-usage-limit-policy",
+         "soft-reflective-ceiling-policy", "priority-holdback-policy",
+         "sheddable-eviction-filter", "priority-then-time-eviction-order-policy"),
+        _FLOW,
+    ),
+}  # fmt: skip
+"""Router plugin types accepted without effect: none changes where a request goes here."""
+
+UNSUPPORTED: Final = {
+    "several scheduling profiles per request (prefill/decode and encode disaggregation)": (
+        "disagg-profile-handler", "pd-profile-handler", "prefill-header-handler",
+        "disagg-headers-handler", "header-profile-handler", "prefix-based-pd-decider",
+        "always-disagg-pd-decider", "always-disagg-multimodal-decider", "topology-extractor",
+        "topology-affinity-filter", "topology-affinity-scorer",
+        "disaggregatedset-rollout-screener",
+    ),
+    "a data-parallel profile handler (list each rank's port as an endpoint instead)": (
+        "data-parallel-profile-handler",
+    ),
+    "prompts tokenized by a separate token producer or the engine's render endpoint "
+    "(precise-prefix-cache-producer takes a local tokenizer instead)": (
+        "token-producer", "tokenizer", "endpoint-notification-source", "k8s-notification-source",
+    ),
+    "multimodal embedding-cache affinity": (
+        "mm-embeddings-cache-producer", "mm-embeddings-cache-scorer",
+    ),
+    "burst co-location of prompt-sharing requests": ("burst-prefix-cache-producer",),
+    "running-request and context-length scoring": (
+        "running-requests-size-scorer", "context-length-aware",
+    ),
+    "endpoint attributes beyond the metrics source (DCGM GPU telemetry, attribute filters)": (
+        "dcgm-data-source", "dcgm-extractor", "endpoint-attribute-filter",
+        "endpoint-attribute-scorer", "utilization-filter",
+    ),
+    "admission control (requests refused under saturation or for their SLO)": (
+        "probabilistic-admitter", "latency-slo-admitter", "slo-headroom-tier-filter",
+    ),
+    "predicted-latency routing": ("predicted-latency-producer", "latency-scorer"),
+    "session affinity by header filter": (
+        "session-affinity-filter", "session-id-producer", "prefix-cache-affinity-filter",
+    ),
+    "endpoint discovery plugins (give --pods, --pool-name or --endpoint-selector)": (
+        "file-discovery", "multicluster-file-discovery",
+    ),
+    "state shared between picker replicas": ("local-syncer", "cross-replica-publisher"),
+    "multi-cluster routing": (
+        "multicluster-metrics-data-source", "multicluster-metrics-extractor",
+        "multicluster-session-affinity-filter", "multicluster-queue-scorer",
+        "multicluster-kv-cache-utilization-scorer", "multicluster-prefix-cache-scorer",
+        "multicluster-approx-prefix-cache-producer",
+    ),
+}  # fmt: skip
+"""Router features Switchyard does not implement, and the plugin types that need them."""
+
+TOKENS_FEATURE: Final = next(f for f in UNSUPPORTED if "token-producer" in UNSUPPORTED[f])
+"""The router's separate tokenizing plugins: a precise producer without a tokenizer of its
+own relies on them, and is reported through them."""
+
+FEATURE_OF: Final = {kind: feature for feature, kinds in UNSUPPORTED.items() for kind in kinds}
+
+ALIASES: Final[Mapping[str, str]] = {
+    "by-label-selector": "label-selector-filter",
+}
+"""The router's deprecated names (removed there in v0.11) → the built-in's name."""
+
+DEPRECATED: Final[Mapping[str, str]] = {
+    "by-label-selector": "use label-selector-filter",
+    "by-label": "use label-selector-filter, or decode-filter/prefill-filter/encode-filter",
+}
+"""Types the router deprecated in v0.9: they load, with a warning saying what replaces them."""
+
+_REF_KEY: Final = re.compile(r"(pluginRef|.+PluginRef|.+PolicyRef)$")
+"""Section fields that name a plugin: ``pluginRef``, ``usageLimitPolicyPluginRef``,
+``fairnessPolicyRef``..."""
+
+
+Keys = Sequence[str | int]
+"""A path into the document: mapping keys and list indexes."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What Switchyard does with a router type: ``unsupported`` names the feature it needs,
+    ``ignored`` why it changes nothing here, ``deprecated`` what replaces it; ``builtin`` is
+    the registry's name for it."""
+
+    builtin: str
+    unsupported: str | None = None
+    ignored: str | None = None
+    deprecated: str | None = None
+
+
+def verdict(kind: str) -> Verdict:
+    """How a ``plugins[].type`` of the router's is read here."""
+    return Verdict(
+        ALIASES.get(kind, kind),
+        unsupported=FEATURE_OF.get(kind),
+        ignored=IGNORED_TYPES.get(kind),
+        deprecated=DEPRECATED.get(kind),
+    )
+
+
+def gate_problems(gates: Sequence[Any]) -> Iterator[tuple[Keys, bool, str]]:
+    """``featureGates``: ``name``, ``name=true`` or ``name=false``, as the router reads them, of
+    its names only. Yields (where, is it an error, message); a warning otherwise."""
+    for index, gate in enumerate(gates):
+        at: list[str | int] = ["featureGates", index]
+        if not isinstance(gate, str):
+            yield at, True, f"featureGates[{index}]: expected a string, got {gate!r}"
+            continue
+        name, sep, text = gate.partition("=")
+        value = True
+        if sep:
+            value = text.strip().lower() in ("1", "t", "true")
+            if text.strip().lower() not in ("1", "t", "true", "0", "f", "false"):
+                yield at, True, f"featureGates: {gate!r}: expected {name}=true or {name}=false"
+                continue
+        if name in REMOVED_GATES:
+            yield at, True, f"featureGates: {name!r}: {REMOVED_GATES[name]}"
+        elif name not in FEATURE_GATES:
+            yield (
+                at,
+                True,
+                f"featureGates: unknown gate {name!r} (known: {', '.join(FEATURE_GATES)})",
+            )
+        elif value != FEATURE_GATES[name][0]:
+            why = FEATURE_GATES[name][1]
+            yield at, False, f"featureGates: {name}={str(value).lower()}: ignored: {why}"
+
+
+def section_problems(
+    sections: Mapping[str, Any], named: Mapping[str, str]
+) -> Iterator[tuple[Keys, bool, str]]:
+    """The top-level sections: known fields only; every plugin reference names a plugin of
+    ``named``. Yields (where, is it an error, message)."""
+    for section, value in sections.items():
+        if value is None:
+            continue
+        fields, why = SECTIONS[section]
+        for unknown in sorted(set(value) - fields):
+            known = ", ".join(sorted(fields))
+            yield [section, unknown], True, f"{section}: unknown field {unknown!r} (known: {known})"
+        for keys, ref in _plugin_refs(value, [section]):
+            if ref not in named:
+                where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in keys)
+                yield keys, True, f"{where[1:]}: {ref!r} names no plugin"
+        if section == "dataLayer" and set(value) <= {"injectDefaults", "sources"}:
+            continue  # what the file says there, Switchyard does
+        yield [section], False, f"{section}: decoded and ignored: {why}"
+
+
+def extractor_pairs(data_layer: Mapping[str, Any] | None) -> dict[str, str]:
+    """``dataLayer.sources``: each source's name → the first extractor listed with it."""
+    pairs: dict[str, str] = {}
+    for source in (data_layer or {}).get("sources") or []:
+        if not isinstance(source, Mapping):
+            continue
+        for extractor in source.get("extractors") or []:
+            if isinstance(extractor, Mapping):
+                pairs.setdefault(str(source.get("pluginRef")), str(extractor.get("pluginRef")))
+    return pairs
+
+
+def _plugin_refs(value: Any, keys: list[str | int]) -> Iterator[tuple[list[str | int], Any]]:
+    """Every plugin reference in a nested section (``_REF_KEY``), with its path."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if isinstance(key, str) and _REF_KEY.fullmatch(key) and isinstance(item, str):
+                yield [*keys, key], item
+            else:
+                yield from _plugin_refs(item, [*keys, key])
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _plugin_refs(item, [*keys, index])

@@ -1,0 +1,112 @@
+"""A configuration document: YAML read once, and every problem reported at its line.
+
+Both services read configuration files written for the originals (LWEPP the
+llm-d router's ``EndpointPickerConfig``). A decoder walks the parsed data
+with ``Params`` and reports to the ``Document``: each error and warning is
+kept with the file and line of the field at fault (``plugins[2].type`` →
+``picker.yaml:9``), so that all of them can be shown at once
+(``ConfigErrors``), not just the first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from plugin_api import ConfigError
+
+Keys = Sequence[str | int]
+"""A path into the document: mapping keys and list indexes."""
+
+
+class ConfigErrors(ConfigError):
+    """Every problem found in one configuration, one per line."""
+
+    def __init__(self, errors: Sequence[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = list(errors)
+
+
+def keys_of(field: str) -> list[str | int]:
+    """A field's path as ``Params`` reports it (``plugins[0].parameters.x``) → document keys."""
+    return [
+        int(index) if index else key for key, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", field)
+    ]
+
+
+@dataclass(slots=True)
+class Document:
+    """One configuration's parsed ``data``, its YAML nodes (for lines), and what was found."""
+
+    path: str
+    data: Any
+    node: yaml.Node | None = None
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, text: str, path: str) -> Document:
+        """``text`` as YAML; raises ``ConfigErrors`` (with the line) when it is not."""
+        try:
+            node = yaml.compose(text, Loader=yaml.SafeLoader)
+            data = yaml.safe_load(text)
+        except yaml.MarkedYAMLError as error:
+            mark = error.problem_mark
+            line = f":{mark.line + 1}" if mark is not None else ""
+            raise ConfigErrors([f"{path}{line}: not YAML: {error.problem}"]) from None
+        except yaml.YAMLError as error:
+            raise ConfigErrors([f"{path}: not YAML: {error}"]) from None
+        return cls(path, data, node)
+
+    def line(self, keys: Keys) -> int:
+        """The line of the deepest of ``keys`` found in the document (1-based; 0 if none)."""
+        node, line = self.node, 0
+        for key in keys:
+            if isinstance(node, yaml.MappingNode):
+                match = [(k, v) for k, v in node.value if getattr(k, "value", None) == key]
+                if not match:
+                    break
+                line, node = match[0][0].start_mark.line + 1, match[0][1]
+            elif isinstance(node, yaml.SequenceNode) and isinstance(key, int):
+                if key >= len(node.value):
+                    break
+                node = node.value[key]
+                line = node.start_mark.line + 1
+            else:
+                break
+        return line
+
+    def at(self, keys: Keys, message: str) -> str:
+        """``message`` prefixed with the file and, when found, the line of ``keys``."""
+        line = self.line(keys)
+        return f"{self.path}:{line}: {message}" if line else f"{self.path}: {message}"
+
+    def error(self, keys: Keys, message: str) -> None:
+        self.errors.append(self.at(keys, message))
+
+    def warn(self, keys: Keys, message: str) -> None:
+        self.warnings.append(self.at(keys, message))
+
+    def report(self, problems: Iterable[tuple[Keys, bool, str]]) -> None:
+        """Each (where, is it an error, message): an error, or else a warning."""
+        for keys, is_error, message in problems:
+            (self.error if is_error else self.warn)(keys, message)
+
+    @contextlib.contextmanager
+    def checking(self) -> Iterator[None]:
+        """Record a ``ConfigError`` raised inside, at its field's line, and go on."""
+        try:
+            yield
+        except ConfigError as error:
+            self.error(keys_of(error.field or ""), str(error))
+
+    def done(self, result: Any) -> Any:
+        """``result``, unless an error was found: then ``ConfigErrors`` listing them all."""
+        if self.errors or result is None:
+            raise ConfigErrors(self.errors or [f"{self.path}: no configuration"])
+        return result

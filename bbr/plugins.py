@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from bbr.message import Message, check_name
 from plugin_api import NO_PARAMS, ConfigError, Factory, Params, Role, build, needs_body
-from serving.server import build_info
+from serving.build import build_info
 from wire.exchange import Refusal
 from wire.extproc import Phase
 

@@ -62,10 +62,10 @@ from prometheus_client import CollectorRegistry
 from bbr.message import Message
 from bbr.plugins import DEFAULT_PLUGINS, BBRMetrics, PluginSpec, build_chains
 from plugin_api import Factory
-from serving.server import EXT_PROC_SERVICE, Stream
 from wire import extproc
 from wire.exchange import MAX_BODY_BYTES, Exchange, Half, Refusal, check_headers_fit
 from wire.extproc import BodyMode, HttpBody, HttpHeaders, ProcessingResponse
+from wire.stream import EXT_PROC_SERVICE, Stream
 
 HEALTH_SERVICES: Final = ("", EXT_PROC_SERVICE)
 """Health names reported SERVING (GIE's BBR answers SERVING for any name)."""
@@ -86,7 +86,7 @@ class RouteState(Exchange):
 
 @final
 class BodyBasedRouter:
-    """The ext_proc handler (``serving.server.Handler``): one call per stream."""
+    """The ext_proc handler (``wire.stream.Handler``): one call per stream."""
 
     def __init__(
         self,

@@ -36,9 +36,9 @@ from bbr.server import BodyBasedRouter
 from bench import hooks
 from bench.streams import HEADERS
 from serving.logs import configure_logging
-from serving.server import Handler, Stream
 from serving.testing import request_body, request_headers
 from wire.extproc import BodyMode, ProcessingRequest, ProcessingResponse
+from wire.stream import Handler, Stream
 
 PICKS: Final = 1000
 STREAMS: Final = 500

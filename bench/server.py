@@ -16,9 +16,9 @@ from bench.hooks import STREAM_KINDS
 from bench.hooks import service as picker_service
 from onehop.server import OneHop
 from serving.logs import configure_logging
-from serving.server import EXT_PROC_SERVICE, Handler, Stream, ext_proc_handler
 from wire import extproc
 from wire.extproc import BodyMode, ProcessingRequest, ProcessingResponse
+from wire.stream import EXT_PROC_SERVICE, Handler, Stream, ext_proc_handler
 
 
 def _noop_replies(message: ProcessingRequest) -> list[ProcessingResponse]:

@@ -36,9 +36,9 @@ import orjson
 
 from pods.file import dump_pods
 from pods.model import Pod
-from serving.server import EXT_PROC_SERVICE
 from serving.testing import request_body, request_headers
 from wire.extproc import BodyMode
+from wire.stream import EXT_PROC_SERVICE
 
 KINDS = ("noop-rw", "noop-gen", "noop-sync", "lwepp", "bbr", "onehop")
 HEADERS = [

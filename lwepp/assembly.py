@@ -30,7 +30,7 @@ from lwepp.pipeline import Pipeline
 from lwepp.server import EndpointPickerService
 from pods.model import Endpoint
 from serving.cli import add_bool, duration
-from serving.server import EXT_PROC_SERVICE
+from wire.stream import EXT_PROC_SERVICE
 
 log = structlog.get_logger()
 

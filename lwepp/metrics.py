@@ -9,7 +9,7 @@ from typing import Final
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pods.model import Endpoint
-from serving.server import build_info
+from serving.build import build_info
 
 MODEL_HEADER: Final = "x-gateway-model-name"
 FAIRNESS_HEADER: Final = "x-llm-d-inference-fairness-id"

@@ -60,7 +60,6 @@ from lwepp.picking import (
     candidates,
 )
 from pods.model import Endpoint
-from serving.server import Stream
 from wire import extproc
 from wire.exchange import (
     MAX_BODY_BYTES,
@@ -71,6 +70,7 @@ from wire.exchange import (
     header_value_problem,
 )
 from wire.extproc import BodyMode, HttpBody, ProcessingRequest, ProcessingResponse
+from wire.stream import Stream
 
 log = structlog.get_logger()
 

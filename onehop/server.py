@@ -61,10 +61,10 @@ from lwepp import (
     pass_chunk,
     routing_headers,
 )
-from serving.server import Stream
 from wire import extproc
 from wire.exchange import MAX_BODY_BYTES, Refusal, check_headers_fit
 from wire.extproc import ProcessingRequest, ProcessingResponse
+from wire.stream import Stream
 
 log = structlog.get_logger()
 
@@ -85,7 +85,7 @@ class OneHopState(PickerState):
 
 @final
 class OneHop:
-    """The ext_proc handler (``serving.server.Handler``): BBR's chain, then the model's pool's pick.
+    """The ext_proc handler (``wire.stream.Handler``): BBR's chain, then the model's pool's pick.
 
     ``router`` runs the request chain (its response chain is not run here: GIE's
     BBR has no response plugin by default, and the picker owns the response);

@@ -22,9 +22,10 @@ from prometheus_client import CollectorRegistry
 
 from serving.metrics_auth import MetricsAuth
 from serving.options import Ports, ServingOptions
-from serving.server import EXT_PROC_SERVICE, Handler, Health, JsonRoutes, Service, serve
+from serving.server import Health, JsonRoutes, Service, serve
 from serving.tls import ServerTLS
 from wire.extproc import BodyMode, ProcessingRequest, ProcessingResponse, SendMode, struct
+from wire.stream import EXT_PROC_SERVICE, Handler
 
 Headers = Mapping[str, str] | Sequence[tuple[str, str]]
 

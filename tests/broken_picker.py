@@ -31,8 +31,9 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry
 
 from serving.options import Ports, ServingOptions
-from serving.server import Health, Service, Stream, serve
+from serving.server import Health, Service, serve
 from wire import extproc
+from wire.stream import Stream
 
 DESTINATION = "x-gateway-destination-endpoint"
 

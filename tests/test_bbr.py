@@ -23,7 +23,7 @@ from bbr.message import Message
 from bbr.plugins import DEFAULT_PLUGINS, PLUGINS, PluginSpec
 from bbr.server import HEALTH_SERVICES, BodyBasedRouter
 from plugin_api import Factory, Params
-from serving.server import Health, Stream
+from serving.server import Health
 from serving.testing import (
     ExtProcClient,
     request_body,
@@ -37,6 +37,7 @@ from serving.testing import (
 from tests.processes import service
 from wire.exchange import Refusal
 from wire.extproc import CHUNK_LIMIT, BodyMode, ProcessingRequest, ProcessingResponse
+from wire.stream import Stream
 
 POST = {
     ":method": "POST",

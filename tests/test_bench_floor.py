@@ -13,7 +13,6 @@ import pytest
 from bench import floor
 from bench.overhead import GRPC_JS, NODE_NOOP
 from bench.streams import HEADERS, chat_body
-from serving.server import EXT_PROC_SERVICE
 from serving.testing import (
     request_body,
     request_headers,
@@ -22,6 +21,7 @@ from serving.testing import (
     response_headers,
 )
 from wire.extproc import BodyMode, ProcessingRequest, ProcessingResponse
+from wire.stream import EXT_PROC_SERVICE
 
 FULL_DUPLEX = (BodyMode.FULL_DUPLEX_STREAMED, BodyMode.NONE)
 

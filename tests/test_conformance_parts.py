@@ -37,9 +37,9 @@ from conformance.picker import PickerTransport
 from conformance.run import run_suite
 from conformance.topology import EchoPod
 from demo import envoy as demo
-from serving.server import Stream
 from serving.testing import running
 from wire import extproc
+from wire.stream import Stream
 
 PRIMARY, SECONDARY = Gateway("conformance-primary"), Gateway("conformance-secondary", "sec.example")
 POOLS = {

@@ -35,13 +35,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.soak import error_lines
 from demo.topology import Process, Topology, listening_line, wait_for
-from serving.server import EXT_PROC_SERVICE
 from serving.testing import request_headers
 from tests.conftest import write_pod_file
 from tests.http_clients import http1
 from tests.reliability import ENV as RELIABILITY_ENV
 from tests.reliability import record
 from wire.extproc import ProcessingRequest, ProcessingResponse
+from wire.stream import EXT_PROC_SERVICE
 
 pytestmark = pytest.mark.e2e
 

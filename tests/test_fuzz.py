@@ -47,7 +47,6 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE
-from serving.server import EXT_PROC_SERVICE
 from wire.exchange import header_value_problem
 from wire.extproc import (
     CHUNK_LIMIT,
@@ -57,6 +56,7 @@ from wire.extproc import (
     SendMode,
     struct,
 )
+from wire.stream import EXT_PROC_SERVICE
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "0"))
 FUZZ = settings(

@@ -21,7 +21,6 @@ from lwepp.pipeline import Pipeline
 from lwepp.plugins.pickers import MaxScorePicker
 from lwepp.server import EndpointPickerService
 from plugin_api import Params
-from serving.server import Handler
 from serving.testing import (
     ExtProcClient,
     request_body,
@@ -35,6 +34,7 @@ from serving.testing import (
 from tests.fakes import StaticPods, pod
 from tests.plugin_fakes import FakeFilter, FakeScorer, RecordingHook
 from wire.extproc import BodyMode, ProcessingRequest, ProcessingResponse
+from wire.stream import Handler
 
 PODS = (
     pod("p0", "10.0.0.1", 3000, pool="a"),

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from serving.server import Stream
 from serving.testing import ExtProcClient, request_headers, running
 from wire import extproc
+from wire.stream import Stream
 
 BURST = 2500
 """Streams opened at once: past gRPC's default of 1,000 held before the loop takes them."""

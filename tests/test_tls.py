@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from serving.options import Ports, ServingOptions
-from serving.server import Health, Service, Stream, serve
+from serving.server import Health, Service, serve
 from serving.testing import ExtProcClient, request_headers
 from serving.tls import (
     CERT_FILE,
@@ -33,6 +33,7 @@ from serving.tls import (
 )
 from tests.processes import service
 from wire import extproc
+from wire.stream import Stream
 
 PODS = "pods:\n- {name: a, address: 10.0.0.1, ports: [8000]}\n"
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -18,24 +18,16 @@ from prometheus_client import CollectorRegistry
 from bbr.assembly import add_router_flags, router_of
 from bbr.server import HEALTH_SERVICES
 from plugin_api import ConfigError
-from serving.cli import (
-    COMMON_IGNORED,
-    Parser,
-    add_ignored_flags,
-    add_serving_flags,
-    ignored_warnings,
-    options_or_exit,
-    run,
-)
+from serving import cli
 from serving.options import Ports
 from serving.server import Health, Service
 
-IGNORED: Final = COMMON_IGNORED
+IGNORED: Final = cli.COMMON_IGNORED
 """The payload processor's flags that change nothing here (it has none beyond the common ones)."""
 
 
 def parser() -> argparse.ArgumentParser:
-    p = Parser(
+    p = cli.Parser(
         prog="python -m bbr",
         description="Body-based router: an Envoy ext_proc service that reads the request body\n"
         "and sets X-Gateway-Model-Name (and whatever else its plugins decide),\n"
@@ -45,15 +37,15 @@ def parser() -> argparse.ArgumentParser:
         '"headerName":"X-Gateway-Model-Name"}\'',
     )
     add_router_flags(p)
-    add_serving_flags(p, Ports("127.0.0.1", 9004, 9005, 9091))
-    add_ignored_flags(p, IGNORED)
+    cli.add_serving_flags(p, Ports("127.0.0.1", 9004, 9005, 9091))
+    cli.add_ignored_flags(p, IGNORED)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
-    options = options_or_exit(p, args)
+    options = cli.options_or_exit(p, args)
     registry = CollectorRegistry()
     try:
         router = router_of(args, registry, options.max_body_bytes)
@@ -66,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         registry,
         announce={"response": bool(router.response_chain)},
     )
-    return run("bbr", options, lambda: service, argv, ignored_warnings(args, IGNORED))
+    return cli.run("bbr", options, lambda: service, argv, cli.ignored_warnings(args, IGNORED))
 
 
 if __name__ == "__main__":

@@ -229,6 +229,13 @@ class AttributeWriter(Protocol):
     def write(self, endpoint: str, values: Mapping[str, Measurement]) -> None: ...
 
 
+EndpointsNow = Callable[[], Sequence[Endpoint]]
+"""A data source's view of the pool: called each round, it returns the endpoints now."""
+
+Clock = Callable[[], float]
+"""Seconds on a monotonic clock: ``time.monotonic`` in the service, injected in tests."""
+
+
 class DataSource(Protocol):
     """Background collection of endpoint attributes (metrics, served models, ...).
 
@@ -245,12 +252,7 @@ class DataSource(Protocol):
         """A class attribute, or set per instance when it depends on parameters."""
         ...
 
-    async def run(
-        self,
-        endpoints: Callable[[], Sequence[Endpoint]],
-        store: AttributeWriter,
-        clock: Callable[[], float],
-    ) -> None: ...
+    async def run(self, endpoints: EndpointsNow, store: AttributeWriter, clock: Clock) -> None: ...
 
 
 # --- plugins that name other plugins ---------------------------------------------

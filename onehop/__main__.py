@@ -25,19 +25,11 @@ from lwepp import (
     add_picker_flags,
     assemble,
 )
-from lwepp.config import ConfigErrors
 from onehop.server import OneHop, Registries
 from plugin_api import ConfigError
+from plugin_api.document import ConfigErrors
 from pods.file import FileSource, PodFileError, load_pods
-from serving.cli import (
-    COMMON_IGNORED,
-    Parser,
-    add_ignored_flags,
-    add_serving_flags,
-    ignored_warnings,
-    options_or_exit,
-    run,
-)
+from serving import cli
 from serving.options import Ports, ServingOptions
 from serving.server import Health, Service
 
@@ -54,7 +46,7 @@ def pool_flag(text: str) -> tuple[str, tuple[str, ...]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(
+    parser = cli.Parser(
         prog="python -m onehop",
         description="BBR and the endpoint pickers of several pools in one ext_proc service, "
         "for a gateway that calls Python once per request: the model from the body "
@@ -81,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_router_flags(parser.add_argument_group("BBR's request chain"), streaming=True)
     add_picker_flags(parser)
-    add_serving_flags(parser, Ports("127.0.0.1", 9002, 9003, 9090))
-    add_ignored_flags(parser, COMMON_IGNORED)
+    cli.add_serving_flags(parser, Ports("127.0.0.1", 9002, 9003, 9090))
+    cli.add_ignored_flags(parser, cli.COMMON_IGNORED)
     return parser
 
 
@@ -151,7 +143,7 @@ def one_hop(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    options = options_or_exit(parser, args)
+    options = cli.options_or_exit(parser, args)
     picking = PickerOptions.from_args(args)
     if options.workers > 1 and (picking.config_path or picking.config_text):
         parser.error("--workers with --config: each worker would learn from its share only")
@@ -170,7 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PodFileError as error:
         sys.exit(f"onehop: {error}")
     service = one_hop(args, options, router, bbr_registry, source, picked)
-    return run("onehop", options, lambda: service, argv, ignored_warnings(args, COMMON_IGNORED))
+    warnings = cli.ignored_warnings(args, cli.COMMON_IGNORED)
+    return cli.run("onehop", options, lambda: service, argv, warnings)
 
 
 if __name__ == "__main__":

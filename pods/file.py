@@ -205,17 +205,11 @@ class FileSource:
         self.path = Path(path)
         self.interval = interval
         self.error: str | None = None
-        self._pods: tuple[Pod, ...] = ()
-        self._synced = False
+        self.pods: tuple[Pod, ...] = ()
+        """The pods as last read (``PodSource``): replaced whole, never changed in place."""
+        self.synced = False
+        """True once the pods were read (``PodSource``)."""
         self._stamp: tuple[int, int] | None = None
-
-    @property
-    def pods(self) -> tuple[Pod, ...]:
-        return self._pods
-
-    @property
-    def synced(self) -> bool:
-        return self._synced
 
     def reload(self) -> bool:
         """Re-read the file if it changed; True when the pod list was replaced.
@@ -237,7 +231,7 @@ class FileSource:
             except PodFileError as error:
                 message = str(error)
             else:
-                self._stamp, self._pods, self._synced, self.error = stamp, pods, True, None
+                self._stamp, self.pods, self.synced, self.error = stamp, pods, True, None
                 log.info("pods loaded", path=str(self.path), pods=len(pods))
                 return True
         if message != self.error:

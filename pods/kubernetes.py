@@ -188,8 +188,10 @@ class InferencePoolSource:
         self.spec: PoolSpec | None = None
         self._backoff = backoff
         self._watch_timeout = watch_timeout
-        self._pods: tuple[Pod, ...] = ()
-        self._synced = False
+        self.pods: tuple[Pod, ...] = ()
+        """The pods as last read (``PodSource``): replaced whole, never changed in place."""
+        self.synced = False
+        """True once the pods were read (``PodSource``)."""
         self._held = _Pods(self)
         self._rewatch = asyncio.Event()
         self._fixed = False
@@ -208,14 +210,6 @@ class InferencePoolSource:
         source._fixed = True
         source.set_pool(None, PoolSpec(selector, ports))
         return source
-
-    @property
-    def pods(self) -> tuple[Pod, ...]:
-        return self._pods
-
-    @property
-    def synced(self) -> bool:
-        return self._synced
 
     def set_pool(self, obj: Object | None, spec: PoolSpec | None = None) -> None:
         """A new state of the pool (None: deleted or absent), or a ``spec`` given whole."""
@@ -249,11 +243,11 @@ class InferencePoolSource:
         else:
             found = (to_pod(obj, spec) for obj in self._held.objects.values())
             pods = tuple(sorted((pod for pod in found if pod is not None), key=lambda p: p.name))
-        if pods != self._pods:
-            self._pods = pods
+        if pods != self.pods:
+            self.pods = pods
             log.info("pods", pool=self.name, ready=[f"{p.name}@{p.address}" for p in pods])
         if spec is not None and self._held.listed:
-            self._synced = True
+            self.synced = True
 
     async def run(self) -> None:
         """Watch the pool; (re)start the pod watch whenever the pool's selector changes."""

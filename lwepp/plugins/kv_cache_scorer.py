@@ -19,18 +19,13 @@ from collections.abc import Sequence
 from typing import ClassVar, Final
 
 from lwepp.contracts import Candidate, LLMRequest
-from lwepp.plugins.staleness import max_age
-from plugin_api import NO_PARAMS, Params
+from lwepp.plugins.staleness import ReadsMeasurements
 
 UNKNOWN_SCORE: Final = 0.5
 
 
-class KVCacheUtilizationScorer:
+class KVCacheUtilizationScorer(ReadsMeasurements):
     reads: ClassVar[frozenset[str]] = frozenset({"kv_cache_usage"})
-
-    def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
-        self.name = name
-        self.max_age = max_age(params)
 
     def score(
         self, request: LLMRequest, candidates: Sequence[Candidate], now: float

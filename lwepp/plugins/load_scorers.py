@@ -42,46 +42,45 @@ from typing import ClassVar
 
 from lwepp.contracts import IN_FLIGHT_LOAD, Candidate, LLMRequest, Want
 from lwepp.plugins.inflight import PRODUCER, InFlight, load_key
-from lwepp.plugins.staleness import max_age
+from lwepp.plugins.staleness import ReadsMeasurements
 from plugin_api import NO_PARAMS, Params
 
 _NOTHING: InFlight = InFlight({}, {})
 
 
-def _producer(params: Params) -> str:
-    return params.get("inFlightLoadProducerName", str, "") or PRODUCER
+class ReadsInFlight:
+    """What the in-flight scorers share: a name, and the ``inflight-load-producer`` whose
+    counts they read from the request (``inFlightLoadProducerName``; the configuration adds
+    the default one, as the router does)."""
 
-
-def _in_flight(producer: str) -> tuple[Want, ...]:
-    """The producer a scorer reads, by name; the configuration adds the default one (the
-    scorer reads its counts from the request, so it is handed nothing)."""
-    return (
-        Want(
-            "inFlightLoadProducerName",
-            producer,
-            IN_FLIGHT_LOAD,
-            _read_from_the_request,
-            default=PRODUCER,
-            add=True,
-        ),
-    )
+    def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
+        self.name = name
+        producer = params.get("inFlightLoadProducerName", str, "") or PRODUCER
+        self.in_flight_producer = producer
+        self.wants = (
+            Want(
+                "inFlightLoadProducerName",
+                producer,
+                IN_FLIGHT_LOAD,
+                _read_from_the_request,
+                default=PRODUCER,
+                add=True,
+            ),
+        )
+        self._key = load_key(producer)
 
 
 def _read_from_the_request(_producer: object) -> None:
     """The scorers read the producer's counts from ``request.state``: nothing to keep."""
 
 
-class ActiveRequestScorer:
+class ActiveRequestScorer(ReadsInFlight):
     def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
-        self.name = name
+        super().__init__(name, params)
         params.get("requestTimeout", str, "")  # deprecated in the router, and ignored there
         self.idle = max(0, params.get("idleThreshold", int, 0))
         busy = params.get("maxBusyScore", float, 1.0)
         self.max_busy = busy if 0.0 <= busy <= 1.0 else 1.0
-        self.in_flight_producer = _producer(params)
-        """The ``inflight-load-producer`` whose counts this reads (the configuration adds one)."""
-        self.wants = _in_flight(self.in_flight_producer)
-        self._key = load_key(self.in_flight_producer)
 
     def score(
         self, request: LLMRequest, candidates: Sequence[Candidate], now: float
@@ -96,15 +95,12 @@ class ActiveRequestScorer:
         ]
 
 
-class TokenLoadScorer:
+class TokenLoadScorer(ReadsInFlight):
     needs_body = True  # the producer estimates tokens from the prompt, when the body is parsed
 
     def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
-        self.name = name
+        super().__init__(name, params)
         self.threshold = params.get("queueThresholdTokens", int, 4194304, above=0)
-        self.in_flight_producer = _producer(params)
-        self.wants = _in_flight(self.in_flight_producer)
-        self._key = load_key(self.in_flight_producer)
 
     def score(
         self, request: LLMRequest, candidates: Sequence[Candidate], now: float
@@ -114,14 +110,13 @@ class TokenLoadScorer:
         return [1.0 - min(1.0, tokens.get(c.endpoint.hostport, 0) / threshold) for c in candidates]
 
 
-class LoadAwareScorer:
+class LoadAwareScorer(ReadsMeasurements):
     reads: ClassVar[frozenset[str]] = frozenset({"queue_depth"})
 
     def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
-        self.name = name
+        super().__init__(name, params)
         threshold = params.get("threshold", int, 128)
         self.threshold = float(threshold if threshold > 0 else 128)
-        self.max_age = max_age(params)
 
     def score(
         self, request: LLMRequest, candidates: Sequence[Candidate], now: float

@@ -26,20 +26,15 @@ from collections.abc import Sequence
 from typing import ClassVar, Final
 
 from lwepp.contracts import Candidate, LLMRequest
-from lwepp.plugins.staleness import max_age
-from plugin_api import NO_PARAMS, Params
+from lwepp.plugins.staleness import ReadsMeasurements
 
 RUNNING: Final = 1.0
 ROOM: Final = 0.8
 WAITING: Final = 0.6
 
 
-class LoraAffinityScorer:
+class LoraAffinityScorer(ReadsMeasurements):
     reads: ClassVar[frozenset[str]] = frozenset({"lora_running", "lora_waiting", "lora_max"})
-
-    def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
-        self.name = name
-        self.max_age = max_age(params)
 
     def score(
         self, request: LLMRequest, candidates: Sequence[Candidate], now: float

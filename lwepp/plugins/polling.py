@@ -20,13 +20,13 @@ timestamps and grow stale, and each plugin's ``max_age`` turns them into
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import ClassVar, Final
 
 import aiohttp
 import structlog
 
-from lwepp.contracts import AttributeWriter, Measurement
+from lwepp.contracts import AttributeWriter, Clock, EndpointsNow, Measurement
 from plugin_api import NO_PARAMS, Params
 from pods.model import Endpoint
 
@@ -79,12 +79,7 @@ class HttpSource:
             response.raise_for_status()
             return await self.answer(endpoint, response)
 
-    async def run(
-        self,
-        endpoints: Callable[[], Sequence[Endpoint]],
-        store: AttributeWriter,
-        clock: Callable[[], float],
-    ) -> None:
+    async def run(self, endpoints: EndpointsNow, store: AttributeWriter, clock: Clock) -> None:
         """Keep one polling task per current endpoint until cancelled.
 
         Every ``interval`` seconds the endpoint list is read again: a new

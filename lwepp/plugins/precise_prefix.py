@@ -94,7 +94,7 @@ import zmq
 import zmq.asyncio
 
 from blockhash.vllm import DEFAULT_SEED, HASH_ALGORITHMS, BlockHasher, external
-from lwepp.contracts import PREFIX_MATCH, AttributeWriter, LLMRequest
+from lwepp.contracts import PREFIX_MATCH, AttributeWriter, Clock, EndpointsNow, LLMRequest
 from plugin_api import NO_PARAMS, Params
 from pods.model import Endpoint
 from serving.cli import duration
@@ -514,12 +514,7 @@ class PrecisePrefixCacheProducer:
 
     # --- the subscriber ------------------------------------------------------------------
 
-    async def run(
-        self,
-        endpoints: Callable[[], Sequence[Endpoint]],
-        store: AttributeWriter,
-        clock: Callable[[], float],
-    ) -> None:
+    async def run(self, endpoints: EndpointsNow, store: AttributeWriter, clock: Clock) -> None:
         """Receive the engines' events until cancelled: bound to a wildcard endpoint (the
         engines connect), else connected to the one engine publishing there; about once a
         second (``CHECK_EVERY``), ``check`` the pool for silent endpoints and unknown engines."""

@@ -73,11 +73,20 @@ are optional: a configuration with no metrics source still works.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from lwepp.contracts import PREFIX_MATCH, AttributeWriter, Candidate, LLMRequest, Usage, Want
+from lwepp.contracts import (
+    PREFIX_MATCH,
+    AttributeWriter,
+    Candidate,
+    Clock,
+    EndpointsNow,
+    LLMRequest,
+    Usage,
+    Want,
+)
 from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
 from lwepp.plugins.prefix_index import PrefixIndex, block_hashes, seed
 from plugin_api import NO_PARAMS, ConfigError, Params
@@ -377,10 +386,5 @@ class PrecisePrefixCacheScorer(PrefixCacheScorer):
     def debug_page(self) -> bytes:
         return self.source.debug_page()
 
-    async def run(
-        self,
-        endpoints: Callable[[], Sequence[Endpoint]],
-        store: AttributeWriter,
-        clock: Callable[[], float],
-    ) -> None:
+    async def run(self, endpoints: EndpointsNow, store: AttributeWriter, clock: Clock) -> None:
         await self.source.run(endpoints, store, clock)

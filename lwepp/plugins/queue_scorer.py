@@ -22,16 +22,11 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from lwepp.contracts import Candidate, LLMRequest
-from lwepp.plugins.staleness import max_age
-from plugin_api import NO_PARAMS, Params
+from lwepp.plugins.staleness import ReadsMeasurements
 
 
-class QueueScorer:
+class QueueScorer(ReadsMeasurements):
     reads: ClassVar[frozenset[str]] = frozenset({"queue_depth"})
-
-    def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
-        self.name = name
-        self.max_age = max_age(params)
 
     def score(
         self, request: LLMRequest, candidates: Sequence[Candidate], now: float

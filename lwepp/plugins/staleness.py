@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from plugin_api import Params
+from plugin_api import NO_PARAMS, Params
 
 MAX_AGE_SECONDS: Final = 1.0
 
@@ -21,3 +21,12 @@ MAX_AGE_SECONDS: Final = 1.0
 def max_age(params: Params) -> float:
     """The plugin's ``maxAgeSeconds`` (default ``MAX_AGE_SECONDS``); it must be > 0."""
     return params.get("maxAgeSeconds", float, MAX_AGE_SECONDS, above=0)
+
+
+class ReadsMeasurements:
+    """What the attribute readers share: a name, and the age past which a measurement is
+    unknown (``maxAgeSeconds``). Their own parameters, if any, follow in their ``__init__``."""
+
+    def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
+        self.name = name
+        self.max_age = max_age(params)

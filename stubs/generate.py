@@ -11,7 +11,8 @@ classes the services run with, and the stubs cannot drift from them unnoticed
 (``tests/test_stubs.py`` regenerates and compares).
 
 Stubs are written beside this file, into ``stubs/`` (``mypy_path``), for the
-modules ``protos`` imports and every file those import, so no field's type is left ``Any``;
+modules ``wire`` and ``serving`` import and every file those import, so no
+field's type is left ``Any``;
 ``google.protobuf``'s own types come from types-protobuf. Stubs cost nothing
 at run time: mypy alone reads them.
 """

@@ -137,6 +137,8 @@ class GatewayPool:
     ``fail_open``: GIE's ``failureMode: FailOpen`` (the default is FailClose).
     ``response_headers``: send the picker the response headers (GIE's reference
     gateway always does); False when the picker says it needs none.
+    ``response_body``: stream the response body through the picker too (its
+    request controls read or rewrite it: ``lwepp.picking.RequestControl``).
     """
 
     name: str
@@ -146,6 +148,7 @@ class GatewayPool:
     endpoints: tuple[str, ...] = ()
     fail_open: bool = False
     response_headers: bool = True
+    response_body: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +173,8 @@ class Gateway:
     and the pickers (``bbr_port`` and the pools' picker ports are then unused)."""
     one_hop_response_headers: bool = True
     """Send the one-hop service the response headers (``GatewayPool.response_headers``)."""
+    one_hop_response_body: bool = False
+    """Stream the response body through the one-hop service (``GatewayPool.response_body``)."""
     keepalive: timedelta = KEEPALIVE
     """The ext_proc connections' PING interval and timeout (``KEEPALIVE``)."""
     bbr_response: bool = False
@@ -449,7 +454,9 @@ def picker_filter(pool: GatewayPool) -> hcm.HttpFilter:
     report; ``pool.response_headers`` False) is not sent them: one exchange
     fewer on every response's way to the client, a tenth to a fifth of what
     the hop adds (``docs/benchmarks.md``). The response body is not sent (NONE),
-    so a streamed completion flows to the client untouched.
+    so a streamed completion flows to the client untouched, unless the picker
+    runs a request control that reads or rewrites it (``pool.response_body``):
+    then it streams through the picker, FULL_DUPLEX_STREAMED as the request.
 
     ``metadata_options`` names the dynamic-metadata namespaces that cross the
     stream: Envoy forwards ``envoy.lb`` (the served endpoint) and
@@ -459,7 +466,7 @@ def picker_filter(pool: GatewayPool) -> hcm.HttpFilter:
     An unreachable picker gets a 503 (``status_on_error``; Envoy's default is
     500) on a FailClose pool, and lets the request through on a FailOpen one.
     """
-    mode = _picker_mode(pool.response_headers)
+    mode = _picker_mode(pool.response_headers, pool.response_body)
     namespaces = ext_proc.MetadataOptionsMetadataNamespaces
     return _ext_proc(
         f"lwepp-{pool.name}",
@@ -477,19 +484,21 @@ ONE_HOP: Final = "onehop"
 """The one-hop filter's name, and its cluster's."""
 
 
-def _picker_mode(response_headers: bool) -> ext_proc.ProcessingMode:
-    """The picker's processing mode; ``response_headers`` False skips the response's headers."""
+def _picker_mode(response_headers: bool, response_body: bool = False) -> ext_proc.ProcessingMode:
+    """The picker's processing mode; ``response_headers`` False skips the response's headers,
+    ``response_body`` streams the response body through it (trailers too, as Envoy requires
+    with that mode)."""
     return ext_proc.ProcessingMode(
         request_header_mode=_Send.SEND,
         request_body_mode=_Body.FULL_DUPLEX_STREAMED,
         request_trailer_mode=_Send.SEND,
-        response_header_mode=_Send.SEND if response_headers else _Send.SKIP,
-        response_body_mode=_Body.NONE,
-        response_trailer_mode=_Send.SKIP,
+        response_header_mode=_Send.SEND if response_headers or response_body else _Send.SKIP,
+        response_body_mode=_Body.FULL_DUPLEX_STREAMED if response_body else _Body.NONE,
+        response_trailer_mode=_Send.SEND if response_body else _Send.SKIP,
     )
 
 
-def one_hop_filter(response_headers: bool = True) -> hcm.HttpFilter:
+def one_hop_filter(response_headers: bool = True, response_body: bool = False) -> hcm.HttpFilter:
     """BBR's job and the picker's in one filter (``onehop``): the picker's processing mode.
 
     The request body comes FULL_DUPLEX_STREAMED, as to both services: the
@@ -499,7 +508,7 @@ def one_hop_filter(response_headers: bool = True) -> hcm.HttpFilter:
     ``picker_filter``), the response body does not. FailClose, as BBR: there
     is no request it could route without reading the body.
     """
-    mode = _picker_mode(response_headers)
+    mode = _picker_mode(response_headers, response_body)
     namespaces = ext_proc.MetadataOptionsMetadataNamespaces
     return _ext_proc(
         ONE_HOP,
@@ -567,7 +576,7 @@ def http_filters(gateway: Gateway) -> list[hcm.HttpFilter]:
     One hop: the one-hop filter where BBR and the pickers would be.
     """
     processors = (
-        [one_hop_filter(gateway.one_hop_response_headers)]
+        [one_hop_filter(gateway.one_hop_response_headers, gateway.one_hop_response_body)]
         if gateway.one_hop_port is not None
         else [bbr_filter(gateway.bbr_response), *map(picker_filter, gateway.pools)]
     )

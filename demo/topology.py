@@ -193,6 +193,11 @@ def wants_response(bbr: Process) -> bool:
     return bool(bbr.listening.get("response", False))
 
 
+def wants_response_body(picker: Process) -> bool:
+    """Whether a picker said, in its ``listening`` line, that it reads the response body."""
+    return bool(picker.listening.get("response_body", False))
+
+
 def wants_response_headers(picker: Process) -> bool:
     """Whether a picker asked for the response headers in its ``listening`` line (a picker
     that does not say is sent them, as GIE's reference gateway sends them to every picker)."""
@@ -456,6 +461,7 @@ class Topology(Processes):
                     picker_port=self.services[f"lwepp-{pool.name}"].listening["grpc_port"],
                     health_port=self.services[f"lwepp-{pool.name}"].listening["health_port"],
                     response_headers=wants_response_headers(self.services[f"lwepp-{pool.name}"]),
+                    response_body=wants_response_body(self.services[f"lwepp-{pool.name}"]),
                 )
                 for pool in self.pools
             ]
@@ -501,6 +507,7 @@ class Topology(Processes):
             bbr_port=0 if one_hop else self.services["bbr"].listening["grpc_port"],
             one_hop_port=one_hop.listening["grpc_port"] if one_hop else None,
             one_hop_response_headers=wants_response_headers(one_hop) if one_hop else True,
+            one_hop_response_body=wants_response_body(one_hop) if one_hop else False,
             bbr_response=False if one_hop else wants_response(self.services["bbr"]),
             pools=tuple(self.pools),
             host=HOST,

@@ -400,7 +400,10 @@ def picker(
         registry,
         background=[*side, *built.background],
         debug_pages=built.debug_pages,
-        announce={"response_headers": built.service.hears_response},
+        announce={
+            "response_headers": built.service.hears_response,
+            "response_body": built.service.reads_response_body,
+        },
     )
 
 

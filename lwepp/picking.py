@@ -55,7 +55,10 @@ class Followup(Protocol):
         in ``envoy.lb`` metadata (None if none); ``headers`` the response's, first value each."""
         ...
 
-    def chunk(self, chunk: bytes) -> None: ...
+    def chunk(self, chunk: bytes) -> bytes | None:
+        """A piece of the response body; the bytes to send on instead (a request control
+        rewriting the response), or None to send it as it came."""
+        ...
 
     def end(self) -> None: ...
 
@@ -70,6 +73,45 @@ class Choice(NamedTuple):
 
     endpoints: Sequence[Endpoint]
     followup: Followup | None = None
+
+
+class Admitted(NamedTuple):
+    """A request as the request controls let it through: what the choice sees (``request``),
+    the body to send upstream instead of the client's (``body``; None: unchanged), and the
+    followups that hear the response, and may rewrite its body (``followups``)."""
+
+    request: RequestInfo
+    body: bytes | None = None
+    followups: tuple[Followup, ...] = ()
+
+
+class RequestControl(Protocol):
+    """Decides whether, when and as what a request is served, before its choice.
+
+    The second thing the core calls, and only when the service runs some:
+    what the llm-d router's director does around its scheduler (a model
+    rewrite, the request's objective and flow control, request metrics).
+    ``admit`` runs once per request, when the request is whole (its body held,
+    in full-duplex mode; its headers, in the others), each control in order
+    given what the one before let through; then the strategy chooses. A
+    service with no control runs exactly as without this seam.
+    """
+
+    @property
+    def hears_response(self) -> bool:
+        """Whether a followup of its may need the response headers."""
+        ...
+
+    @property
+    def reads_response_body(self) -> bool:
+        """Whether a followup of its reads (or rewrites) the response body: the gateway must
+        then send it, streamed through the picker."""
+        ...
+
+    async def admit(self, admitted: Admitted) -> Admitted:
+        """Let the request through, as it is or changed (a new body, a followup added); wait
+        first (a queue); or refuse it (raise ``wire.exchange.Refusal``)."""
+        ...
 
 
 class Strategy(Protocol):

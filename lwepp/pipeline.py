@@ -54,6 +54,7 @@ import statistics
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
+from time import perf_counter
 from types import MappingProxyType
 from typing import Any, Final, TypeVar
 
@@ -310,12 +311,12 @@ class Pipeline:
     def call(self, role: Role, plugin: Plugin, method: Callable[..., T], *args: Any) -> T:
         """One plugin call: timed into its ``plugin_duration_seconds`` for the stage, and any
         exception it raises turned into a ``PluginFailure`` naming the plugin and the stage."""
-        started = time.perf_counter()
+        started = perf_counter()
         try:
             result = method(*args)
         except Exception as error:
             raise PluginFailure.of(plugin, role, error) from error
-        self.timers[role, plugin.name].observe(time.perf_counter() - started)
+        self.timers[role, plugin.name].observe(perf_counter() - started)
         return result
 
     def hook(

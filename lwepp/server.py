@@ -43,7 +43,7 @@ limits (Envoy would refuse the mutation and answer 500), 500 for a bug
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Final
 
 import structlog
@@ -52,8 +52,10 @@ from lwepp.metrics import ERROR_CODES, PickerMetrics
 from lwepp.picking import (
     SUBSET_NAMESPACE,
     TEST_SELECTION_HEADER,
+    Admitted,
     Followup,
     Pool,
+    RequestControl,
     RequestInfo,
     Strategy,
     allowed_entries,
@@ -87,14 +89,16 @@ MODES: Final = (BodyMode.FULL_DUPLEX_STREAMED, BodyMode.NONE)
 
 
 class PickerState(Exchange):
-    """What one stream remembers: the two halves, the candidates, and the choice's followup."""
+    """What one stream remembers: the two halves, the candidates, the choice's followup, and
+    what the request controls let through (when the service runs some)."""
 
-    __slots__ = ("candidates", "followup")
+    __slots__ = ("admitted", "candidates", "followup")
 
     def __init__(self, limit: int) -> None:
         super().__init__(MODES, limit)
         self.candidates: tuple[Endpoint, ...] = ()
         self.followup: Followup | None = None
+        self.admitted: Admitted | None = None
 
 
 class EndpointPickerService:
@@ -109,6 +113,7 @@ class EndpointPickerService:
         *,
         test_selection: bool = False,
         report_served: bool = False,
+        controls: Sequence[RequestControl] = (),
     ) -> None:
         """Two switches for GIE's conformance tests, both off unless asked for.
 
@@ -122,6 +127,9 @@ class EndpointPickerService:
         (the conformance echo server copies it into its response) and
         ``x-conformance-test-served-endpoint`` and ``x-went-into-resp-headers`` on
         the response. Off, no response names a replica's address.
+
+        ``controls``: the request controls (``lwepp.picking.RequestControl``)
+        that admit each request before its choice, in order.
         """
         self.pool = pool
         self.strategy = strategy
@@ -129,7 +137,14 @@ class EndpointPickerService:
         self.max_body_bytes = max_body_bytes
         self.test_selection = test_selection
         self.report_served = report_served
-        self.hears_response = report_served or strategy.hears_response
+        self.controls = tuple(controls)
+        self.reads_response_body = any(c.reads_response_body for c in self.controls)
+        """Whether a control's followup reads the response body (``RequestControl``)."""
+        self.hears_response = (
+            report_served
+            or strategy.hears_response
+            or any(c.hears_response or c.reads_response_body for c in self.controls)
+        )
         """Whether this picker needs the response headers: for the report, or a followup.
 
         When it does not, the gateway may skip sending them (Envoy's
@@ -153,6 +168,8 @@ class EndpointPickerService:
         state = PickerState(self.max_body_bytes)
         while (message := await stream.recv()) is not None:
             try:
+                if self.controls and completes(message, state):
+                    await self.admit(message, state)  # may rewrite, queue or refuse it
                 match extproc.kind(message):
                     case "request_headers":
                         replies = self.on_request_headers(message, state)
@@ -201,6 +218,21 @@ class EndpointPickerService:
 
     # --- request side ----------------------------------------------------------
 
+    async def admit(self, message: ProcessingRequest, state: PickerState) -> None:
+        """Run the request controls on the whole request, before the message that makes it
+        whole is answered with the choice (``RequestControl``)."""
+        if message.WhichOneof("request") == "request_headers":
+            headers = extproc.header_pairs(message.request_headers)
+            body = None
+        else:
+            headers, body = state.request.headers, b"".join(state.request.chunks)
+            if message.WhichOneof("request") == "request_body":
+                body += message.request_body.body
+        admitted = Admitted(RequestInfo(headers, body))
+        for control in self.controls:
+            admitted = await control.admit(admitted)
+        state.admitted = admitted
+
     def on_request_headers(
         self, message: ProcessingRequest, state: PickerState
     ) -> list[ProcessingResponse]:
@@ -231,6 +263,8 @@ class EndpointPickerService:
             return []
         state.request.held = False
         body = state.request.take()
+        if state.admitted is not None and state.admitted.body is not None:
+            body = state.admitted.body  # a control changed it: this is what goes upstream
         chunks = extproc.streamed_body_responses("request", body, end_of_stream=end_of_stream)
         return [self.route(state, body), *chunks]
 
@@ -255,7 +289,16 @@ class EndpointPickerService:
 
     def route(self, state: PickerState, body: bytes | None = None) -> ProcessingResponse:
         """Ask the strategy (given the body, when it was held), then route to its choice."""
-        return self.routing_reply(self.destination(state, body))
+        endpoint = self.destination(state, body)
+        if state.admitted is None or state.admitted.body is None:
+            return self.routing_reply(endpoint)
+        length = ("content-length", str(len(state.admitted.body)))  # the body a control set
+        return extproc.headers_response(
+            "request",
+            [*routing_headers(endpoint, self.report_served), length],
+            clear_route_cache=True,
+            dynamic_metadata={extproc.LB_NAMESPACE: {DESTINATION: endpoint}},
+        )
 
     def destination(self, state: PickerState, body: bytes | None = None) -> str:
         """The strategy's choice as the destination header's value, counted in the metrics.
@@ -265,7 +308,9 @@ class EndpointPickerService:
         The headers this adds must fit Envoy's limits with the client's own
         (``check_headers_fit``): a client near them gets 431, not Envoy's 500.
         """
-        chosen = self.strategy.choose(RequestInfo(state.request.headers, body), state.candidates)
+        admitted = state.admitted
+        request = RequestInfo(state.request.headers, body) if admitted is None else admitted.request
+        chosen = self.strategy.choose(request, state.candidates)
         if not chosen.endpoints:
             raise Refusal(503, "no endpoint accepted the request", reason="no_pick")
         state.followup = chosen.followup
@@ -289,13 +334,14 @@ class EndpointPickerService:
     def on_response_headers(
         self, message: ProcessingRequest, state: PickerState
     ) -> list[ProcessingResponse]:
-        """Report the served endpoint (if asked to), with the headers the followup adds."""
-        if state.followup is None:
+        """Report the served endpoint (if asked to), with the headers the followups add."""
+        if state.followup is None and state.admitted is None:
             if not self.report_served:
                 return [UNCHANGED_RESPONSE_HEADERS]
             return [self.served_reply(served_report(message))]
         pairs = extproc.header_pairs(message.response_headers)
-        added = state.followup.headers(served_endpoint(message), dict(reversed(pairs)))
+        first, served = dict(reversed(pairs)), served_endpoint(message)
+        added = [pair for f in followups(state) for pair in f.headers(served, first)]
         # The body comes to us only in a body mode other than NONE, and only if there is one.
         if message.response_headers.end_of_stream or state.response.mode == BodyMode.NONE:
             self.end_response(state)
@@ -304,18 +350,53 @@ class EndpointPickerService:
         return [served_endpoint_reply(served_report(message), tuple(added))]
 
     def on_response_body(self, chunk: HttpBody, state: PickerState) -> list[ProcessingResponse]:
-        if state.followup is not None:
-            state.followup.chunk(chunk.body)
+        if state.admitted is not None and state.admitted.followups and state.response.streamed:
+            body = chunk.body
+            for followup in followups(state):
+                body = followup.chunk(body) or body  # a control may rewrite what goes on
+            if chunk.end_of_stream:
+                self.end_response(state)
+            return extproc.streamed_body_responses(
+                "response", body, end_of_stream=chunk.end_of_stream
+            )
+        if state.followup is not None or state.admitted is not None:
+            for followup in followups(state):
+                followup.chunk(chunk.body)
             if chunk.end_of_stream:
                 self.end_response(state)
         return [pass_chunk(state.response, chunk)]
 
     @staticmethod
     def end_response(state: PickerState) -> None:
-        """Tell the followup, once, that the response is over."""
-        followup, state.followup = state.followup, None
-        if followup is not None:
+        """Tell the followups, once, that the response is over."""
+        if state.followup is None and state.admitted is None:
+            return
+        ending = list(followups(state))
+        state.followup, state.admitted = None, None
+        for followup in ending:
             followup.end()
+
+
+def followups(state: PickerState) -> Iterator[Followup]:
+    """The response's listeners: the request controls' (in their order), then the choice's."""
+    if state.admitted is not None:
+        yield from state.admitted.followups
+    if state.followup is not None:
+        yield state.followup
+
+
+def completes(message: ProcessingRequest, state: PickerState) -> bool:
+    """Whether ``message`` makes the request whole for its choice: headers that end it or
+    that are answered at once (a body not streamed to us), or the end of a held body."""
+    match message.WhichOneof("request"):
+        case "request_headers":
+            state.use_modes(message)
+            return message.request_headers.end_of_stream or not state.request.streamed
+        case "request_body":
+            return state.request.held and message.request_body.end_of_stream
+        case "request_trailers":
+            return state.request.held
+    return False
 
 
 def routing_headers(endpoint: str, report: bool = False) -> list[tuple[str, str]]:

@@ -136,7 +136,10 @@ def one_hop(
         registry,
         background=[source.run, *(job for b in built.values() for job in b.background)],
         debug_pages=pages,
-        announce={"response_headers": handler.hears_response},
+        announce={
+            "response_headers": handler.hears_response,
+            "response_body": handler.reads_response_body,
+        },
     )
 
 

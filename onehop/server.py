@@ -104,6 +104,8 @@ class OneHop:
         self.max_body_bytes = max_body_bytes
         self.hears_response = any(picker.hears_response for picker in self.pickers.values())
         """Whether some pool's picker needs the response headers (``EndpointPickerService``'s)."""
+        self.reads_response_body = any(p.reads_response_body for p in self.pickers.values())
+        """Whether some pool's picker reads the response body (its request controls)."""
 
     async def __call__(self, stream: Stream) -> None:
         state = OneHopState(self.max_body_bytes)

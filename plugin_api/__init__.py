@@ -73,6 +73,10 @@ class Role(enum.Enum):
     RESPONSE_CHUNK = "response_chunk"
     RESPONSE_COMPLETE = "response_complete"
 
+    # Members are singletons compared by identity, so identity is their hash: Enum's own
+    # hashes the name in Python, and the pipeline looks a role up on every plugin call.
+    __hash__ = object.__hash__
+
     @property
     def label(self) -> str:
         """What a plugin in this role is called: ``scorer``, ``picked hook``, ``data source``..."""

@@ -138,7 +138,11 @@ def picker_replies(
     """The headers a picker (round-robin by default) sets on a request and on its response."""
     pool = Pool(StaticPods(pod("p0", "10.0.0.1", 3000)), {})
     picker = EndpointPickerService(
-        pool, strategy or RoundRobin(), PickerMetrics(CollectorRegistry()), **switches
+        pool,
+        strategy or RoundRobin(),
+        PickerMetrics(CollectorRegistry()),
+        test_selection=switches.get("test_selection", False),
+        report_served=switches.get("report_served", False),
     )
 
     async def go() -> tuple[dict[str, str], dict[str, str]]:

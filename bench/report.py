@@ -143,6 +143,20 @@ class Target:
         ]
 
 
+@dataclass(frozen=True, slots=True)
+class Timed:
+    """One micro-benchmark figure beside the baseline timed in the same run (``bench.plugins``,
+    ``bench.hooks``): both are read as their ratio, which a busy machine disturbs less."""
+
+    what: str
+    us: float
+    baseline_us: float
+
+    @property
+    def ratio(self) -> float:
+        return self.us / self.baseline_us
+
+
 @dataclass
 class Section:
     """One part's results: what ``write`` lays out under one heading."""

@@ -5,7 +5,7 @@ sglang-router's, a proxy with the router inside it. Envoy calling an ext_proc
 service costs two gRPC exchanges per request (the headers, then the body),
 whatever the service computes. ``python -m bench.floor [--rounds N] [--seconds
 S] [--seed N]`` measures how much of that is Python's, with
-``bench.overhead.Rig``, each case its own process as there:
+``bench.rig.Rig``, each case its own process as there:
 
 - ``plain``: Envoy alone in front of the upstream;
 - ``noop-picker``: Envoy and a do-nothing hop in Python (``bench.server
@@ -41,8 +41,9 @@ from typing import Final
 
 from bench import streams
 from bench.hops import round_options
-from bench.overhead import CASES, GRPC_JS, LATENCY_BODY_BYTES, Case, Placement, Rig, closed_run
+from bench.overhead import LATENCY_BODY_BYTES, closed_run
 from bench.report import progress
+from bench.rig import CASES, GRPC_JS, Case, Placement, Rig
 
 _CASES: Final = {case.key: case for case in CASES}
 NODE_HOP: Final = Case("noop-node", "+ do-nothing hop in Node.js", picker="noop-node-picker")

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
+from bench.report import Timed
 from bench.streams import HEADERS, measure
 from lwepp.contracts import Candidate, LLMRequest
 from lwepp.explain import EXPLAIN_HEADER
@@ -108,17 +109,6 @@ def service(plugins: int | None) -> EndpointPickerService:
 
 
 @dataclass(frozen=True, slots=True)
-class Row:
-    what: str
-    us: float
-    baseline_us: float
-
-    @property
-    def ratio(self) -> float:
-        return self.us / self.baseline_us
-
-
-@dataclass(frozen=True, slots=True)
 class Variant:
     """One picker measured: the service (its strategy plugged in) and the request's headers."""
 
@@ -150,7 +140,7 @@ def _us_per_call(fn: Callable[[], object], budget: float) -> float:
     return min(timer.repeat(5, number)) / number * 1e6
 
 
-def run(budget: float = 0.3, rounds: int = 3) -> list[Row]:
+def run(budget: float = 0.3, rounds: int = 3) -> list[Timed]:
     """Per-pick µs of each variant, interleaved ``rounds`` times, best round kept."""
     measured = [(v.what, v.route()) for v in variants()]
     best: dict[str, float] = {}
@@ -159,10 +149,10 @@ def run(budget: float = 0.3, rounds: int = 3) -> list[Row]:
             us = _us_per_call(fn, budget)
             best[name] = min(us, best.get(name, us))
     base = best[measured[0][0]]
-    return [Row(name, best[name], base) for name, _ in measured]
+    return [Timed(name, best[name], base) for name, _ in measured]
 
 
-def table(rows: list[Row]) -> str:
+def table(rows: list[Timed]) -> str:
     lines = ["| picker | µs per pick | vs round-robin |", "|---|---:|---:|"]
     lines += [f"| {r.what} | {r.us:.2f} | {r.ratio:.2f}× |" for r in rows]
     return "\n".join(lines)
@@ -172,15 +162,15 @@ STREAM_KINDS = ("lwepp", *(f"lwepp-hooks-{n}" for n in PLUGINS))
 """``bench.server`` kinds: the core with round-robin, then with each pipeline."""
 
 
-def stream_rows(streams: int = 2000, concurrency: int = 16, rounds: int = 3) -> list[Row]:
+def stream_rows(streams: int = 2000, concurrency: int = 16, rounds: int = 3) -> list[Timed]:
     """Server CPU µs per whole stream, as ratios to the core's round-robin."""
     results = measure(list(STREAM_KINDS), streams, concurrency, rounds)
     base = results[0].cpu_us_per_stream
     names = ["round-robin (the core)", *(_label(n) for n in PLUGINS)]
-    return [Row(n, r.cpu_us_per_stream, base) for n, r in zip(names, results, strict=True)]
+    return [Timed(n, r.cpu_us_per_stream, base) for n, r in zip(names, results, strict=True)]
 
 
-def stream_table(rows: list[Row]) -> str:
+def stream_table(rows: list[Timed]) -> str:
     lines = ["| picker | server CPU µs/stream | vs round-robin |", "|---|---:|---:|"]
     lines += [f"| {r.what} | {r.us:,.0f} | {r.ratio:.2f}× |" for r in rows]
     return "\n".join(lines)

@@ -5,7 +5,7 @@ one of its targets, the two-hop gateway's added p50 over two do-nothing hops
 in the same processing modes (≤ 1.1×), is a ratio of two numbers that each
 move by tens of percent between rounds on a shared machine. This settles that
 one comparison. ``python -m bench.hops [--rounds N] [--seconds S] [--seed N]``
-starts, with ``bench.overhead.Rig``, three of that part's cases: Envoy with
+starts, with ``bench.rig.Rig``, three of that part's cases: Envoy with
 BBR and LWEPP (round-robin), Envoy with two do-nothing hops (``bench.server
 passthrough``, each in its service's mode), and the upstream alone. Each round
 runs closed-loop load at concurrency 1 and 8 on every case, in a seeded
@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Final
 
 from bench import streams
-from bench.overhead import CASES, LATENCY_BODY_BYTES, Placement, Rig, closed_run
+from bench.overhead import LATENCY_BODY_BYTES, closed_run
 from bench.report import progress
+from bench.rig import CASES, Placement, Rig
 
 _CASES: Final = {case.key: case for case in CASES}
 TWO_HOPS: Final = _CASES["bbr+lwepp"]

@@ -22,7 +22,7 @@ sglang-router,     the peers (``bench/peers.py``, round_robin: with one engine e
 vllm-router        policy picks it), left out when not installed (``make peers``)
 =================  ==================================================================
 
-Processes sit where ``bench/overhead.py`` puts them (``Placement``): Envoy,
+Processes sit where ``bench/overhead.py`` puts them (``bench.rig.Placement``): Envoy,
 the client and the engine on the first CPU, the Python services and the
 peers on the second.
 
@@ -70,8 +70,10 @@ from typing import Final
 import aiohttp
 import orjson
 
-from bench import live, overhead
-from bench.report import Options, Section, Table, Target, percentile, progress
+from bench import live
+from bench.report import Options, Section, Table, Target, median_interval, percentile, progress
+from bench.rig import CASES as OVERHEAD_CASES
+from bench.rig import Placement, Rig, pinned
 from bench.workloads import Arrival
 from demo import llamacpp
 from demo.topology import HOST
@@ -85,7 +87,7 @@ CASE_KEYS: Final = (
     "sglang-router",
     "vllm-router",
 )
-CASES: Final = tuple(case for key in CASE_KEYS for case in overhead.CASES if case.key == key)
+CASES: Final = tuple(case for key in CASE_KEYS for case in OVERHEAD_CASES if case.key == key)
 
 PROMPT: Final = "You are a helpful assistant. Answer the user's question in one short sentence."
 MAX_TOKENS: Final = 2
@@ -190,15 +192,15 @@ def _good(runs: Sequence[Sample], what: str) -> list[float]:
 
 def run(options: Options) -> Section:
     """Start one engine, every router in front of it; measure the rounds; lay them out."""
-    placement = overhead.Placement.detect()
+    placement = Placement.detect()
     work_dir = options.out / "overhead-llamacpp-run"
     rounds = QUICK_ROUNDS if options.quick else ROUNDS
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
         progress("overhead (llamacpp): starting the engine")
-        with overhead.pinned(placement.gateway):
+        with pinned(placement.gateway):
             (port,) = stack.enter_context(live.llamacpp_engines(work_dir / "engine", 1))
-        rig = overhead.Rig(
+        rig = Rig(
             work_dir,
             placement,
             cases=CASES,
@@ -209,7 +211,7 @@ def run(options: Options) -> Section:
         progress("overhead (llamacpp): starting the gateways and the peers")
         rig.start()
         ports = {case.key: rig.envoys[case.key] for case in rig.cases}
-        with overhead.pinned(placement.gateway):
+        with pinned(placement.gateway):
             samples, counters = asyncio.run(measure(ports, f"{HOST}:{port}", rounds, options.seed))
         queues = rig.pool_queue()
         missing = dict(rig.missing)
@@ -221,7 +223,7 @@ def run(options: Options) -> Section:
 def section(
     samples: dict[str, list[Sample]],
     counters: tuple[float, ...] | None,
-    placement: overhead.Placement,
+    placement: Placement,
     rounds: int,
     seconds: float,
     missing: dict[str, str],
@@ -252,7 +254,7 @@ def section(
         if case.key == "direct":
             row += [None, None, None, None, 1.0]
         else:
-            added, low, high = overhead.median_interval(paired(samples, case.key, "direct"))
+            added, low, high = median_interval(paired(samples, case.key, "direct"))
             whole = statistics.median(paired(samples, case.key, "direct", "latency") or [math.nan])
             row += [
                 _ms(added),
@@ -266,7 +268,7 @@ def section(
     for what, key, base in BREAKDOWN:
         if key not in samples or base not in samples:
             continue
-        added, low, high = overhead.median_interval(paired(samples, key, base))
+        added, low, high = median_interval(paired(samples, key, base))
         whole = statistics.median(paired(samples, key, base, "latency") or [math.nan])
         breakdown.append([what, _ms(added), f"{_ms(low):.2f} … {_ms(high):.2f}", _ms(whole)])
     targets = []

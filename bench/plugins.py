@@ -15,7 +15,6 @@ import hashlib
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -24,6 +23,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.codec import per_call_us
+from bench.report import Timed
 from lwepp.contracts import Candidate, Filter, LLMRequest, Measurement, Scorer
 from lwepp.plugins import REGISTRY
 from lwepp.plugins.inflight import InFlightLoadProducer
@@ -38,17 +38,6 @@ from pods.model import Endpoint
 
 CANDIDATES = 8
 PROMPT_BYTES = 4096
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    what: str
-    us: float
-    baseline_us: float
-
-    @property
-    def ratio(self) -> float:
-        return self.us / self.baseline_us
 
 
 class NoopScorer:
@@ -115,7 +104,7 @@ def timed(budget: float) -> Measure:
     return lambda fn: per_call_us(fn, budget)
 
 
-def plugin_rows(measure: Measure) -> list[Row]:
+def plugin_rows(measure: Measure) -> list[Timed]:
     now = time.monotonic()
     pool = candidates(now)
     headers = {"x-session-token": token("pod-3")}
@@ -123,7 +112,7 @@ def plugin_rows(measure: Measure) -> list[Row]:
     noop = NoopScorer()
     baseline = measure(lambda: noop.score(plain, pool, now))
 
-    rows = [Row("no-op scorer (baseline)", baseline, baseline)]
+    rows = [Timed("no-op scorer (baseline)", baseline, baseline)]
     for kind in (
         "queue-scorer",
         "kv-cache-utilization-scorer",
@@ -131,7 +120,7 @@ def plugin_rows(measure: Measure) -> list[Row]:
         "session-affinity-scorer",
     ):
         scorer: Scorer = build(kind)
-        rows.append(Row(kind, measure(_scoring(scorer, plain, pool, now)), baseline))
+        rows.append(Timed(kind, measure(_scoring(scorer, plain, pool, now)), baseline))
     rows += load_rows(measure, pool, now, baseline)
     selector: Filter = build(
         "label-selector-filter",
@@ -139,7 +128,7 @@ def plugin_rows(measure: Measure) -> list[Row]:
         matchExpressions=[{"key": "role", "operator": "In", "values": ["decode"]}],
     )
     rows.append(
-        Row(
+        Timed(
             "label-selector-filter (1 label, 1 expression)",
             measure(lambda: selector.filter(plain, pool, now)),
             baseline,
@@ -167,17 +156,17 @@ def plugin_rows(measure: Measure) -> list[Row]:
     prefix.prepare(scored)
     blocks = len(scored.state["prefix.prompt"].hashes)
     rows += [
-        Row(
+        Timed(
             f"prefix-cache-scorer prepare (4 KB chat, {blocks} blocks)",
             measure(prepare_only),
             baseline,
         ),
-        Row(
+        Timed(
             "prefix-cache-scorer score (all blocks held)",
             measure(lambda: prefix.score(scored, pool, now)),
             baseline,
         ),
-        Row(
+        Timed(
             "prefix-cache-scorer prepare + score + picked",
             measure(whole_request),
             baseline,
@@ -186,7 +175,7 @@ def plugin_rows(measure: Measure) -> list[Row]:
     return rows
 
 
-def load_rows(measure: Measure, pool: list[Candidate], now: float, baseline: float) -> list[Row]:
+def load_rows(measure: Measure, pool: list[Candidate], now: float, baseline: float) -> list[Timed]:
     """The request-path load plugins: the producer's whole life of a request, and the scorers
     reading it (every candidate with requests and tokens in flight) or the scraped queue."""
     producer = InFlightLoadProducer("inflight-load-producer")
@@ -209,7 +198,7 @@ def load_rows(measure: Measure, pool: list[Candidate], now: float, baseline: flo
         producer.response_complete(request, pool[3].endpoint.hostport, None)
 
     rows = [
-        Row(
+        Timed(
             f"{kind} (requests and tokens in flight everywhere)",
             measure(_scoring(build(kind), loaded, pool, now)),
             baseline,
@@ -217,17 +206,17 @@ def load_rows(measure: Measure, pool: list[Candidate], now: float, baseline: flo
         for kind in ("active-request-scorer", "token-load-scorer")
     ]
     rows += [
-        Row(
+        Timed(
             "load-aware-scorer",
             measure(_scoring(build("load-aware-scorer"), loaded, pool, now)),
             baseline,
         ),
-        Row(
+        Timed(
             "no-hit-lru-scorer (cold request)",
             measure(_scoring(no_hit, loaded, pool, now)),
             baseline,
         ),
-        Row(
+        Timed(
             "inflight-load-producer prepare + picked + chunk + complete (4 KB chat)",
             measure(request_life),
             baseline,
@@ -236,7 +225,9 @@ def load_rows(measure: Measure, pool: list[Candidate], now: float, baseline: flo
     return rows + precise_rows(measure, pool, now, baseline)
 
 
-def precise_rows(measure: Measure, pool: list[Candidate], now: float, baseline: float) -> list[Row]:
+def precise_rows(
+    measure: Measure, pool: list[Candidate], now: float, baseline: float
+) -> list[Timed]:
     """The precise prefix cache: tokenizing the 4 KB chat (the simulator's tokenizer) into
     block keys, scoring it with every block held by one engine, as its events said, and
     recording a pick's blocks as speculative entries (``speculativeIndexing``)."""
@@ -258,11 +249,11 @@ def precise_rows(measure: Measure, pool: list[Candidate], now: float, baseline: 
         producer.picked(warm, [pool[0].endpoint])
 
     return [
-        Row(f"precise-prefix-cache-producer prepare (4 KB chat, {len(keys)} blocks)",
+        Timed(f"precise-prefix-cache-producer prepare (4 KB chat, {len(keys)} blocks)",
             measure(prepare), baseline),
-        Row("prefix-cache-scorer score, precise (all blocks held by one)",
+        Timed("prefix-cache-scorer score, precise (all blocks held by one)",
             measure(_scoring(scorer, warm, pool, now)), baseline),
-        Row(f"precise-prefix-cache-producer picked, speculative ({len(keys)} blocks)",
+        Timed(f"precise-prefix-cache-producer picked, speculative ({len(keys)} blocks)",
             measure(picked), baseline),
     ]  # fmt: skip
 
@@ -294,24 +285,24 @@ def vllm_page(histograms: int = 16, buckets: int = 28) -> str:
     return "\n".join(lines) + "\n"
 
 
-def scrape_rows(measure: Measure, baseline: float) -> list[Row]:
+def scrape_rows(measure: Measure, baseline: float) -> list[Timed]:
     page = vllm_page()
     source = MetricsDataSource("metrics")
     endpoint = Endpoint("p", "127.0.0.1", 8000)
     assert source.read(endpoint, page)["queue_depth"] == 3.0
     lines = page.count("\n")
     return [
-        Row(
+        Timed(
             f"metrics page → attributes, this parser ({lines} lines, {len(page) // 1024} KB)",
             measure(lambda: source.read(endpoint, page)),
             baseline,
         ),
-        Row(
+        Timed(
             "same page, prometheus_client text_string_to_metric_families",
             measure(lambda: list(text_string_to_metric_families(page))),
             baseline,
         ),
-        Row("one scrape over loopback HTTP (client + server)", _scrape_us(page), baseline),
+        Timed("one scrape over loopback HTTP (client + server)", _scrape_us(page), baseline),
     ]
 
 
@@ -342,7 +333,7 @@ def _scrape_us(page: str, count: int = 300) -> float:
     return asyncio.run(measure())
 
 
-def hashing_rows(measure: Measure, baseline: float) -> list[Row]:
+def hashing_rows(measure: Measure, baseline: float) -> list[Timed]:
     text = orjson.dumps(chat_body()["messages"])[:PROMPT_BYTES]
     start = seed("sql")
 
@@ -356,12 +347,12 @@ def hashing_rows(measure: Measure, baseline: float) -> list[Row]:
         return previous
 
     return [
-        Row(
+        Timed(
             "hash chain, 4 KB prompt: xxhash64",
             measure(lambda: block_hashes(text, start, 64, 256)),
             baseline,
         ),
-        Row(
+        Timed(
             "same chain with blake2b (for comparison)",
             measure(blake),
             baseline,
@@ -383,7 +374,7 @@ def index_bytes_per_block(blocks: int = 31250) -> float:
     return used / blocks
 
 
-def run(budget: float = 0.1) -> tuple[list[Row], float]:
+def run(budget: float = 0.1) -> tuple[list[Timed], float]:
     measure = timed(budget)
     rows = plugin_rows(measure)
     baseline = rows[0].baseline_us
@@ -392,7 +383,7 @@ def run(budget: float = 0.1) -> tuple[list[Row], float]:
     return rows, index_bytes_per_block()
 
 
-def table(rows: list[Row], bytes_per_block: float) -> str:
+def table(rows: list[Timed], bytes_per_block: float) -> str:
     lines = [
         f"| with {CANDIDATES} candidates | µs per call | × no-op scorer |",
         "|---|---:|---:|",

@@ -15,6 +15,7 @@ value, the limit, and whether it was reached, with the margin either way.
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -142,6 +143,20 @@ class Target:
         ]
 
 
+@dataclass(frozen=True, slots=True)
+class Timed:
+    """One micro-benchmark figure beside the baseline timed in the same run (``bench.plugins``,
+    ``bench.hooks``): both are read as their ratio, which a busy machine disturbs less."""
+
+    what: str
+    us: float
+    baseline_us: float
+
+    @property
+    def ratio(self) -> float:
+        return self.us / self.baseline_us
+
+
 @dataclass
 class Section:
     """One part's results: what ``write`` lays out under one heading."""
@@ -261,3 +276,21 @@ def percentile(values: Iterable[float], q: float) -> float:
     low = math.floor(rank)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def median_interval(values: Sequence[float], z: float = 1.96) -> tuple[float, float, float]:
+    """The median of ``values`` and a distribution-free ~95% confidence interval for it.
+
+    The interval's ends are the order statistics of ranks ``(n − z√n)/2`` and
+    ``(n + z√n)/2`` (the normal approximation of the sign test's binomial):
+    whatever the shape of the distribution, the true median lies between them
+    about 95% of the time. NaN ends when there are too few values for one.
+    """
+    if not values:
+        return math.nan, math.nan, math.nan
+    ordered = sorted(values)
+    n = len(ordered)
+    low = math.floor((n - z * math.sqrt(n)) / 2)
+    if low < 0:
+        return statistics.median(ordered), math.nan, math.nan
+    return statistics.median(ordered), ordered[low], ordered[n - 1 - low]

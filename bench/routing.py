@@ -243,15 +243,29 @@ _AFTER_PICK: Final = frozenset(
 )
 
 
-class OracleRouter:
-    """``bench.oracle.Oracle`` (oracle-estimate) as a router: no pipeline, no scrapes."""
+class _OwnRouter:
+    """A router of this benchmark's own, outside LWEPP's pipeline: no data sources to scrape,
+    no plugin to fall back from, and deaf to the response unless it says otherwise."""
 
-    def __init__(self, engines: Sequence[Engine], profile: Profile) -> None:
-        self.name = "oracle-estimate"
-        self.oracle = Oracle(engines, profile)
+    def __init__(self, name: str) -> None:
+        self.name = name
         self.sources: Sequence[DataSource] = ()
         self.store: AttributeStore | None = None
         self.fallbacks = 0
+
+    def first_token(self, arrival: Arrival, index: int, handle: Any) -> None:
+        pass
+
+    def complete(self, arrival: Arrival, index: int, handle: Any, request: Request) -> None:
+        pass
+
+
+class OracleRouter(_OwnRouter):
+    """``bench.oracle.Oracle`` (oracle-estimate) as a router: no pipeline, no scrapes."""
+
+    def __init__(self, engines: Sequence[Engine], profile: Profile) -> None:
+        super().__init__("oracle-estimate")
+        self.oracle = Oracle(engines, profile)
 
     def choose(self, arrival: Arrival, request: Request) -> tuple[int | None, Any]:
         return self.oracle.choose(request), None
@@ -263,45 +277,27 @@ class OracleRouter:
         self.oracle.finished(arrival.request_id)
 
 
-class LookaheadRouter:
+class LookaheadRouter(_OwnRouter):
     """``bench.oracle.Lookahead`` (oracle-lookahead) as a router: it reads the engines."""
 
     def __init__(self, engines: Sequence[Engine]) -> None:
-        self.name = "oracle-lookahead"
+        super().__init__("oracle-lookahead")
         self.lookahead = Lookahead(engines)
-        self.sources: Sequence[DataSource] = ()
-        self.store: AttributeStore | None = None
-        self.fallbacks = 0
 
     def choose(self, arrival: Arrival, request: Request) -> tuple[int | None, Any]:
         return self.lookahead.choose(request), None
 
-    def first_token(self, arrival: Arrival, index: int, handle: Any) -> None:
-        pass
 
-    def complete(self, arrival: Arrival, index: int, handle: Any, request: Request) -> None:
-        pass
-
-
-class PartitionRouter:
+class PartitionRouter(_OwnRouter):
     """``bench.oracle.partition`` (offline-partition): each group to the engine the partition of
     the whole workload gave it."""
 
     def __init__(self, arrivals: Sequence[Arrival], engines: int) -> None:
-        self.name = OFFLINE
+        super().__init__(OFFLINE)
         self.placed = partition((a.group for a in arrivals), engines)
-        self.sources: Sequence[DataSource] = ()
-        self.store: AttributeStore | None = None
-        self.fallbacks = 0
 
     def choose(self, arrival: Arrival, request: Request) -> tuple[int | None, Any]:
         return self.placed[arrival.group], None
-
-    def first_token(self, arrival: Arrival, index: int, handle: Any) -> None:
-        pass
-
-    def complete(self, arrival: Arrival, index: int, handle: Any, request: Request) -> None:
-        pass
 
 
 def endpoints(count: int = ENGINES) -> tuple[Endpoint, ...]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -99,6 +99,17 @@ async def passthrough(stream: Stream) -> None:
             await stream.send(reply)
 
 
+def _process_handler(process: Callable[[Any, Any], Any]) -> grpc.GenericRpcHandler:
+    """``process`` (requests, context) as ext_proc's ``Process`` method, on the messages of
+    xds-protos: the loops below are written for the server directly, not as a ``Handler``."""
+    method = grpc.stream_stream_rpc_method_handler(
+        process,
+        request_deserializer=ProcessingRequest.FromString,
+        response_serializer=ProcessingResponse.SerializeToString,
+    )
+    return grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {"Process": method})
+
+
 def generator_handler() -> grpc.GenericRpcHandler:
     """The same do-nothing server written as an async generator over the request stream."""
 
@@ -107,12 +118,7 @@ def generator_handler() -> grpc.GenericRpcHandler:
             for reply in _noop_replies(message):
                 yield reply
 
-    method = grpc.stream_stream_rpc_method_handler(
-        process,
-        request_deserializer=ProcessingRequest.FromString,
-        response_serializer=ProcessingResponse.SerializeToString,
-    )
-    return grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {"Process": method})
+    return _process_handler(process)
 
 
 def sync_handler() -> grpc.GenericRpcHandler:
@@ -127,12 +133,7 @@ def sync_handler() -> grpc.GenericRpcHandler:
         for message in requests:
             yield from _noop_replies(message)
 
-    method = grpc.stream_stream_rpc_method_handler(
-        process,
-        request_deserializer=ProcessingRequest.FromString,
-        response_serializer=ProcessingResponse.SerializeToString,
-    )
-    return grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {"Process": method})
+    return _process_handler(process)
 
 
 def sync_passthrough_handler() -> grpc.GenericRpcHandler:
@@ -143,12 +144,7 @@ def sync_passthrough_handler() -> grpc.GenericRpcHandler:
         for message in requests:
             yield from hop.replies(message)
 
-    method = grpc.stream_stream_rpc_method_handler(
-        process,
-        request_deserializer=ProcessingRequest.FromString,
-        response_serializer=ProcessingResponse.SerializeToString,
-    )
-    return grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {"Process": method})
+    return _process_handler(process)
 
 
 def serve_sync(handler: grpc.GenericRpcHandler) -> None:

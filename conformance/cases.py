@@ -112,10 +112,16 @@ class _FixedPool:
 
 
 def _route(
-    name: str, gateway: str, path: str, *backends: BackendRef, hostnames: tuple[str, ...] = ()
+    name: str,
+    path: str,
+    *backends: BackendRef,
+    gateway: str = "conformance-primary",
+    hostnames: tuple[str, ...] = ("primary.example.com",),
 ) -> HTTPRoute:
-    """An HTTPRoute with one rule, as most of the tests' manifests have."""
-    return HTTPRoute(name, gateway, (Rule(path, backends),), hostnames)
+    """An HTTPRoute with one rule, as most of the tests' manifests have: unless told otherwise,
+    on the primary gateway for ``primary.example.com``, to the primary pool."""
+    rule = Rule(path, backends or (_pool("primary-inference-pool"),))
+    return HTTPRoute(name, gateway, (rule,), hostnames)
 
 
 def _pool(name: str, weight: int = 1, port: int | None = None) -> BackendRef:
@@ -140,9 +146,9 @@ def _within(names: Sequence[str]) -> Callable[[Observation], str | None]:
 FAIL_OPEN_ROUTES: Final = (
     _route(
         "httproute-for-failopen-pool-gw",
-        "conformance-secondary",
         "/failopen-pool-test",
         _pool("secondary-inference-pool"),
+        gateway="conformance-secondary",
         hostnames=("secondary.example.com",),
     ),
 )
@@ -183,13 +189,7 @@ async def epp_unavailable_fail_open(t: Trial) -> str:
 # --- GatewayDestinationEndpointServed -------------------------------------------------
 
 SERVED_ROUTES: Final = (
-    _route(
-        "httproute-for-destination-endpoint-served",
-        "conformance-primary",
-        "/destination-endpoint-served-test",
-        _pool("primary-inference-pool"),
-        hostnames=("primary.example.com",),
-    ),
+    _route("httproute-for-destination-endpoint-served", "/destination-endpoint-served-test"),
 )
 
 
@@ -204,15 +204,7 @@ async def gateway_destination_endpoint_served(t: Trial) -> str:
 
 # --- GatewayFollowingEPPRouting -------------------------------------------------------
 
-FOLLOWING_ROUTES: Final = (
-    _route(
-        "httproute-for-primary-gw",
-        "conformance-primary",
-        "/primary-gateway-test",
-        _pool("primary-inference-pool"),
-        hostnames=("primary.example.com",),
-    ),
-)
+FOLLOWING_ROUTES: Final = (_route("httproute-for-primary-gw", "/primary-gateway-test"),)
 
 TOTAL: Final = 100
 CONCURRENCY: Final = 10
@@ -243,13 +235,7 @@ async def gateway_following_epp_routing(t: Trial) -> str:
 # --- GatewayFollowingEPPRoutingWithDataParallelism ------------------------------------
 
 DP_ROUTES: Final = (
-    _route(
-        "httproute-for-primary-gw-dp",
-        "conformance-primary",
-        "/primary-gateway-dp-test",
-        _pool("dp-inference-pool"),
-        hostnames=("primary.example.com",),
-    ),
+    _route("httproute-for-primary-gw-dp", "/primary-gateway-dp-test", _pool("dp-inference-pool")),
 )
 
 DP_PORTS: Final = frozenset({"3000", "3002", "3004"})
@@ -303,11 +289,9 @@ async def gateway_following_epp_routing_dp(t: Trial) -> str:
 WEIGHTED_ROUTES: Final = (
     _route(
         "httproute-weighted-two-pools",
-        "conformance-primary",
         "/weighted-two-pools-test",
         _pool("primary-inference-pool", 70),
         _pool("secondary-inference-pool", 30),
-        hostnames=("primary.example.com",),
     ),
 )
 
@@ -387,18 +371,12 @@ async def _weighted_at_the_pickers(t: Trial, expected: Expected) -> str:
 # --- HTTPRouteMultipleGatewaysDifferentPools ------------------------------------------
 
 MULTIPLE_GATEWAYS_ROUTES: Final = (
-    _route(
-        "route-for-primary-gateway",
-        "conformance-primary",
-        "/test-primary-gateway",
-        _pool("primary-inference-pool"),
-        hostnames=("primary.example.com",),
-    ),
+    _route("route-for-primary-gateway", "/test-primary-gateway"),
     _route(
         "route-for-secondary-gateway",
-        "conformance-secondary",
         "/test-secondary-gateway",
         _pool("secondary-inference-pool"),
+        gateway="conformance-secondary",
         hostnames=("secondary.example.com",),
     ),
 )
@@ -420,23 +398,19 @@ async def httproute_multiple_gateways_different_pools(t: Trial) -> str:
 APP_PROTOCOL_ROUTES: Final = (
     _route(
         "httproute-for-inferencepool-appprotocol-h2c",
-        "conformance-primary",
         "/inferencepool-app-protocol-h2c",
         _pool("appprotocol-h2c-inference-pool"),
         hostnames=("appprotocol-h2c.example.com",),
     ),
     _route(
         "httproute-for-inferencepool-appprotocol-http",
-        "conformance-primary",
         "/inferencepool-app-protocol-http",
         _pool("appprotocol-http-inference-pool"),
         hostnames=("appprotocol-http.example.com",),
     ),
     _route(
         "httproute-for-inferencepool-appprotocol-default",
-        "conformance-primary",
         "/inferencepool-app-protocol-default",
-        _pool("primary-inference-pool"),
         hostnames=("appprotocol-default.example.com",),
     ),
 )
@@ -475,7 +449,6 @@ async def inference_pool_app_protocol(t: Trial) -> str:
 PORT_ROUTES: Final = tuple(
     _route(
         f"httproute-pool-port-{name}",
-        "conformance-primary",
         f"/test-port-{name}",
         _pool("primary-inference-pool", port=port),
         hostnames=(f"port-{name}.example.com",),
@@ -501,9 +474,9 @@ async def inference_pool_httproute_port_validation(t: Trial) -> str:
 INVALID_EPP_ROUTES: Final = (
     _route(
         "httproute-for-invalid-epp-pool",
-        "conformance-primary",
         "/invalid-epp-test",
         _pool("pool-with-invalid-epp"),
+        hostnames=(),
     ),
 )
 
@@ -540,18 +513,12 @@ async def httproute_multiple_rules_different_pools(t: Trial) -> str:
 # --- InferencePoolResolvedRefsCondition -----------------------------------------------
 
 RESOLVED_REFS_ROUTES: Final = (
-    _route(
-        "httproute-for-primary-gw",
-        "conformance-primary",
-        "/primary-gateway-test",
-        _pool("primary-inference-pool"),
-        hostnames=("primary.example.com",),
-    ),
+    _route("httproute-for-primary-gw", "/primary-gateway-test"),
     _route(
         "httproute-for-secondary-gw",
-        "conformance-secondary",
         "/secondary-gateway-test",
-        _pool("primary-inference-pool"),
+        _pool("primary-inference-pool"),  # the same pool as the primary gateway's route
+        gateway="conformance-secondary",
         hostnames=("secondary.example.com",),
     ),
 )
@@ -595,15 +562,7 @@ async def epp_unavailable_fail_open_own_picker(t: Trial) -> str:
 
 # --- Switchyard's own: the FailClose counterpart of EppUnAvailableFailOpen ------------
 
-FAIL_CLOSE_ROUTES: Final = (
-    _route(
-        "httproute-for-failclose-pool-gw",
-        "conformance-primary",
-        "/failclose-pool-test",
-        _pool("primary-inference-pool"),
-        hostnames=("primary.example.com",),
-    ),
-)
+FAIL_CLOSE_ROUTES: Final = (_route("httproute-for-failclose-pool-gw", "/failclose-pool-test"),)
 
 
 async def epp_unavailable_fail_close(t: Trial) -> str:

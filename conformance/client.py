@@ -178,6 +178,26 @@ class Transport(Protocol):
         ...
 
 
+def _header_mismatch(
+    kind: str,
+    expected: Mapping[str, str],
+    got: Mapping[str, Sequence[str]],
+    *,
+    backend: bool = False,
+) -> str | None:
+    """Why ``got`` (lower-case names) lacks one of the ``expected`` headers or holds another
+    value (a repeated header's values joined by ``,``), or None; ``backend``: the headers the
+    echo says reached the backend, not the response's."""
+    where, seen = (" at the backend", "the backend got") if backend else ("", "got")
+    for name, value in expected.items():
+        values = got.get(name.lower())
+        if values is None:
+            return f"expected {kind} header {name}{where}, it was not there"
+        if ",".join(values) != value:
+            return f"expected {kind} header {name}: {value}, {seen} {','.join(values)}"
+    return None
+
+
 def compare(expected: Expected, seen: Observation, *, check_echo: bool = True) -> str | None:
     """Why ``seen`` does not meet ``expected`` (Gateway API's ``CompareRoundTrip``), or None."""
     if seen.status not in expected.statuses:
@@ -197,18 +217,10 @@ def compare(expected: Expected, seen: Observation, *, check_echo: bool = True) -
             return f"expected method {request.method}, got {echo.method}"
         if echo.namespace != expected.namespace:
             return f"expected namespace {expected.namespace!r}, got {echo.namespace!r}"
-        for name, value in request.headers.items():
-            got = echo.headers.get(name.lower())
-            if got is None:
-                return f"expected request header {name} at the backend, it was not there"
-            if ",".join(got) != value:
-                return f"expected request header {name}: {value}, the backend got {','.join(got)}"
-    for name, value in expected.headers.items():
-        got = seen.headers.get(name.lower())
-        if got is None:
-            return f"expected response header {name}, it was not there"
-        if ",".join(got) != value:
-            return f"expected response header {name}: {value}, got {','.join(got)}"
+        if problem := _header_mismatch("request", request.headers, echo.headers, backend=True):
+            return problem
+    if problem := _header_mismatch("response", expected.headers, seen.headers):
+        return problem
     if not seen.pod.startswith(expected.backend):
         return f"expected a pod named {expected.backend}..., got {seen.pod!r}"
     return None

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -247,6 +247,23 @@ def _not_found() -> route.Route:
     )
 
 
+def _attached(
+    gateway: Gateway, http_routes: Iterable[HTTPRoute]
+) -> Iterator[tuple[HTTPRoute, tuple[str, ...]]]:
+    """Each HTTPRoute attached to ``gateway``, with the hostnames it serves there: its own, or
+    the listener's when the listener has one (a route with no hostname in common with such a
+    listener is not attached). One reading, for both Envoy's routes and ``resolve``."""
+    for http_route in http_routes:
+        if http_route.gateway != gateway.name:
+            continue
+        hostnames = http_route.hostnames
+        if gateway.hostname is not None:
+            if hostnames and gateway.hostname not in hostnames:
+                continue  # not attached: no hostname in common with the listener
+            hostnames = (gateway.hostname,)
+        yield http_route, hostnames
+
+
 def route_configuration(
     gateway: Gateway, http_routes: Iterable[HTTPRoute], pools: Mapping[str, InferencePool]
 ) -> route.RouteConfiguration:
@@ -259,14 +276,7 @@ def route_configuration(
     """
     by_host: dict[str, list[route.Route]] = {}
     anywhere: list[route.Route] = []
-    for http_route in http_routes:
-        if http_route.gateway != gateway.name:
-            continue
-        hostnames = http_route.hostnames
-        if gateway.hostname is not None:
-            if hostnames and gateway.hostname not in hostnames:
-                continue  # not attached: no hostname in common with the listener
-            hostnames = (gateway.hostname,)
+    for http_route, hostnames in _attached(gateway, http_routes):
         routes = envoy_routes(http_route, pools)
         if hostnames:
             for hostname in hostnames:
@@ -403,14 +413,7 @@ def resolve(
     """
     host = host.rsplit(":", 1)[0] if host else ""  # Envoy strips the port (strip_any_host_port)
     best: tuple[int, int, Rule] | None = None
-    for http_route in http_routes:
-        if http_route.gateway != gateway.name:
-            continue
-        hostnames = http_route.hostnames
-        if gateway.hostname is not None:
-            if hostnames and gateway.hostname not in hostnames:
-                continue
-            hostnames = (gateway.hostname,)
+    for http_route, hostnames in _attached(gateway, http_routes):
         if hostnames and host not in hostnames:
             continue
         for rule in http_route.rules:

@@ -98,6 +98,7 @@ tuple hash per block) and kept on the request.
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from collections import Counter, OrderedDict, deque
@@ -756,11 +757,10 @@ class Engine:
         that are already decided), and the copy reports only first tokens and
         completions (``all_tokens=False``). Cost: O(blocks + requests held).
         """
-        twin = Engine.__new__(Engine)
-        twin.profile = self.profile
-        twin.faults = self.faults
+        twin = copy.copy(
+            self
+        )  # settings, counters, clock marks: immutable; the rest replaced below
         twin.all_tokens = False
-        twin.scheduling = self.scheduling
         twin._rng = random.Random()
         twin._rng.setstate(self._rng.getstate())
         twin._jitter = random.Random()
@@ -778,21 +778,10 @@ class Engine:
         if step is not None:
             batch = tuple((seqs[id(seq)], count) for seq, count in step.batch if id(seq) in seqs)
             twin._in_flight = replace(step, batch=batch)
-        twin._prev_start, twin._prev_end = self._prev_start, self._prev_end
         twin._outbox = []
         twin._loaded = OrderedDict(self._loaded)
-        twin._pending = self._pending
-        twin._last_now = self._last_now
-        twin.crashed = self.crashed
         twin.running_adapters = Counter(self.running_adapters)
         twin.waiting_adapters = Counter(self.waiting_adapters)
-        twin.requests_total = self.requests_total
-        twin.errors_total = self.errors_total
-        twin.prompt_tokens_total = self.prompt_tokens_total
-        twin.generation_tokens_total = self.generation_tokens_total
-        twin.prefix_queries_total = self.prefix_queries_total
-        twin.prefix_hits_total = self.prefix_hits_total
-        twin.preemptions_total = self.preemptions_total
         return twin
 
     # --- internals -----------------------------------------------------------------------

@@ -43,7 +43,7 @@ import binascii
 import contextlib
 import socket
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 import h11
 import orjson
@@ -59,8 +59,7 @@ from h2.events import (
 )
 from h2.exceptions import ProtocolError
 
-if TYPE_CHECKING:
-    from simulator.server import Replica
+from simulator.echo import EchoBasic
 
 PREFACE: Final = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 """What an HTTP/2 client with prior knowledge sends first (RFC 9113 section 3.4)."""
@@ -111,8 +110,8 @@ def upgrade_settings(headers: Headers) -> bytes | None:
 class H2cEcho(asyncio.Protocol):
     """One client connection: HTTP/2 from the preface on, or HTTP/1.1 until it upgrades."""
 
-    def __init__(self, replica: Replica, http_port: int) -> None:
-        self._replica = replica
+    def __init__(self, echo: EchoBasic, http_port: int) -> None:
+        self._echo_basic = echo
         self._http_port = http_port
         self._transport: asyncio.Transport | None = None
         self._start: bytes | None = b""  # bytes while it may still be the preface; then None
@@ -152,10 +151,11 @@ class H2cEcho(asyncio.Protocol):
     ) -> tuple[list[tuple[str, str]], bytes]:
         """The echo's response headers and JSON body, over either protocol."""
         body = orjson.dumps(
-            self._replica.echo_body(method, path, host, proto, headers, http_port=self._http_port)
+            self._echo_basic.body(method, path, host, proto, headers, http_port=self._http_port)
         )
+        stamp = self._echo_basic.stamp_headers(headers)
         response = [("content-type", "application/json")]
-        response += [(name.lower(), value) for name, value in self._replica.stamp_headers(headers)]
+        response += [(name.lower(), value) for name, value in stamp]
         response.append(("content-length", str(len(body))))
         return response, body
 
@@ -305,8 +305,8 @@ def _server() -> H2Connection:
     return H2Connection(H2Configuration(client_side=False, header_encoding="utf-8"))
 
 
-async def serve_h2c_echo(replica: Replica, sock: socket.socket, http_port: int) -> asyncio.Server:
+async def serve_h2c_echo(echo: EchoBasic, sock: socket.socket, http_port: int) -> asyncio.Server:
     """Serve the echo on an already bound socket, reporting ``http_port`` as echo-basic's
     ``httpPort``; close the returned server to stop."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: H2cEcho(replica, http_port), sock=sock)
+    return await loop.create_server(lambda: H2cEcho(echo, http_port), sock=sock)

@@ -28,7 +28,6 @@ replica stops listening and drops every connection, as a dead process would.
 from __future__ import annotations
 
 import asyncio
-import re
 import socket
 import time
 import uuid
@@ -45,6 +44,7 @@ from blockhash.vllm import BlockHasher
 from pods.model import Pod, join_host_port
 from simulator import metrics, openai
 from simulator.clocks import EngineError, RealTimeEngine, Sleep
+from simulator.echo import ECHO_HTTP_PORT, EchoBasic
 from simulator.engine import Engine, Request, Settings
 from simulator.h2c import serve_h2c_echo
 from simulator.kv_events import KVEventLog, KVEventsConfig, ZmqPublisher
@@ -54,12 +54,8 @@ from simulator.tokenizer import output_token
 log = structlog.get_logger()
 
 DEFAULT_MODEL: Final = "sim-model"
-ECHO_HTTP_PORT: Final = 3000
-"""echo-basic's HTTP port when its ``HTTP_PORT`` is not set."""
 """The model of a pod without a ``model`` label."""
 
-_HEADER_NAME: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token
-_FRAMING: Final = frozenset({"content-length", "transfer-encoding", "connection"})
 _METRICS_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -69,34 +65,6 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 def _error(error: ApiError) -> web.Response:
     return _json(error.body(), error.status)
-
-
-def _canonical(name: str) -> str:
-    """Go's canonical header form (``x-gateway-model-name`` → ``X-Gateway-Model-Name``).
-
-    The conformance echo server is written in Go, whose ``http.Header`` keys
-    look like this; the echo JSON uses the same keys so tests written for it
-    pass unchanged.
-    """
-    return "-".join(part[:1].upper() + part[1:].lower() for part in name.split("-"))
-
-
-def echo_set_headers(values: Iterable[str]) -> dict[str, str]:
-    """The response headers asked for by ``X-Echo-Set-Header`` values.
-
-    As echo-basic does: each value is split on ``,``, each item cut at the
-    first ``:`` into a name and a value, and a name given twice gets its
-    values joined with ``,``. Items without a valid header name, and the
-    headers that frame the HTTP message itself, are ignored.
-    """
-    headers: dict[str, str] = {}
-    for value in values:
-        for item in value.split(","):
-            name, _, text = item.strip().partition(":")
-            name, text = name.strip(), text.strip()
-            if _HEADER_NAME.fullmatch(name) and name.lower() not in _FRAMING:
-                headers[name] = f"{headers[name]},{text}" if name in headers else text
-    return headers
 
 
 @web.middleware
@@ -119,11 +87,11 @@ class Replica:
         "adapters",
         "dialect",
         "driver",
+        "echo_basic",
         "endpoint",
         "engine",
         "kv_events_endpoint",
         "model",
-        "namespace",
         "pod",
         "port",
         "prompt_tokens_details",
@@ -149,9 +117,9 @@ class Replica:
         """Whose metric names ``/metrics`` uses (``simulator.metrics.ENGINES``)."""
         self.prompt_tokens_details = prompt_tokens_details
         """Whether usage carries ``prompt_tokens_details.cached_tokens`` (vLLM's flag)."""
-        self.namespace = namespace
-        """What the conformance echo reports as the pod's namespace (echo-basic's NAMESPACE)."""
         self.endpoint = join_host_port(pod.address, port)
+        self.echo_basic = EchoBasic(pod, port, namespace)
+        """The conformance echo's answers (``namespace``: the pod's namespace it reports)."""
         self.engine = engine
         self.driver = RealTimeEngine(engine, time_scale=time_scale, sleep=sleep)
         """Steps ``engine`` in real time (``time_scale`` times each step's duration)."""
@@ -188,24 +156,12 @@ class Replica:
     async def stamp(self, request: web.Request, response: web.StreamResponse) -> None:
         """Add the replica's identity and the echo headers to every response (module docstring)."""
         seen: set[str] = set()
-        for name, value in self.stamp_headers(request.headers.items()):
+        for name, value in self.echo_basic.stamp_headers(request.headers.items()):
             if name in seen:  # a repeated x-gateway-* request header: keep every value
                 response.headers.add(name, value)
             else:  # otherwise replace what the handler set
                 response.headers[name] = value
                 seen.add(name)
-
-    def stamp_headers(self, request_headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
-        """The headers ``stamp`` adds, given the request's: identity, received, echoed."""
-        request_headers = list(request_headers)
-        stamp = [("x-sim-pod", self.pod.name), ("x-sim-endpoint", self.endpoint)]
-        stamp += [
-            (f"x-sim-received-{name.lower()}", value)
-            for name, value in request_headers
-            if name.lower().startswith(("x-gateway-", "x-conformance-"))
-        ]
-        asked = [value for name, value in request_headers if name.lower() == "x-echo-set-header"]
-        return stamp + list(echo_set_headers(asked).items())
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completions")
@@ -360,43 +316,10 @@ class Replica:
     async def echo(self, request: web.Request) -> web.Response:
         """The Gateway API conformance echo (echo-basic), plus GIE's ``httpPort``."""
         proto = f"HTTP/{request.version.major}.{request.version.minor}"
-        body = self.echo_body(
+        body = self.echo_basic.body(
             request.method, request.raw_path, request.host, proto, request.headers.items()
         )
         return _json(body)
-
-    def echo_body(
-        self,
-        method: str,
-        path: str,
-        host: str,
-        proto: str,
-        request_headers: Iterable[tuple[str, str]],
-        *,
-        http_port: int | None = None,
-    ) -> dict[str, Any]:
-        """echo-basic's JSON for one request, whatever the HTTP version it came over.
-
-        ``httpPort`` is echo-basic's HTTP port (its ``HTTP_PORT``): this
-        replica's port, unless ``http_port`` names another (an h2c port
-        reports its pod's HTTP port, as echo-basic's does).
-        """
-        headers: dict[str, list[str]] = {}
-        for name, value in request_headers:
-            if name.lower() != "host":  # Go moves Host out of the header map
-                headers.setdefault(_canonical(name), []).append(value)
-        return {
-            "path": path,
-            "host": host,
-            "method": method,
-            "proto": proto,
-            "headers": headers,
-            "namespace": self.namespace,
-            "ingress": "",
-            "service": "",
-            "pod": self.pod.name,
-            "httpPort": str(self.port if http_port is None else http_port),
-        }
 
 
 class BindError(Exception):
@@ -494,7 +417,7 @@ async def serve_pods(
                 replicas.append(replica)
                 if port in h2c_ports:
                     http_port = _http_port(pod, h2c_ports)
-                    h2c_servers.append(await serve_h2c_echo(replica, sock, http_port))
+                    h2c_servers.append(await serve_h2c_echo(replica.echo_basic, sock, http_port))
                     continue
                 # A client that disconnects cancels its handler, which aborts its request in
                 # the engine and frees its blocks, as vLLM aborts a request whose client left.

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from bench import floor
-from bench.overhead import GRPC_JS, NODE_NOOP
+from bench.rig import GRPC_JS, NODE_NOOP
 from bench.streams import HEADERS, chat_body
 from serving.testing import (
     request_body,

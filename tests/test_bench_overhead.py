@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench import loadgen, overhead, overhead_engine
+from bench import loadgen, overhead, overhead_engine, report, rig
 from bench.report import Options
 from lwepp.plugins.prometheus import parse
 
@@ -24,7 +24,7 @@ def test_overhead_smoke_run_measures_every_case_and_every_request_succeeds(
     assert section.key == "overhead"
     missing = section.data["missing"]
     assert set(missing) <= {"sglang-router", "vllm-router"}  # only a peer may be left out
-    cases = [case for case in overhead.CASES if case.key not in missing]
+    cases = [case for case in rig.CASES if case.key not in missing]
     pieces = [row for row in overhead.BREAKDOWN if not {row[1], row[2]} & set(missing)]
     assert [len(t.rows) for t in section.tables] == [
         len(cases),
@@ -65,8 +65,8 @@ def test_overhead_smoke_run_measures_every_case_and_every_request_succeeds(
     assert '"tls": true' in (tmp_path / "overhead-run" / "lwepp-tls.log").read_text()
     # The scraping pickers read the upstream's metrics page, and kept reading it to the end.
     assert section.data["pool_queue"] == {
-        "lwepp-scrape": overhead.PAGE_QUEUE,
-        "onehop-scrape": overhead.PAGE_QUEUE,
+        "lwepp-scrape": rig.PAGE_QUEUE,
+        "onehop-scrape": rig.PAGE_QUEUE,
     }
 
 
@@ -74,25 +74,25 @@ def test_scraping_config_sets_the_interval_of_every_metrics_source(tmp_path: Pat
     """The benchmark's prefix-aware pickers run the given config with only the metrics
     source's refreshIntervalSeconds changed (or none: its own); a config without a metrics
     source is refused, naming the file, since it would not scrape at all."""
-    once = overhead.scraping_config(overhead.PREFIX_CONFIG, tmp_path / "once.yaml", 3600.0)
-    base = yaml.safe_load(overhead.PREFIX_CONFIG.read_text())
+    once = rig.scraping_config(rig.PREFIX_CONFIG, tmp_path / "once.yaml", 3600.0)
+    base = yaml.safe_load(rig.PREFIX_CONFIG.read_text())
     written = yaml.safe_load(once.read_text())
     [source] = [p for p in written["plugins"] if p["type"] == "metrics-data-source"]
     assert source["parameters"] == {"refreshIntervalSeconds": 3600.0}
     assert written["schedulingProfiles"] == base["schedulingProfiles"]
-    as_is = overhead.scraping_config(overhead.PREFIX_CONFIG, tmp_path / "as-is.yaml", None)
+    as_is = rig.scraping_config(rig.PREFIX_CONFIG, tmp_path / "as-is.yaml", None)
     assert yaml.safe_load(as_is.read_text()) == base
     bare = tmp_path / "bare.yaml"
     bare.write_text(yaml.safe_dump({"plugins": [{"type": "queue-scorer"}]}))
     with pytest.raises(ValueError, match=r"bare\.yaml: no metrics-data-source"):
-        overhead.scraping_config(bare, tmp_path / "out.yaml", 1.0)
+        rig.scraping_config(bare, tmp_path / "out.yaml", 1.0)
 
 
 def test_metrics_page_speaks_vllm_for_the_scraping_pickers() -> None:
     """The fast upstream's fixed /metrics page carries what a vLLM-reading picker scrapes:
     the queue it reports, the running batch, KV-cache use and the cache geometry."""
     families = parse(
-        overhead.METRICS_PAGE,
+        rig.METRICS_PAGE,
         [
             "vllm:num_requests_waiting",
             "vllm:num_requests_running",
@@ -100,7 +100,7 @@ def test_metrics_page_speaks_vllm_for_the_scraping_pickers() -> None:
             "vllm:cache_config_info",
         ],
     )
-    assert families["vllm:num_requests_waiting"][0][1] == overhead.PAGE_QUEUE
+    assert families["vllm:num_requests_waiting"][0][1] == rig.PAGE_QUEUE
     assert len(families) == 4
 
 
@@ -108,12 +108,12 @@ def test_median_interval_brackets_the_median_by_sign_test_ranks() -> None:
     """The median of paired differences comes with the order statistics at ranks
     (n ± 1.96·√n)/2 as its 95% interval; too few values give no interval."""
     values = [float(v) for v in range(100, 0, -1)]  # 1..100, unordered
-    assert overhead.median_interval(values) == (50.5, 41.0, 60.0)
-    median, low, high = overhead.median_interval([3.0, 1.0, 2.0])
+    assert report.median_interval(values) == (50.5, 41.0, 60.0)
+    median, low, high = report.median_interval([3.0, 1.0, 2.0])
     assert median == 2.0
     assert math.isnan(low)
     assert math.isnan(high)
-    assert all(math.isnan(v) for v in overhead.median_interval([]))
+    assert all(math.isnan(v) for v in report.median_interval([]))
 
 
 def test_paired_differences_skip_rounds_where_either_request_failed() -> None:

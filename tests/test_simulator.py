@@ -29,9 +29,9 @@ from pods.model import Pod
 from simulator import Faults, Replica, Request, Settings, count_tokens, output_token, serve_pods
 from simulator.__main__ import _parser, main, settings_of
 from simulator.clocks import EngineError, RealTimeEngine, Sleep
+from simulator.echo import echo_set_headers
 from simulator.engine import Engine, Scheduling
 from simulator.profiles import PROFILES
-from simulator.server import echo_set_headers
 from simulator.tokenizer import token_block, tokenize
 
 INSTANT = Settings(time_scale=0)

@@ -53,6 +53,7 @@ computed by ``PickerMetrics.labels`` (one place, with its cardinality cap).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -194,7 +195,7 @@ class Timed:
     the size of the body it chose for (``request_size_bytes``; the ``content-length`` header
     when the body was not held, as in a mode other than full duplex)."""
 
-    __slots__ = ("clock", "labels", "series", "strategy")
+    __slots__ = ("clock", "labels", "series", "sizes", "strategy")
 
     def __init__(
         self,
@@ -204,6 +205,9 @@ class Timed:
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.strategy, self.series, self.labels, self.clock = strategy, series, labels, clock
+        # Speed: a label set's child is looked up once (prometheus_client's lookup costs more
+        # than the observation); bounded, as the labels are (PickerMetrics.CAP).
+        self.sizes = functools.lru_cache(maxsize=4096)(series.request_size.labels)
 
     @property
     def hears_response(self) -> bool:
@@ -216,7 +220,7 @@ class Timed:
         finally:
             self.series.scheduler.observe(self.clock() - started)
         size = len(request.body) if request.body is not None else content_length(request)
-        self.series.request_size.labels(*self.labels(request.headers)).observe(size)
+        self.sizes(*self.labels(request.headers)).observe(size)
         return choice
 
 

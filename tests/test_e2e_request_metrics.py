@@ -188,7 +188,10 @@ def test_a_buffered_answer_s_series_match_what_the_client_measured(gateway: Topo
     assert observed(before, after, "llm_d_epp_request_output_tokens") == (1, tokens)
     assert observed(before, after, "llm_d_epp_response_size_bytes") == (1, len(measured.received))
     assert observed(before, after, "llm_d_epp_request_streaming_itl_seconds")[0] == 0
-    scheduled = ("llm_d_epp_scheduler_e2e_duration_seconds_count", frozenset())
+    scheduled: tuple[str, frozenset[tuple[str, str]]] = (
+        "llm_d_epp_scheduler_e2e_duration_seconds_count",
+        frozenset(),
+    )
     assert after[scheduled] - before[scheduled] == 1
     missed = {"model_name": "model-a", "target_model_name": "model-a", "objective": ""}
     key = (

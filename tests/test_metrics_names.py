@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from bbr.plugins import DEFAULT_PLUGINS
 from bbr.server import BodyBasedRouter
+from demo.dashboard import legend, promql
 from lwepp.config import load_config
 from lwepp.contracts import Measurement
 from lwepp.metrics import PickerMetrics
@@ -126,6 +127,13 @@ def test_every_series_the_dashboard_queries_is_exported_with_its_labels() -> Non
 
 
 REQUEST = {"model_name", "target_model_name", "fairness_id", "priority"}
+
+
+def test_the_screenshot_s_renderer_fills_in_every_variable_and_legend() -> None:
+    """``demo.dashboard`` sends Prometheus each panel's query with no Grafana variable left,
+    and writes a dropped (empty) label as ``""`` in a legend."""
+    assert all("$" not in promql(expr) for expr in queries())
+    assert legend("{{model_name}} {{objective}}", {"model_name": "m"}) == 'm ""'
 
 
 def test_the_picker_exports_the_router_s_families_with_its_labels() -> None:

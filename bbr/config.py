@@ -48,8 +48,7 @@ from prometheus_client import CollectorRegistry
 
 from bbr.plugins import CHAINS, PLUGINS, BBRMetrics, Chain, Step
 from plugin_api import ConfigError, Factory, Params, Role, build, needs_body
-from plugin_api.document import ConfigErrors, Document, keys_of
-from pods.file import read_utf8
+from plugin_api.document import Document, keys_of, read_config
 from wire.extproc import Phase
 
 API_VERSION: Final = "llm-d.ai/v1alpha1"
@@ -147,13 +146,7 @@ class PayloadConfig:
 
 def load_config(path: str | Path) -> PayloadConfig:
     """Read and check the configuration in ``path``; raise ``ConfigErrors`` listing all."""
-    try:
-        text = read_utf8(path)
-    except OSError as error:
-        raise ConfigErrors([f"{path}: cannot read: {error.strerror or error}"]) from None
-    except ValueError as error:
-        raise ConfigErrors([str(error)]) from None
-    return load_text(text, str(path))
+    return load_text(read_config(path), str(path))
 
 
 def load_text(text: str, where: str = "--config-text") -> PayloadConfig:

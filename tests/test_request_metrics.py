@@ -43,6 +43,20 @@ def token(text: str) -> bytes:
     return b'data: {"choices":[{"text":"' + text.encode() + b'"}]}\n\n'
 
 
+STREAM_TIMES = (10.0, 10.25, 10.30, 10.40, 10.40)
+"""When a three-token stream is admitted, its three chunks arrive, and it ends."""
+
+
+def stream() -> list[ProcessingRequest]:
+    """A three-token stream with its usage, in three chunks."""
+    return [
+        response_headers(SSE),
+        response_body(token("a"), end_of_stream=False),
+        response_body(token("b") + token("c"), end_of_stream=False),
+        response_body(USAGE + DONE),
+    ]
+
+
 class Ticks:
     """A clock that reads the given times, one per call."""
 
@@ -86,13 +100,8 @@ def test_a_stream_is_timed_from_admission_to_its_first_chunk_and_end() -> None:
     """Duration, TTFT (streaming), inter-chunk latency, TPOT and NTPOT as the router defines
     them; tokens from the stream's usage; the bytes the client gets; nothing left running."""
     registry = drive(
-        Ticks(10.0, 10.25, 10.30, 10.40, 10.40),
-        [
-            response_headers(SSE),
-            response_body(token("a"), end_of_stream=False),
-            response_body(token("b") + token("c"), end_of_stream=False),
-            response_body(USAGE + DONE),
-        ],
+        Ticks(*STREAM_TIMES),
+        stream(),
     )
     assert value(registry, "llm_d_epp_request_duration_seconds_sum") == pytest.approx(0.40)
     ttft = value(registry, "llm_d_epp_request_ttft_seconds_sum", streaming="true")
@@ -153,13 +162,8 @@ def test_latency_objectives_are_counted_met_or_missed_per_objective_and_model() 
     """A TTFT objective of 200 ms missed by a 250 ms first token, a TPOT objective of 100 ms
     met by 75 ms per token (old header names work too); ``objective`` is present, empty."""
     registry = drive(
-        Ticks(10.0, 10.25, 10.30, 10.40, 10.40),
-        [
-            response_headers(SSE),
-            response_body(token("a"), end_of_stream=False),
-            response_body(token("b") + token("c"), end_of_stream=False),
-            response_body(USAGE + DONE),
-        ],
+        Ticks(*STREAM_TIMES),
+        stream(),
         headers={**HEADERS, "x-llm-d-slo-ttft-ms": "200", "x-slo-tpot-ms": "100"},
     )
     slo = {"model_name": "m", "target_model_name": "m", "objective": ""}

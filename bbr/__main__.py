@@ -50,8 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         router = router_of(args, registry, options.max_body_bytes)
     except ConfigError as error:
-        configured = args.config_file is not None or args.config_text is not None
-        p.error(f"argument {'--config-file' if configured else '--plugin'}:\n{error}")
+        if args.config_file is None and args.config_text is None:
+            p.error(f"argument --plugin: {error}")
+        p.error(f"argument --config-file:\n{error}")  # every problem, one per line
     service = Service(
         "bbr",
         router,

@@ -39,14 +39,15 @@ from prometheus_client import CollectorRegistry
 
 from bench import hooks
 from bench.instructions import WIRE, WireStream, collected
-from bench.streams import cpu_seconds
+from bench.streams import HEADERS, cpu_seconds
 from demo.topology import Topology, free_ports
 from lwepp.metrics import PickerMetrics
 from lwepp.picking import RoundRobin
 from lwepp.request_metrics import LEVELS, Level, install
 from lwepp.server import EndpointPickerService
 from serving.logs import configure_logging
-from serving.testing import response_body, response_headers
+from serving.testing import request_headers, response_body, response_headers
+from wire.extproc import BodyMode, ProcessingRequest
 
 TOKENS: Final = 32
 CONCURRENCY: Final = 4
@@ -158,14 +159,16 @@ def wire(response: bool) -> list[bytes]:
     """A stream in bytes: ``bench.instructions``' request, then maybe a streamed response."""
     if not response:
         return list(WIRE)
-    answer = [response_headers({":status": "200", "content-type": "text/event-stream"})]
+    both = (BodyMode.FULL_DUPLEX_STREAMED, BodyMode.FULL_DUPLEX_STREAMED)  # the response comes
+    answer = [request_headers(HEADERS, body_modes=both), ProcessingRequest.FromString(WIRE[1])]
+    answer += [response_headers({":status": "200", "content-type": "text/event-stream"})]
     answer += [response_body(SSE_EVENT, end_of_stream=False) for _ in range(TOKENS)]
     answer.append(response_body(b"data: [DONE]\n\n"))
-    return [*WIRE, *(message.SerializeToString() for message in answer)]
+    return [message.SerializeToString() for message in answer]
 
 
-def picker(level: Level) -> EndpointPickerService:
-    registry = CollectorRegistry()
+def picker(level: Level, registry: CollectorRegistry | None = None) -> EndpointPickerService:
+    registry = registry or CollectorRegistry()
     metrics = PickerMetrics(registry)
     strategy, controls = install(level, RoundRobin(), metrics.labels, registry)
     return EndpointPickerService(hooks.pool(), strategy, metrics, controls=controls)

@@ -406,11 +406,15 @@ def install(
     strategy: Strategy,
     labels: Callable[[Sequence[tuple[str, str]]], Labels],
     registry: CollectorRegistry,
+    objective_of: Callable[[RequestInfo], str] = no_objective,
 ) -> tuple[Strategy, list[RequestControl]]:
     """The strategy and request controls that observe requests at ``level`` (``off``: the
-    strategy as it is, and none)."""
+    strategy as it is, and none). ``objective_of`` names a request's InferenceObjective, for
+    the ``objective`` label (the picker that resolves objectives passes its own)."""
     if level == "off":
         return strategy, []
     series = RequestSeries(registry)
     timed = Timed(strategy, series, labels)
-    return timed, ([RequestMetrics(series, labels)] if level == "response" else [])
+    if level == "request":
+        return timed, []
+    return timed, [RequestMetrics(series, labels, objective_of=objective_of)]

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from lwepp.metrics import PickerMetrics
 from lwepp.picking import Pool, RequestInfo, RoundRobin
-from lwepp.request_metrics import RequestMetrics, RequestSeries, Timed, install
+from lwepp.request_metrics import RequestMetrics, RequestSeries, Timed, install, no_objective
 from lwepp.server import EndpointPickerService
 from serving.testing import (
     ExtProcClient,
@@ -68,12 +68,16 @@ class Ticks:
 
 
 def drive(
-    clock: Ticks, messages: Sequence[ProcessingRequest], headers: dict[str, str] | None = None
+    clock: Ticks,
+    messages: Sequence[ProcessingRequest],
+    headers: dict[str, str] | None = None,
+    objective_of: Callable[[RequestInfo], str] = no_objective,
 ) -> CollectorRegistry:
     """One request through a picker whose only control is ``RequestMetrics``, over real gRPC."""
     registry = CollectorRegistry()
     metrics = PickerMetrics(registry)
-    control = RequestMetrics(RequestSeries(registry), metrics.labels, clock=clock)
+    series = RequestSeries(registry)
+    control = RequestMetrics(series, metrics.labels, objective_of=objective_of, clock=clock)
     pool = Pool(StaticPods(pod("p0", "10.0.0.1", 3000)), {})
     picker = EndpointPickerService(pool, RoundRobin(), metrics, controls=[control])
 
@@ -180,6 +184,18 @@ def test_latency_objectives_are_counted_met_or_missed_per_objective_and_model() 
         if s.name == "llm_d_epp_request_slo_total"
     ]
     assert len(counted) == 2
+
+
+def test_the_objective_label_names_what_the_picker_resolves() -> None:
+    """Where the picker resolves the request's InferenceObjective, its name is the label."""
+    registry = drive(
+        Ticks(*STREAM_TIMES),
+        stream(),
+        headers={**HEADERS, "x-llm-d-slo-ttft-ms": "300"},
+        objective_of=lambda request: "gold",
+    )
+    labels = {"model_name": "m", "target_model_name": "m", "objective": "gold", "slo": "ttft"}
+    assert registry.get_sample_value("llm_d_epp_request_slo_total", {**labels, "outcome": "met"})
 
 
 def test_an_objective_that_is_no_positive_number_is_ignored() -> None:

@@ -57,7 +57,7 @@ import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Final, Literal
+from typing import Any, Final, Literal, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -121,6 +121,22 @@ INPUT_TOKEN_BUCKETS: Final = (
 """1 to 1,048,576 tokens: the response sizes' buckets, then on to 2**20."""
 OUTPUT_TOKEN_BUCKETS: Final = (1, *(float(2**k) for k in range(3, 14)))
 """1 to 8,192 tokens."""
+
+
+class Children(NamedTuple):
+    """One label set's series of ``RequestSeries``, looked up once (``RequestSeries.of``)."""
+
+    duration: Any
+    response_size: Any
+    input_tokens: Any
+    output_tokens: Any
+    cached_tokens: Any
+    ntpot: Any
+    ttft_streamed: Any
+    ttft_whole: Any
+    tpot: Any
+    itl: Any
+    running: Any
 
 
 class RequestSeries:
@@ -187,6 +203,22 @@ class RequestSeries:
             "Requests with a latency objective, by objective, kind and whether it was met.",
             ("model_name", "target_model_name", "objective", "slo", "outcome"),
             registry=registry,
+        )
+
+    def of(self, *labels: str) -> Children:
+        """The series of one label set (``Labels``)."""
+        return Children(
+            duration=self.duration.labels(*labels),
+            response_size=self.response_size.labels(*labels),
+            input_tokens=self.input_tokens.labels(*labels),
+            output_tokens=self.output_tokens.labels(*labels),
+            cached_tokens=self.cached_tokens.labels(*labels),
+            ntpot=self.ntpot.labels(*labels),
+            ttft_streamed=self.ttft.labels(*labels, "true"),
+            ttft_whole=self.ttft.labels(*labels, "false"),
+            tpot=self.tpot.labels(*labels),
+            itl=self.itl.labels(*labels),
+            running=self.running.labels(*labels),
         )
 
 
@@ -257,12 +289,12 @@ class RequestMetrics:
         objective_of: Callable[[RequestInfo], str] = no_objective,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.series, self.labels, self.objective_of, self.clock = (
-            series,
-            labels,
-            objective_of,
-            clock,
-        )
+        self.series, self.labels, self.clock = series, labels, clock
+        self.objective_of = objective_of
+        # Speed: a label set's series are looked up once (prometheus_client's lookup costs
+        # more than an observation, and a stream observes once a chunk); bounded, as the
+        # labels are (PickerMetrics.CAP).
+        self.children = functools.lru_cache(maxsize=4096)(series.of)
 
     async def admit(self, admitted: Admitted) -> Admitted:
         request = admitted.request
@@ -300,6 +332,7 @@ class Observed:
     """
 
     __slots__ = (
+        "children",
         "control",
         "ended",
         "events",
@@ -310,7 +343,6 @@ class Observed:
         "objectives",
         "reader",
         "received",
-        "running",
         "size",
         "streaming",
     )
@@ -331,8 +363,8 @@ class Observed:
         self.streaming = False
         self.reader: UsageReader | None = None
         self.ended = False
-        self.running = control.series.running.labels(*labels)
-        self.running.inc()
+        self.children: Children = control.children(*labels)
+        self.children.running.inc()
 
     def headers(self, served: str | None, headers: Mapping[str, str]) -> Sequence[tuple[str, str]]:
         self.streaming = "text/event-stream" in headers.get("content-type", "")
@@ -346,7 +378,7 @@ class Observed:
         if self.first is None:
             self.first = now
         elif self.streaming:
-            self.control.series.itl.labels(*self.labels).observe(now - self.last)
+            self.children.itl.observe(now - self.last)
         self.last = now
         self.size += len(chunk)
         if self.streaming:
@@ -355,28 +387,28 @@ class Observed:
             self.reader.add(chunk)
 
     def end(self) -> None:
-        now, series, labels = self.control.clock(), self.control.series, self.labels
+        now, series, labels = self.control.clock(), self.children, self.labels
         self.ended = True
-        self.running.dec()
+        series.running.dec()
         duration = now - self.received
-        series.duration.labels(*labels).observe(duration)
-        series.response_size.labels(*labels).observe(self.size)
+        series.duration.observe(duration)
+        series.response_size.observe(self.size)
         usage = self.reader.usage() if self.reader is not None else None
         output = self.output_tokens(usage)
         self.observe_tokens(usage, output)
         ttft = (self.first if self.streaming and self.first is not None else now) - self.received
-        streaming = "true" if self.streaming else "false"
-        series.ttft.labels(*labels, streaming).observe(ttft)
+        (series.ttft_streamed if self.streaming else series.ttft_whole).observe(ttft)
         measured = {"ttft": ttft}
         if output:
-            series.ntpot.labels(*labels).observe(duration / output)
+            series.ntpot.observe(duration / output)
             if self.streaming and output > 1:
                 measured["tpot"] = tpot = (duration - ttft) / (output - 1)
-                series.tpot.labels(*labels).observe(tpot)
+                series.tpot.observe(tpot)
         for slo, limit in self.objectives.items():
             if slo in measured:
                 outcome = "met" if measured[slo] <= limit else "missed"
-                series.slo.labels(labels[0], labels[1], self.objective, slo, outcome).inc()
+                slos = self.control.series.slo
+                slos.labels(labels[0], labels[1], self.objective, slo, outcome).inc()
 
     def output_tokens(self, usage: Usage | None) -> int:
         """The completion tokens the usage reports, else a stream's token events (its
@@ -388,17 +420,17 @@ class Observed:
     def observe_tokens(self, usage: Usage | None, output: int) -> None:
         """The token histograms, each only when its count is known and above zero (the router
         records no zero)."""
-        series, labels = self.control.series, self.labels
+        series = self.children
         if usage is not None and usage.prompt_tokens:
-            series.input_tokens.labels(*labels).observe(usage.prompt_tokens)
+            series.input_tokens.observe(usage.prompt_tokens)
         if output:
-            series.output_tokens.labels(*labels).observe(output)
+            series.output_tokens.observe(output)
         if usage is not None and usage.cached_tokens is not None:
-            series.cached_tokens.labels(*labels).observe(usage.cached_tokens)
+            series.cached_tokens.observe(usage.cached_tokens)
 
     def __del__(self) -> None:
         if not self.ended:  # the response broke off (or never came): it is running no more
-            self.running.dec()
+            self.children.running.dec()
 
 
 def install(

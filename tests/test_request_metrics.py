@@ -139,12 +139,8 @@ def test_a_json_answer_s_first_token_is_its_end_and_it_has_no_inter_token_latenc
     assert ttft == pytest.approx(0.8)
     assert value(registry, "llm_d_epp_request_duration_seconds_sum") == pytest.approx(0.8)
     assert value(registry, "llm_d_epp_request_output_tokens_sum") == 2
-    assert (
-        registry.get_sample_value("llm_d_epp_request_streaming_itl_seconds_count", LABELS) is None
-    )
-    assert (
-        registry.get_sample_value("llm_d_epp_request_streaming_tpot_seconds_count", LABELS) is None
-    )
+    assert not registry.get_sample_value("llm_d_epp_request_streaming_itl_seconds_count", LABELS)
+    assert not registry.get_sample_value("llm_d_epp_request_streaming_tpot_seconds_count", LABELS)
 
 
 def test_a_stream_without_usage_has_its_output_tokens_counted_as_its_events() -> None:
@@ -159,7 +155,7 @@ def test_a_stream_without_usage_has_its_output_tokens_counted_as_its_events() ->
         ],
     )
     assert value(registry, "llm_d_epp_request_output_tokens_sum") == 4
-    assert registry.get_sample_value("llm_d_epp_request_input_tokens_count", LABELS) is None
+    assert not registry.get_sample_value("llm_d_epp_request_input_tokens_count", LABELS)
 
 
 def test_latency_objectives_are_counted_met_or_missed_per_objective_and_model() -> None:
@@ -221,7 +217,7 @@ def test_a_response_that_breaks_off_is_running_no_more_and_is_not_observed() -> 
         [response_headers(SSE), response_body(token("a"), end_of_stream=False)],
     )
     assert value(registry, "llm_d_epp_request_running") == 0
-    assert registry.get_sample_value("llm_d_epp_request_duration_seconds_count", LABELS) is None
+    assert not registry.get_sample_value("llm_d_epp_request_duration_seconds_count", LABELS)
 
 
 def test_the_wrapped_strategy_is_timed_and_the_body_it_chose_for_measured() -> None:

@@ -36,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
         '\'body-field-to-header:model-extractor:{"fieldName":"model",'
         '"headerName":"X-Gateway-Model-Name"}\'',
     )
-    add_router_flags(p)
+    add_router_flags(p, config=True)
     cli.add_serving_flags(p, Ports("127.0.0.1", 9004, 9005, 9091))
     cli.add_ignored_flags(p, IGNORED)
     return p
@@ -50,7 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         router = router_of(args, registry, options.max_body_bytes)
     except ConfigError as error:
-        p.error(f"argument --plugin: {error}")
+        if args.config_file is None and args.config_text is None:
+            p.error(f"argument --plugin: {error}")
+        p.error(f"argument --config-file:\n{error}")  # every problem, one per line
     service = Service(
         "bbr",
         router,

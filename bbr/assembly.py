@@ -10,12 +10,16 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import structlog
 from prometheus_client import CollectorRegistry
 
+from bbr import config as router_config
 from bbr.plugins import DEFAULT_PLUGINS, PluginSpec
 from bbr.server import BodyBasedRouter
 from plugin_api import ConfigError
 from serving.cli import add_bool
+
+log = structlog.get_logger()
 
 
 def plugin_flag(flag: str) -> PluginSpec:
@@ -26,9 +30,23 @@ def plugin_flag(flag: str) -> PluginSpec:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def add_router_flags(parser: Any, *, streaming: bool = False) -> None:
+def add_router_flags(parser: Any, *, streaming: bool = False, config: bool = False) -> None:
     """``--plugin`` (repeatable) and ``--streaming`` (default ``streaming``), added to
-    ``parser`` (an argument parser, or one of its groups)."""
+    ``parser`` (an argument parser, or one of its groups); with ``config``, the payload
+    processor's ``--config-file`` and ``--config-text`` (``python -m bbr``: the one hop's
+    ``--config`` is its pickers')."""
+    if config:
+        configs = parser.add_mutually_exclusive_group()
+        configs.add_argument(
+            "--config-file",
+            metavar="FILE",
+            help="a PayloadProcessorConfig (the payload processor's YAML format): the plugins "
+            "and the one profile that places them in the request and response chains, in lieu "
+            "of --plugin (format: bbr/config.py)",
+        )
+        configs.add_argument(
+            "--config-text", metavar="YAML", help="the PayloadProcessorConfig itself"
+        )
     parser.add_argument(
         "--plugin",
         dest="plugins",
@@ -53,10 +71,22 @@ def add_router_flags(parser: Any, *, streaming: bool = False) -> None:
 def router_of(
     args: argparse.Namespace, registry: CollectorRegistry, max_body_bytes: int
 ) -> BodyBasedRouter:
-    """The router the flags describe, its metrics in ``registry``. Raises ``ConfigError``."""
-    return BodyBasedRouter(
+    """The router the flags describe, its metrics in ``registry``. Raises ``ConfigError``
+    (``ConfigErrors`` listing every problem of a configuration, at its lines)."""
+    path, text = getattr(args, "config_file", None), getattr(args, "config_text", None)
+    if (path is not None or text is not None) and args.plugins:
+        raise ConfigError("--plugin and a configuration (--config-file, --config-text): give one")
+    config = None
+    if path is not None:
+        config = router_config.load_config(path)
+    elif text is not None:
+        config = router_config.load_text(text)
+    router = BodyBasedRouter(
         registry,
-        args.plugins or DEFAULT_PLUGINS,
+        config.chains if config is not None else args.plugins or DEFAULT_PLUGINS,
         streaming=args.streaming,
         max_body_bytes=max_body_bytes,
     )
+    for warning in config.warnings if config is not None else ():
+        log.warning("configuration", detail=warning)
+    return router

@@ -114,45 +114,80 @@ class ResponsePlugin(Protocol):
 # --- metrics ---------------------------------------------------------------------
 
 
+class Twins:
+    """One family recorded under two names (or one of its children): the payload processor
+    renamed its ``bbr_*`` series ``ipp_*`` (``pkg/metrics/metrics.go``, subsystem ``ipp``), and
+    dashboards of either kind read BBR's until the old names are gone everywhere."""
+
+    __slots__ = ("both",)
+
+    def __init__(self, *both: Any) -> None:
+        self.both = both
+
+    def labels(self, *values: str, **named: str) -> Twins:
+        return Twins(*(family.labels(*values, **named) for family in self.both))
+
+    def inc(self) -> None:
+        for series in self.both:
+            series.inc()
+
+    def observe(self, value: float) -> None:
+        for series in self.both:
+            series.observe(value)
+
+
 @final
 class BBRMetrics:
-    """BBR's Prometheus metrics (the payload processor's names), on the registry the caller passes:
-    ``bbr_success_total``, ``bbr_body_field_not_found_total{field}``,
-    ``bbr_body_field_empty_total{field}``, ``bbr_plugin_duration_seconds``,
-    ``bbr_info{commit,build_ref}``; and Switchyard's ``bbr_requests_total`` and
-    ``bbr_errors_total{reason}``."""
+    """BBR's Prometheus metrics, on the registry the caller passes, under the payload
+    processor's names, old and new: ``bbr_success_total`` and ``ipp_success_total``,
+    ``{bbr,ipp}_body_field_not_found_total{field}``, ``{bbr,ipp}_body_field_empty_total{field}``,
+    ``{bbr,ipp}_plugin_duration_seconds{extension_point,plugin_type,plugin_name}``,
+    ``{bbr,ipp}_info{commit,build_ref}``; and Switchyard's ``bbr_requests_total`` and
+    ``bbr_errors_total{reason}``. (The payload processor's model-selection series,
+    ``ipp_model_selector_*``, ``ipp_request_ttft_seconds`` and ``ipp_model_avg_*``, have
+    nothing to count here: BBR selects no model.)"""
 
     DURATION_BUCKETS: Final = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+    PREFIXES: Final = ("bbr", "ipp")
 
     def __init__(self, registry: CollectorRegistry) -> None:
         def counter(name: str, documentation: str, *labels: str) -> Counter:
             return Counter(name, documentation, labels, registry=registry)
 
+        def twins(name: str, documentation: str, *labels: str) -> Twins:
+            return Twins(*(counter(f"{p}_{name}", documentation, *labels) for p in self.PREFIXES))
+
         self.registry: Final = registry
         self.requests: Final = counter("bbr_requests", "ext_proc streams")
-        self.success: Final = counter("bbr_success", "request bodies through the whole chain")
+        self.success: Final = twins("success", "request bodies through the whole chain")
         self.errors: Final = counter("bbr_errors", "requests refused, by code", "reason")
-        self.body_field_not_found: Final = counter(
-            "bbr_body_field_not_found", "bodies without the field", "field"
+        self.body_field_not_found: Final = twins(
+            "body_field_not_found", "bodies without the field", "field"
         )
-        self.body_field_empty: Final = counter(
-            "bbr_body_field_empty", "bodies whose field renders empty", "field"
+        self.body_field_empty: Final = twins(
+            "body_field_empty", "bodies whose field renders empty", "field"
         )
-        self.plugin_duration: Final = Histogram(
-            "bbr_plugin_duration_seconds",
-            "time spent in each plugin",
-            ["extension_point", "plugin_type", "plugin_name"],
-            buckets=self.DURATION_BUCKETS,
-            registry=registry,
+        self.plugin_duration: Final = Twins(
+            *(
+                Histogram(
+                    f"{prefix}_plugin_duration_seconds",
+                    "time spent in each plugin",
+                    ["extension_point", "plugin_type", "plugin_name"],
+                    buckets=self.DURATION_BUCKETS,
+                    registry=registry,
+                )
+                for prefix in self.PREFIXES
+            )
         )
-        # The payload processor's build gauge; with --workers, one series however many run.
-        Gauge(
-            "bbr_info",
-            "General information of the current build of BBR.",
-            ["commit", "build_ref"],
-            registry=registry,
-            multiprocess_mode="livemax",
-        ).labels(*build_info()).set(1)
+        # The build gauge; with --workers, one series however many run.
+        for prefix in self.PREFIXES:
+            Gauge(
+                f"{prefix}_info",
+                "General information of the current build of BBR.",
+                ["commit", "build_ref"],
+                registry=registry,
+                multiprocess_mode="livemax",
+            ).labels(*build_info()).set(1)
 
 
 # --- the chain -------------------------------------------------------------------
@@ -243,6 +278,9 @@ DEFAULT_PLUGINS: Final = (
 
 
 CHAINS: Final = (Role.REQUEST, Role.RESPONSE)
+
+Chains = Callable[[BBRMetrics], tuple[Chain, Chain]]
+"""Makes the two chains, given what BBR hands its plugins (``bbr.config.PayloadConfig.chains``)."""
 
 
 def build_chains(

@@ -60,7 +60,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from bbr.message import Message
-from bbr.plugins import DEFAULT_PLUGINS, BBRMetrics, PluginSpec, build_chains
+from bbr.plugins import DEFAULT_PLUGINS, BBRMetrics, Chains, PluginSpec, build_chains
 from plugin_api import Factory
 from wire import extproc
 from wire.exchange import MAX_BODY_BYTES, Exchange, Half, Refusal, check_headers_fit
@@ -91,15 +91,21 @@ class BodyBasedRouter:
     def __init__(
         self,
         registry: CollectorRegistry,
-        specs: Sequence[PluginSpec] = DEFAULT_PLUGINS,
+        specs: Sequence[PluginSpec] | Chains = DEFAULT_PLUGINS,
         *,
         streaming: bool = False,
         max_body_bytes: int = MAX_BODY_BYTES,
         plugin_types: Mapping[str, Factory] | None = None,
     ) -> None:
-        """Make the plugins of ``specs`` (raises ``ConfigError``); metrics go to ``registry``."""
+        """Make the plugins of ``specs``, ``--plugin`` flags or a configuration's ``chains``
+        (raises ``ConfigError``); metrics go to ``registry``."""
         self.metrics: Final = BBRMetrics(registry)
-        self.request_chain, self.response_chain = build_chains(specs, self.metrics, plugin_types)
+        if callable(specs):
+            self.request_chain, self.response_chain = specs(self.metrics)
+        else:
+            self.request_chain, self.response_chain = build_chains(
+                specs, self.metrics, plugin_types
+            )
         mode = BodyMode.FULL_DUPLEX_STREAMED if streaming else BodyMode.BUFFERED
         self.modes: Final = (mode, mode)
         self.max_body_bytes: Final = max_body_bytes

@@ -27,7 +27,7 @@ import functools
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from prometheus_client import CollectorRegistry
@@ -54,12 +54,13 @@ WIRE: Final = (
 
 
 class WireStream(Stream):
-    """A stream that hands over ``WIRE`` parsed from bytes and serialises every reply."""
+    """A stream that hands over ``messages`` (``WIRE``) parsed from bytes and serialises every
+    reply."""
 
     __slots__ = ("pending",)
 
-    def __init__(self) -> None:  # no gRPC call behind it
-        self.pending = list(WIRE)
+    def __init__(self, messages: Sequence[bytes] = WIRE) -> None:  # no gRPC call behind it
+        self.pending = list(messages)
 
     async def recv(self) -> ProcessingRequest | None:
         return ProcessingRequest.FromString(self.pending.pop(0)) if self.pending else None
@@ -92,28 +93,28 @@ def run_one(what: str, which: str) -> None:
     functools.reduce(lambda _acc, _i: call(), range(n), None)
 
 
-def count(what: str, which: str) -> float:
-    """Instructions per call of one row, from a callgrind run of this module."""
+def collected(command: Sequence[str]) -> int:
+    """Instructions ``command`` runs inside ``functools.reduce``, counted by callgrind."""
     result = subprocess.run(
         [
             "valgrind",
             "--tool=callgrind",
             "--callgrind-out-file=/dev/null",
             "--toggle-collect=functools_reduce",
-            sys.executable,
-            "-m",
-            "bench.instructions",
-            "--one",
-            what,
-            which,
+            *command,
         ],
         capture_output=True,
         text=True,
         check=True,
     )
-    collected = [line for line in result.stderr.splitlines() if "Collected :" in line]
-    total = int(collected[-1].split(":")[-1].strip())
-    return total / (PICKS if what == "pick" else STREAMS)
+    lines = [line for line in result.stderr.splitlines() if "Collected :" in line]
+    return int(lines[-1].split(":")[-1].strip())
+
+
+def count(what: str, which: str) -> float:
+    """Instructions per call of one row, from a callgrind run of this module."""
+    command = [sys.executable, "-m", "bench.instructions", "--one", what, which]
+    return collected(command) / (PICKS if what == "pick" else STREAMS)
 
 
 def table(rows: list[tuple[str, float]], unit: str) -> str:

@@ -23,6 +23,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from lwepp import config as picker_config
+from lwepp import request_metrics
 from lwepp.explain import DecisionLog, ExplainMode
 from lwepp.metrics import PickerMetrics
 from lwepp.picking import Pool, RoundRobin, Strategy
@@ -82,6 +83,16 @@ def add_picker_flags(parser: argparse.ArgumentParser) -> None:
         "fallbacks GET /debug/decisions on the metrics port keeps",
     )
     picking.add_argument(
+        "--request-metrics",
+        choices=request_metrics.LEVELS,
+        default="request",
+        help="what the picker records of each request (lwepp/request_metrics.py): nothing (off); "
+        "its body's size and the choice's time (request, the default: no exchange added); or "
+        "also its duration, time to first token, inter-token latency, tokens and objective "
+        "attainment (response: the gateway must stream the response body through the picker, "
+        "one exchange per chunk; docs/benchmarks.md says what that costs)",
+    )
+    picking.add_argument(
         "--refresh-prometheus-metrics-interval",
         type=duration,
         default=5.0,
@@ -131,6 +142,7 @@ class PickerOptions:
     refresh_every: float = 5.0
     test_selection: bool = False
     report_served: bool = False
+    request_metrics: request_metrics.Level = "request"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PickerOptions:
@@ -143,6 +155,7 @@ class PickerOptions:
             refresh_every=args.refresh_prometheus_metrics_interval,
             test_selection=args.test_selection,
             report_served=args.report_served_endpoint,
+            request_metrics=args.request_metrics,
         )
 
     def load_config(self) -> picker_config.PickerConfig | None:
@@ -200,6 +213,9 @@ def assemble(
             pipeline.debug_pages(),
         )
     metrics = PickerMetrics(registry, name, namespace)
+    strategy, controls = request_metrics.install(
+        options.request_metrics, strategy, metrics.labels, registry
+    )
     service = EndpointPickerService(
         pool,
         strategy,
@@ -207,6 +223,7 @@ def assemble(
         max_body_bytes,
         test_selection=options.test_selection,
         report_served=options.report_served,
+        controls=controls,
     )
     jobs.append(functools.partial(refresh_metrics, options.refresh_every, metrics, pool, pipeline))
     return Assembly(service, jobs, pages)

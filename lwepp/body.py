@@ -14,6 +14,7 @@ import orjson
 
 from lwepp.contracts import Usage
 from plugin_api.frozen import FrozenDict, parse_object
+from wire.exchange import MAX_BODY_BYTES
 
 
 def parse_request(body: bytes) -> FrozenDict | None:
@@ -79,3 +80,28 @@ def response_usage(body: bytes, event_stream: bool) -> Usage | None:
         if usage is not None:
             return usage
     return None
+
+
+class UsageReader:
+    """What a response's usage is read from, kept as its body passes: a JSON answer whole
+    (up to ``MAX_BODY_BYTES``: a larger one reports no usage), an event stream's tail."""
+
+    __slots__ = ("body", "event_stream")
+
+    def __init__(self, event_stream: bool) -> None:
+        self.event_stream = event_stream
+        self.body: bytearray | None = bytearray()
+
+    def add(self, chunk: bytes) -> None:
+        if self.body is None:
+            return
+        self.body += chunk
+        if self.event_stream:
+            del self.body[:-SSE_TAIL]  # the usage event is at the end
+        elif len(self.body) > MAX_BODY_BYTES:
+            self.body = None  # too big to parse for its usage: report none
+
+    def usage(self) -> Usage | None:
+        """The usage the body carried, read once at its end (None: none, or not kept)."""
+        body, self.body = self.body, None
+        return response_usage(bytes(body), self.event_stream) if body else None

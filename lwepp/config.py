@@ -52,8 +52,7 @@ from lwepp.pipeline import ROLES, Pipeline
 from lwepp.plugins import REGISTRY
 from plugin_api import ConfigError, Factory, Params, Role, build
 from plugin_api.document import ConfigErrors as ConfigErrors  # what callers catch
-from plugin_api.document import Document, keys_of
-from pods.file import read_utf8
+from plugin_api.document import Document, keys_of, read_config
 
 API_VERSION: Final = "llm-d.ai/v1alpha1"
 API_VERSIONS: Final = (API_VERSION, "llm-d.ai/v1")
@@ -115,13 +114,7 @@ class PickerConfig:
 
 def load_config(path: str | Path, registry: Mapping[str, Factory] = REGISTRY) -> PickerConfig:
     """Read, check and build the configuration in ``path``; raise ``ConfigErrors`` listing all."""
-    try:
-        text = read_utf8(path)
-    except OSError as error:
-        raise ConfigErrors([f"{path}: cannot read: {error.strerror or error}"]) from None
-    except ValueError as error:
-        raise ConfigErrors([str(error)]) from None
-    return load_text(text, str(path), registry)
+    return load_text(read_config(path), str(path), registry)
 
 
 def load_text(

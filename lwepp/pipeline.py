@@ -69,7 +69,7 @@ from lwepp.attributes import (
     forget_departed,
     keep_running,
 )
-from lwepp.body import SSE_TAIL, parse_request, response_usage
+from lwepp.body import UsageReader, parse_request
 from lwepp.contracts import (
     Candidate,
     DataSource,
@@ -97,7 +97,7 @@ from lwepp.picking import Choice, RequestInfo, RoundRobin
 from lwepp.plugins.pickers import MaxScorePicker
 from plugin_api import ConfigError, Role, needs_body, roles_of
 from pods.model import Endpoint
-from wire.exchange import MAX_BODY_BYTES, Refusal, header_value_problem
+from wire.exchange import Refusal, header_value_problem
 
 log = structlog.get_logger()
 
@@ -499,13 +499,12 @@ class ResponseHooks:
     ``response_complete`` hook will want the token usage read from it.
     """
 
-    __slots__ = ("body", "decision", "event_stream", "pipeline", "served")
+    __slots__ = ("decision", "pipeline", "reader", "served")
 
     def __init__(self, pipeline: Pipeline, decision: Decision) -> None:
         self.pipeline, self.decision = pipeline, decision
         self.served: str | None = None
-        self.event_stream = False
-        self.body: bytearray | None = None
+        self.reader: UsageReader | None = None
 
     def headers(self, served: str | None, headers: Mapping[str, str]) -> list[tuple[str, str]]:
         """The response headers arrived: what every hook adds, then the explanation."""
@@ -517,8 +516,7 @@ class ResponseHooks:
             )
             added += pairs or ()
         if self.pipeline.on_complete:
-            self.event_stream = "text/event-stream" in headers.get("content-type", "")
-            self.body = bytearray()
+            self.reader = UsageReader("text/event-stream" in headers.get("content-type", ""))
         if self.decision.explanation is not None:
             added.append((DECISION_HEADER, header_json(self.decision.explanation)))
         return added
@@ -530,17 +528,12 @@ class ResponseHooks:
             self.pipeline.hook(
                 Role.RESPONSE_CHUNK, hook, request, hook.response_chunk, request, chunk
             )
-        if self.body is not None:
-            self.body += chunk
-            if self.event_stream:
-                del self.body[:-SSE_TAIL]  # the usage event is at the end
-            elif len(self.body) > MAX_BODY_BYTES:
-                self.body = None  # too big to parse for its usage: report none
+        if self.reader is not None:
+            self.reader.add(chunk)
 
     def end(self) -> None:
         """The response is over: the served endpoint and the usage, to every completion hook."""
-        body, self.body = self.body, None
-        usage = response_usage(bytes(body), self.event_stream) if body else None
+        usage = self.reader.usage() if self.reader is not None else None
         request = self.decision.request
         for hook in self.pipeline.on_complete:
             self.pipeline.hook(

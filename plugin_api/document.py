@@ -11,9 +11,11 @@ kept with the file and line of the field at fault (``plugins[2].type`` →
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -110,3 +112,30 @@ class Document:
         if self.errors or result is None:
             raise ConfigErrors(self.errors or [f"{self.path}: no configuration"])
         return result
+
+
+def read_utf8(path: str | os.PathLike[str]) -> str:
+    """A text file's contents, which must be UTF-8 (YAML's encoding, whatever the locale).
+
+    Raises ``OSError`` if it cannot be read, and ``ValueError`` naming the line and
+    column of the first byte that is not UTF-8 (a Latin-1 comment, a binary file).
+    """
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        column = error.start - data.rfind(b"\n", 0, error.start)
+        byte = data[error.start]
+        raise ValueError(f"{path}:{line}:{column}: not UTF-8 text (byte 0x{byte:02x})") from None
+
+
+def read_config(path: str | os.PathLike[str]) -> str:
+    """A configuration file's text; ``ConfigErrors`` naming the file when it cannot be read
+    or is not UTF-8."""
+    try:
+        return read_utf8(path)
+    except OSError as error:
+        raise ConfigErrors([f"{path}: cannot read: {error.strerror or error}"]) from None
+    except ValueError as error:
+        raise ConfigErrors([str(error)]) from None

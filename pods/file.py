@@ -30,6 +30,7 @@ from typing import Any, Final
 import structlog
 import yaml
 
+from plugin_api.document import read_utf8
 from pods.model import Pod, is_ip
 
 log = structlog.get_logger()
@@ -169,22 +170,6 @@ def dump_pods(pods: Iterable[Pod]) -> str:
             entry["ready"] = False
         entries.append(entry)
     return yaml.safe_dump({"pods": entries}, sort_keys=False)
-
-
-def read_utf8(path: str | os.PathLike[str]) -> str:
-    """A text file's contents, which must be UTF-8 (YAML's encoding, whatever the locale).
-
-    Raises ``OSError`` if it cannot be read, and ``ValueError`` naming the line and
-    column of the first byte that is not UTF-8 (a Latin-1 comment, a binary file).
-    """
-    data = Path(path).read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = data.count(b"\n", 0, error.start) + 1
-        column = error.start - data.rfind(b"\n", 0, error.start)
-        byte = data[error.start]
-        raise ValueError(f"{path}:{line}:{column}: not UTF-8 text (byte 0x{byte:02x})") from None
 
 
 def load_pods(path: str | os.PathLike[str]) -> tuple[Pod, ...]:

@@ -177,7 +177,13 @@ COMPONENTS = {
         ("RoleBinding", "lwepp-leader-election"),
     },
     "picker-config": {("ConfigMap", "picker-config-<hash>")},
-    "monitoring": {("ServiceMonitor", "switchyard"), ("ConfigMap", "switchyard-dashboard")},
+    "monitoring": {
+        ("ServiceMonitor", "switchyard"),
+        ("ConfigMap", "switchyard-dashboard"),
+        ("ServiceAccount", "switchyard-metrics-reader"),
+        ("Secret", "switchyard-metrics-reader-token"),
+        ("ClusterRoleBinding", "switchyard-metrics-reader"),
+    },
 }
 
 
@@ -632,11 +638,24 @@ def used_by_metrics_auth() -> set[tuple[str, str, str]]:
 def test_the_pickers_guard_their_metrics_with_exactly_the_rbac_it_needs(tmp_path: Path) -> None:
     """Every picker runs --metrics-endpoint-auth with the closed defaults; its account may
     create the two reviews the guard makes, and nothing more cluster-wide; the monitoring
-    component's scrapes carry Prometheus' own token."""
+    component's scrapes carry, as the llm-d router's chart writes it (``authorization``
+    from a Secret, no deprecated ``bearerTokenFile``), the token of an account allowed to
+    GET /metrics and nothing else."""
     monitored = with_components(tmp_path, "base", "components/monitoring")
     (endpoint,) = one(monitored, "ServiceMonitor", "switchyard")["spec"]["endpoints"]
-    token = "/var/run/secrets/kubernetes.io/serviceaccount/token"
-    assert endpoint["bearerTokenFile"] == token
+    assert "bearerTokenFile" not in endpoint
+    credentials = endpoint["authorization"]["credentials"]
+    assert credentials["key"] == "token"
+    secret = one(monitored, "Secret", credentials["name"])
+    assert secret["type"] == "kubernetes.io/service-account-token"
+    reader = secret["metadata"]["annotations"]["kubernetes.io/service-account.name"]
+    one(monitored, "ServiceAccount", reader)
+    readers = [
+        binding["roleRef"]["name"]
+        for binding in find(monitored, "ClusterRoleBinding")
+        if ("ServiceAccount", reader) in [(s["kind"], s["name"]) for s in binding["subjects"]]
+    ]
+    assert readers == ["switchyard-metrics-reader"]
     base = built("base")
     for deployment in find(base, "Deployment"):
         if not deployment["metadata"]["name"].startswith("lwepp-"):
@@ -651,3 +670,25 @@ def test_the_pickers_guard_their_metrics_with_exactly_the_rbac_it_needs(tmp_path
         assert cluster_granted(base, account) == used_by_metrics_auth()
     reader = one(base, "ClusterRole", "switchyard-metrics-reader")
     assert reader["rules"] == [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]
+
+
+def test_the_service_monitor_scrapes_every_service_s_metrics_port(tmp_path: Path) -> None:
+    """The port is named as the llm-d router's chart names it, ``http-metrics``; BBR's and
+    every picker's Service has it, and it reaches the container's ``--metrics-port``."""
+    monitored = with_components(tmp_path, "base", "components/monitoring")
+    (endpoint,) = one(monitored, "ServiceMonitor", "switchyard")["spec"]["endpoints"]
+    assert endpoint["port"] == "http-metrics"
+    selector = one(monitored, "ServiceMonitor", "switchyard")["spec"]["selector"]["matchLabels"]
+    scraped = 0
+    for deployment in find(monitored, "Deployment"):
+        name = deployment["metadata"]["name"]
+        if not (name == "bbr" or name.startswith("lwepp-")):
+            continue
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        (port,) = [int(a.split("=")[1]) for a in container["args"] if "--metrics-port=" in a]
+        service = one(monitored, "Service", name)
+        assert selector.items() <= service["metadata"]["labels"].items()
+        ports = {p["name"]: p for p in service["spec"]["ports"]}
+        assert ports["http-metrics"]["targetPort"] == port, name
+        scraped += 1
+    assert scraped == 3

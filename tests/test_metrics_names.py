@@ -13,27 +13,37 @@ from prometheus_client import CollectorRegistry
 
 from bbr.plugins import DEFAULT_PLUGINS
 from bbr.server import BodyBasedRouter
+from demo.dashboard import legend, promql
 from lwepp.config import load_config
 from lwepp.contracts import Measurement
 from lwepp.metrics import PickerMetrics
 from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, Pool, RequestInfo
 from lwepp.pipeline import Pipeline
+from lwepp.request_metrics import install
 from lwepp.server import EndpointPickerService
 from pods.model import Endpoint
 from serving.testing import (
     ExtProcClient,
     request_body,
     request_headers,
+    response_body,
     response_headers,
     running,
 )
 from tests.fakes import StaticPods, pod
+from wire.extproc import BodyMode
 
 ROOT = Path(__file__).parent.parent
 DASHBOARD = ROOT / "manifests" / "components" / "monitoring" / "switchyard-dashboard.json"
 CONFIG = ROOT / "manifests" / "components" / "picker-config" / "epp-config.yaml"
 PODS = (pod("p0", "10.0.0.1", 8000, pool="a"), pod("p1", "10.0.0.2", 8000, pool="a"))
 BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hello"}]}'
+STREAMED = (BodyMode.FULL_DUPLEX_STREAMED, BodyMode.FULL_DUPLEX_STREAMED)
+STREAM = (
+    b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
+    b'data: {"choices":[{"delta":{"content":"b"}}]}\n\n'
+    b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\ndata: [DONE]\n\n'
+)
 
 
 def fail(*_args: object) -> list[float]:
@@ -49,13 +59,24 @@ def exported() -> dict[str, set[str]]:
         pipeline = load_config(CONFIG).pipeline(registry=picker_registry, pool="a")
         pool = Pool(StaticPods(*PODS), {"pool": "a"})
         metrics = PickerMetrics(picker_registry, "a", "ns")
-        picker = EndpointPickerService(pool, pipeline, metrics)
+        strategy, controls = install("response", pipeline, metrics.labels, picker_registry)
+        picker = EndpointPickerService(pool, strategy, metrics, controls=controls)
         router = BodyBasedRouter(bbr_registry, DEFAULT_PLUGINS)
         async with running("lwepp", picker) as lwepp, running("bbr", router) as bbr:
             async with ExtProcClient(f"127.0.0.1:{lwepp.grpc}") as client:
                 headers = {":path": "/v1/chat/completions", "x-gateway-model-name": "m"}
                 await client.exchange(
                     [request_headers(headers), request_body(BODY), response_headers({})]
+                )
+                objectives = {**headers, "x-llm-d-slo-ttft-ms": "100", "x-llm-d-slo-tpot-ms": "1"}
+                await client.exchange(
+                    [
+                        request_headers(objectives, body_modes=STREAMED),
+                        request_body(BODY),
+                        response_headers({"content-type": "text/event-stream"}),
+                        response_body(STREAM[:40], end_of_stream=False),
+                        response_body(STREAM[40:]),
+                    ]
                 )
                 nowhere = {SUBSET_NAMESPACE: {SUBSET_KEY: ["10.9.9.9"]}}
                 await client.exchange([request_headers(headers, metadata=nowhere)])
@@ -89,7 +110,7 @@ def test_every_series_the_dashboard_queries_is_exported_with_its_labels() -> Non
     series = exported()
     checked = 0
     for expr in queries():
-        names = set(re.findall(r"\b((?:llm_d_epp|bbr)_[a-z_]+)\b", expr))
+        names = set(re.findall(r"\b((?:llm_d_epp|bbr|ipp)_[a-z0-9_]+)\b", expr))
         assert names, expr
         grouped = {
             label.strip()
@@ -102,11 +123,23 @@ def test_every_series_the_dashboard_queries_is_exported_with_its_labels() -> Non
             missing = (grouped | filtered) - series[name] - {"namespace", "le"}
             assert not missing, f"{name} has no label {missing} (in {expr})"
             checked += 1
-    assert checked >= 15
+    assert checked >= 29
+
+
+REQUEST = {"model_name", "target_model_name", "fairness_id", "priority"}
+
+
+def test_the_screenshot_s_renderer_fills_in_every_variable_and_legend() -> None:
+    """``demo.dashboard`` sends Prometheus each panel's query with no Grafana variable left,
+    and writes a dropped (empty) label as ``""`` in a legend."""
+    assert all("$" not in promql(expr) for expr in queries())
+    assert legend("{{model_name}} {{objective}}", {"model_name": "m"}) == 'm ""'
 
 
 def test_the_picker_exports_the_router_s_families_with_its_labels() -> None:
-    """The names and label sets of llm-d-router v0.10 (docs/metrics.md)."""
+    """The names and label sets of llm-d-router v0.10 (docs/metrics.md), the request series
+    of its HEAD (pkg/epp/metrics/llm_d_router_metrics.go), and the payload processor's ipp_*
+    beside bbr_* (pkg/metrics/metrics.go at main)."""
     series = exported()
     expected = {
         "llm_d_epp_request_total": {"model_name", "target_model_name", "fairness_id", "priority"},
@@ -127,6 +160,32 @@ def test_the_picker_exports_the_router_s_families_with_its_labels() -> None:
         "bbr_info": {"commit", "build_ref"},
         "bbr_success_total": set(),
         "bbr_body_field_not_found_total": {"field"},
+        "ipp_info": {"commit", "build_ref"},
+        "ipp_success_total": set(),
+        "ipp_body_field_not_found_total": {"field"},
+        "ipp_body_field_empty_total": {"field"},
+        "ipp_plugin_duration_seconds_bucket": {
+            *("extension_point", "plugin_type", "plugin_name", "le"),
+        },
+        "llm_d_epp_scheduler_e2e_duration_seconds_bucket": {"le"},
+        "llm_d_epp_request_running": REQUEST,
+        "llm_d_epp_request_ttft_seconds_bucket": {*REQUEST, "streaming", "le"},
+        "llm_d_epp_request_slo_total": {
+            *("model_name", "target_model_name", "objective", "slo", "outcome"),
+        },
+        **{
+            f"llm_d_epp_{name}_bucket": {*REQUEST, "le"}
+            for name in (
+                "request_duration_seconds",
+                "request_size_bytes",
+                "response_size_bytes",
+                "request_input_tokens",
+                "request_output_tokens",
+                "request_ntpot_seconds",
+                "request_streaming_tpot_seconds",
+                "request_streaming_itl_seconds",
+            )
+        },
     }
     for name, labels in expected.items():
         assert series.get(name) == labels, name

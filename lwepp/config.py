@@ -232,6 +232,10 @@ class _Decoder:
             return None
         if verdict.deprecated is not None:
             self.document.warn(at, f"{subject}: type: deprecated: {verdict.deprecated}")
+        for key, note in compat.parameter_notes(kind, parameters):
+            self.document.warn(
+                keys_of(f"{entry.path}.parameters.{key}"), f"{subject}: {key}: {note}"
+            )
         try:
             made = build(verdict.builtin, name, parameters, self.registry, ROLES)
         except ConfigError as error:  # point at the field in the document: plugins[i].<field>
@@ -250,10 +254,11 @@ class _Decoder:
     ) -> None:
         """Hand each plugin (of ``wanting``, default all) the plugins it wants (``Want``),
         adding the defaults it names."""
-        for p in list(plugins if wanting is None else wanting):
-            for want in getattr(p.plugin, "wants", ()):
-                with self.document.checking():
-                    self.give(p, want, plugins, running, pairs, skipped)
+        given = plugins if wanting is None else wanting
+        needs = [(p, w) for p in given for w in getattr(p.plugin, "wants", ())]
+        for p, want in sorted(needs, key=lambda need: not need[1].add):  # adding ones first
+            with self.document.checking():
+                self.give(p, want, plugins, running, pairs, skipped)
 
     def give(
         self,
@@ -275,7 +280,7 @@ class _Decoder:
         other = by_name.get(name)
         if other is None and name == want.default and want.add:
             why = f"{p.name} names it in {want.field}; the router creates it for its consumers too"
-            other = self.add(want.default, why, p.path)
+            other = self.add(want.default, "" if want.quiet else why, p.path)
             plugins.append(other)
             running.append(other)
         if other is None:
@@ -301,7 +306,8 @@ class _Decoder:
     def add(self, kind: str, why: str, path: str) -> Configured:
         """A plugin the router would add (named as its type), with a warning saying why."""
         made = build(kind, kind, None, self.registry, ROLES)
-        self.document.warn(keys_of(path), f"added {kind}: {why}")
+        if why:
+            self.document.warn(keys_of(path), f"added {kind}: {why}")
         return Configured(kind, kind, made.plugin, made.roles, path)
 
     def add_source(

@@ -288,6 +288,7 @@ class Want:
     give: Callable[[Any], None]
     default: str | None = None
     add: bool = False
+    quiet: bool = False
 
 
 PREFIX_MATCH: Final = "prefix-match"

@@ -132,9 +132,7 @@ UNSUPPORTED: Final = {
         "probabilistic-admitter", "latency-slo-admitter", "slo-headroom-tier-filter",
     ),
     "predicted-latency routing": ("predicted-latency-producer", "latency-scorer"),
-    "session affinity by header filter": (
-        "session-affinity-filter", "session-id-producer", "prefix-cache-affinity-filter",
-    ),
+    "session affinity by header filter": ("session-affinity-filter", "session-id-producer"),
     "endpoint discovery plugins (give --pods, --pool-name or --endpoint-selector)": (
         "file-discovery", "multicluster-file-discovery",
     ),
@@ -164,6 +162,23 @@ DEPRECATED: Final[Mapping[str, str]] = {
     "by-label": "use label-selector-filter, or decode-filter/prefill-filter/encode-filter",
 }
 """Types the router deprecated in v0.9: they load, with a warning saying what replaces them."""
+
+DEPRECATED_PARAMETERS: Final[Mapping[str, Mapping[str, str]]] = {
+    "prefix-cache-affinity-filter": {
+        "maxTokensInFlightPenalty": "removed from the router in v0.10 (which refuses it) in "
+        "favour of maxTTFTPenaltyMs with peakPrefillThroughput; applied here as before",
+    },
+    "approx-prefix-cache-producer": {"blockSize": "deprecated: use blockSizeTokens"},
+}
+"""Plugin parameters the router deprecated or removed that still work here: a warning each."""
+
+
+def parameter_notes(kind: str, parameters: object) -> Iterator[tuple[str, str]]:
+    """The deprecated parameters a plugin entry of type ``kind`` sets, and what to say."""
+    notes = DEPRECATED_PARAMETERS.get(kind, {})
+    if isinstance(parameters, Mapping):
+        yield from ((field, notes[field]) for field in parameters if field in notes)
+
 
 _REF_KEY: Final = re.compile(r"(pluginRef|.+PluginRef|.+PolicyRef)$")
 """Section fields that name a plugin: ``pluginRef``, ``usageLimitPolicyPluginRef``,

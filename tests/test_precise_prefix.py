@@ -238,7 +238,7 @@ def test_the_debug_page_shows_each_engine_and_its_problems() -> None:
             "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n" + plugins
         )
         name = plugins.split()[2]
-        [made] = [p if isinstance(p, PrecisePrefixCacheProducer) else p.source
+        [made] = [p if isinstance(p, PrecisePrefixCacheProducer) else p.producer_plugin
                   for p in config.running if p.name == name]  # fmt: skip
         page = config.pipeline().debug_pages()[f"/debug/{name}"]
         send(made, TOPIC_A, 0, hashed(BlockHasher("sha256_cbor", DEFAULT_SEED), [1] * 16, 16))

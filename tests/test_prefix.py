@@ -22,7 +22,8 @@ from lwepp.contracts import (
     Scorer,
 )
 from lwepp.plugins import REGISTRY
-from lwepp.plugins.prefix import PrefixCacheScorer, prompt_text
+from lwepp.plugins.approx_prefix import prompt_text
+from lwepp.plugins.prefix import PrefixCacheScorer
 from lwepp.plugins.prefix_index import PrefixIndex, block_hashes, seed
 from plugin_api import ConfigError, Params
 from pods.model import Endpoint

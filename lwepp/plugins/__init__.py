@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final
 
+from lwepp.plugins.affinity import PrefixCacheAffinityFilter
+from lwepp.plugins.approx_prefix import ApproxPrefixCacheProducer
 from lwepp.plugins.inflight import InFlightLoadProducer
 from lwepp.plugins.kv_cache_scorer import KVCacheUtilizationScorer
 from lwepp.plugins.label_selector import LabelSelectorFilter
@@ -28,11 +30,7 @@ from lwepp.plugins.models_source import ModelsDataSource
 from lwepp.plugins.no_hit_lru import NoHitLRUScorer
 from lwepp.plugins.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
 from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
-from lwepp.plugins.prefix import (
-    ApproxPrefixCacheProducer,
-    PrecisePrefixCacheScorer,
-    PrefixCacheScorer,
-)
+from lwepp.plugins.prefix import PrecisePrefixCacheScorer, PrefixCacheScorer
 from lwepp.plugins.queue_scorer import QueueScorer
 from lwepp.plugins.role_filters import ByLabelFilter, DecodeFilter, EncodeFilter, PrefillFilter
 from lwepp.plugins.session_affinity import SessionAffinityScorer
@@ -54,6 +52,7 @@ REGISTRY: Final[Mapping[str, Factory]] = {
     "prefill-filter": PrefillFilter,
     "encode-filter": EncodeFilter,
     "by-label": ByLabelFilter,
+    "prefix-cache-affinity-filter": PrefixCacheAffinityFilter,
     # scorers
     "queue-scorer": QueueScorer,
     "kv-cache-utilization-scorer": KVCacheUtilizationScorer,

@@ -36,8 +36,14 @@ capped by the request's own ``max_tokens`` / ``max_completion_tokens`` /
 ``max_output_tokens`` and by ``maxEstimatedOutputTokens`` (>= 0, unset: no
 cap); ``prefixMatchInfoProducerName``: whose ``PrefixMatch`` discounts
 cached blocks (default ``approx-prefix-cache-producer``, the prefix scorer's
-default). ``syncCrossReplicaState`` is accepted and has no effect: one
-picker replica counts only its own picks.
+default, when the configuration has one). ``syncCrossReplicaState`` is
+accepted and has no effect: one picker replica counts only its own picks.
+
+Beside the counts it offers ``request_tokens``, the router's
+``UncachedRequestTokens``: what the request being picked would add to each
+candidate, its prompt less the blocks that candidate holds, which
+``token-load-scorer`` adds to the load it reads (the router's since v0.10),
+so that a cache hit weighs as the prefill it saves.
 
 The producer does not ask for the body itself: counting requests needs none
 (the router's payload-agnostic configuration runs ``active-request-scorer``
@@ -55,10 +61,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Final
+from typing import Any, Final
 
-from lwepp.contracts import IN_FLIGHT_LOAD, LLMRequest, Usage
-from lwepp.plugins.prefix import (
+from lwepp.contracts import IN_FLIGHT_LOAD, PREFIX_MATCH, Candidate, LLMRequest, Usage, Want
+from lwepp.plugins.approx_prefix import (
     CHARS_PER_TOKEN,
     DEFAULT_PRODUCER,
     PrefixMatch,
@@ -113,6 +119,17 @@ class InFlightLoadProducer:
         self.output_cap: int | None = cap if cap >= 0 else None
         producer = params.get("prefixMatchInfoProducerName", str, "") or DEFAULT_PRODUCER
         params.get("syncCrossReplicaState", bool, True)
+        self.prefix: Any = None
+        """The prefix producer whose match discounts cached blocks, when there is one."""
+        self.wants = (
+            Want(
+                "prefixMatchInfoProducerName",
+                producer,
+                PREFIX_MATCH,
+                self.use_prefix,
+                default=DEFAULT_PRODUCER,
+            ),
+        )
         self.clock: Callable[[], float] = time.monotonic
         """When entries were last touched (injected in tests)."""
         self._requests: dict[str, int] = {}
@@ -120,12 +137,30 @@ class InFlightLoadProducer:
         self.load = InFlight(MappingProxyType(self._requests), MappingProxyType(self._tokens))
         self._key, self._match = f"{name}.entry", match_key(producer)
         self._load = load_key(name)
+        self._tokens_key = f"{name}.prompt_tokens"
         self._live: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
         """Entries not yet released, least recently touched first (for the 5-minute sweep)."""
         self._ids = itertools.count()
 
+    def use_prefix(self, producer: Any) -> None:
+        """Discount the blocks the named prefix producer finds held (``Want.give``)."""
+        self.prefix = producer
+
     def prepare(self, request: LLMRequest) -> None:
         request.state[self._load] = self.load
+
+    def request_tokens(
+        self, request: LLMRequest, candidates: Sequence[Candidate], now: float
+    ) -> dict[str, int]:
+        """The prompt tokens each candidate (``ip:port``) would have to compute for this
+        request: its uncached part (the router's ``UncachedRequestTokens``)."""
+        prompt = self._prompt_tokens(request)
+        if self.prefix is not None and prompt:
+            self.prefix.prefix_match(request, candidates, now)  # computed once, kept in state
+        return {
+            c.endpoint.hostport: self._uncached(request, c.endpoint.hostport, prompt)
+            for c in candidates
+        }
 
     def picked(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None:
         now = self.clock()
@@ -198,11 +233,13 @@ class InFlightLoadProducer:
 
     # --- the estimates -----------------------------------------------------------
 
-    @staticmethod
-    def _prompt_tokens(request: LLMRequest) -> int:
-        """The prompt's tokens, estimated from its text (4 characters a token), or 0."""
-        text = prompt_text(request.parsed) if request.parsed is not None else None
-        return len(text) // CHARS_PER_TOKEN if text else 0
+    def _prompt_tokens(self, request: LLMRequest) -> int:
+        """The prompt's tokens, estimated from its text (4 characters a token), or 0; once."""
+        known: int | None = request.state.get(self._tokens_key)
+        if known is None:
+            text = prompt_text(request.parsed) if request.parsed is not None else None
+            request.state[self._tokens_key] = known = len(text) // CHARS_PER_TOKEN if text else 0
+        return known
 
     def _uncached(self, request: LLMRequest, endpoint: str, prompt: int) -> int:
         """The prompt's tokens ``endpoint`` must compute: those past the blocks it holds."""

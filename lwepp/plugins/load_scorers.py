@@ -17,7 +17,12 @@ as 1.0.
 
 ``token-load-scorer`` (``queueThresholdTokens`` 4194304, ``inFlightLoadProducerName``)::
 
-    1 - min(1, tokens / queueThresholdTokens)
+    1 - min(1, (tokens + this request's uncached tokens) / queueThresholdTokens)
+
+where the request's uncached tokens on a candidate are its prompt less the
+blocks that candidate holds (the producer's ``request_tokens``; the router's
+``UncachedRequestTokens`` since v0.10): of two idle endpoints, the one that
+holds the prompt scores higher.
 
 ``load-aware-scorer`` (``threshold`` 128; the router replaces a value <= 0
 by 128), on the engine's ``queue_depth``::
@@ -41,7 +46,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from lwepp.contracts import IN_FLIGHT_LOAD, Candidate, LLMRequest, Want
-from lwepp.plugins.inflight import PRODUCER, InFlight, load_key
+from lwepp.plugins.inflight import PRODUCER, InFlight, InFlightLoadProducer, load_key
 from lwepp.plugins.staleness import ReadsMeasurements
 from plugin_api import NO_PARAMS, Params
 
@@ -62,16 +67,18 @@ class ReadsInFlight:
                 "inFlightLoadProducerName",
                 producer,
                 IN_FLIGHT_LOAD,
-                _read_from_the_request,
+                self._read_from_the_request,
                 default=PRODUCER,
                 add=True,
             ),
         )
         self._key = load_key(producer)
+        self.counter: InFlightLoadProducer | None = None
+        """The producer; its counts are read from ``request.state``."""
 
-
-def _read_from_the_request(_producer: object) -> None:
-    """The scorers read the producer's counts from ``request.state``: nothing to keep."""
+    def _read_from_the_request(self, producer: InFlightLoadProducer) -> None:
+        """Keep the producer (``Want.give``): the counts themselves come with each request."""
+        self.counter = producer
 
 
 class ActiveRequestScorer(ReadsInFlight):
@@ -106,8 +113,14 @@ class TokenLoadScorer(ReadsInFlight):
         self, request: LLMRequest, candidates: Sequence[Candidate], now: float
     ) -> Sequence[float]:
         tokens = request.state.get(self._key, _NOTHING).tokens
+        added = (
+            {} if self.counter is None else self.counter.request_tokens(request, candidates, now)
+        )
         threshold = self.threshold
-        return [1.0 - min(1.0, tokens.get(c.endpoint.hostport, 0) / threshold) for c in candidates]
+        return [
+            1.0 - min(1.0, (tokens.get(key, 0) + added.get(key, 0)) / threshold)
+            for key in (c.endpoint.hostport for c in candidates)
+        ]
 
 
 class LoadAwareScorer(ReadsMeasurements):

@@ -32,7 +32,7 @@ import collections
 from collections.abc import Sequence
 
 from lwepp.contracts import Candidate, LLMRequest
-from lwepp.plugins.prefix import DEFAULT_PRODUCER, PrefixMatch, match_key
+from lwepp.plugins.approx_prefix import DEFAULT_PRODUCER, PrefixMatch, match_key
 from plugin_api import NO_PARAMS, Params
 from pods.model import Endpoint
 

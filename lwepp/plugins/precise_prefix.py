@@ -94,7 +94,16 @@ import zmq
 import zmq.asyncio
 
 from blockhash.vllm import DEFAULT_SEED, HASH_ALGORITHMS, BlockHasher, external
-from lwepp.contracts import PREFIX_MATCH, AttributeWriter, Clock, EndpointsNow, LLMRequest
+from lwepp.contracts import (
+    PREFIX_MATCH,
+    AttributeWriter,
+    Candidate,
+    Clock,
+    EndpointsNow,
+    LLMRequest,
+    Want,
+)
+from lwepp.plugins.approx_prefix import PrefixMatch, match_key
 from plugin_api import NO_PARAMS, Params
 from pods.model import Endpoint
 from serving.cli import duration
@@ -272,6 +281,8 @@ class PrecisePrefixCacheProducer:
         self._reported: set[str] = set()
         """Endpoints reported silent and engines reported unknown: each is told once."""
         self._key = f"{name}.keys"
+        self._match = match_key(name)
+        self.wants: tuple[Want, ...] = ()
 
     # --- the request side: what the prefix scorer calls ------------------------------
 
@@ -289,6 +300,22 @@ class PrecisePrefixCacheProducer:
     def request_keys(self, request: LLMRequest) -> list[int]:
         keys: list[int] = request.state.get(self._key, [])
         return keys
+
+    def prefix_match(
+        self, request: LLMRequest, candidates: Sequence[Candidate], now: float
+    ) -> PrefixMatch | None:
+        """Blocks each candidate's engine holds in a row, of the prompt's (None: no prompt
+        blocks): what the prefix scorer and the affinity filter read, computed once a request."""
+        found: PrefixMatch | None = request.state.get(self._match)
+        if found is not None:
+            return found
+        keys = self.request_keys(request)
+        if not keys:
+            return None
+        found = PrefixMatch(self.match(keys, [c.endpoint for c in candidates]), len(keys),
+                            self.block_size)  # fmt: skip
+        request.state[self._match] = found
+        return found
 
     def match(self, keys: Sequence[int], endpoints: Sequence[Endpoint]) -> dict[str, int]:
         """Blocks in a row each endpoint (``ip:port``) holds, by its own events and, with

@@ -1,0 +1,288 @@
+"""``approx-prefix-cache-producer``: which endpoint likely holds a prompt's prefix, computed once.
+
+The llm-d router splits prefix-cache routing in two: this producer keeps the
+index and finds, once per request, how many of the prompt's blocks each
+endpoint holds; the plugins after it read what it found
+(``PrefixCacheMatchInfo`` there, ``PrefixMatch`` here): ``prefix-cache-scorer``,
+``prefix-cache-affinity-filter``, ``no-hit-lru-scorer``,
+``inflight-load-producer``. Its part of a request:
+
+1. prepare: hash the prompt once into ``request.state`` (``prefix_index``:
+   chained xxhash64 of 4 × ``blockSizeTokens``-byte blocks, seeded with the
+   model and ``cache_salt``);
+2. ``prefix_match``, called by the first plugin that reads it (a filter or a scorer,
+   with its candidates): walk the hashes from the first block; each endpoint
+   holds ``matched[ip:port]`` blocks in a row from the start, of ``total``.
+   The answer is kept in ``request.state`` under ``"<producer>.match"``, so
+   every later reader gets the same ``PrefixMatch`` and nothing is hashed or
+   walked twice;
+3. picked: record the hashes as held by the primary pick;
+4. response complete: when the gateway reports a served endpoint other than
+   the pick (it retried a fallback, or failed open), record them there too —
+   that server did prefill the prompt. The pick keeps its entry.
+
+Prompt text hashed, by body shape (the router's choices): chat ``messages``
+→ their JSON; completions ``prompt`` → the string, or a list of strings
+joined by spaces (token-id prompts are skipped); Responses → JSON of
+``[{instructions}, {tools}, {input}]`` (the first two when present);
+embeddings ``input`` → its JSON; conversations ``items`` → their JSON. A
+body without a model, not JSON, or with no such field gets no hashes. The
+router hashes the ids its ``token-producer`` made (by default its
+``estimate`` backend: 4 bytes of the prompt a pseudo-token), which is this,
+cut at the same 4-bytes-a-token boundaries; the index is local, so only
+self-consistency matters.
+
+Parameters (the router's names): ``autoTune`` (true): take the block size
+from the candidates' ``cache_block_size`` and each endpoint's LRU capacity
+from its ``cache_num_blocks`` when they are reported (> 0);
+``blockSizeTokens`` (16) otherwise, or the deprecated ``blockSize`` in
+characters (÷ 4); ``maxPrefixBlocksToMatch`` (256): text past this many
+blocks is ignored (0: no cap); ``maxPrefixTokensToMatch`` (0 = unset)
+overrides it as ``tokens // blockSizeTokens``; ``lruCapacityPerServer``
+(31250). Two departures, both about cost: the router clamps block sizes
+below 64 tokens up to 64 to bound its memory, where each endpoint's LRU
+bounds it here (and the demo's short prompts need small blocks); and its
+caps default to 2,048 blocks and 131,072 tokens, where hashing on a Python
+request path keeps 256 blocks (4,096 tokens at 16) unless told more.
+
+Endpoints are keyed by ``ip:port`` (a data-parallel pod runs one cache per
+port). Endpoints that left are forgotten: every 120 s (on the pipeline's
+clock) the index drops those that were not a candidate since the last sweep.
+Unknown data: without ``cache_block_size``/``cache_num_blocks`` the configured
+sizes are used; they describe the server's configuration, not its load, so
+their age does not matter.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from lwepp.contracts import PREFIX_MATCH, Candidate, LLMRequest, Usage
+from lwepp.plugins.prefix_index import PrefixIndex, block_hashes, seed
+from plugin_api import NO_PARAMS, Params
+from plugin_api.frozen import dumps
+from pods.model import Endpoint
+
+CHARS_PER_TOKEN: Final = 4
+CLEANUP_SECONDS: Final = 120.0
+DEFAULT_PRODUCER: Final = "approx-prefix-cache-producer"
+"""The producer's type, and the name its readers look for when they name none."""
+INDEX_PARAMETERS: Final = (
+    "autoTune",
+    "blockSizeTokens",
+    "maxPrefixBlocksToMatch",
+    "maxPrefixTokensToMatch",
+    "lruCapacityPerServer",
+)
+
+
+def prompt_text(body: Mapping[str, Any]) -> bytes | None:
+    """The bytes the prefix hashes cover (see the module docstring), or None."""
+    if "messages" in body:
+        return dumps(body["messages"])
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt.encode()
+    if isinstance(prompt, Sequence) and prompt and all(isinstance(p, str) for p in prompt):
+        return " ".join(prompt).encode()
+    if "input" in body:
+        if "instructions" in body or "tools" in body:
+            parts = [{key: body[key]} for key in ("instructions", "tools") if key in body]
+            return dumps([*parts, {"input": body["input"]}])
+        return dumps(body["input"])
+    if "items" in body:
+        return dumps(body["items"])
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """What a prefix producer found for one request (the router's ``PrefixCacheMatchInfo``).
+
+    ``matched``: blocks each endpoint (``ip:port``) holds in a row from the
+    start, for the candidates it was asked about (an endpoint not listed holds
+    none); ``total``: the prompt's blocks; ``block_tokens``: tokens per block.
+    """
+
+    matched: Mapping[str, int]
+    total: int
+    block_tokens: int
+
+    def ratio(self, endpoint: str) -> float:
+        """The share of the prompt's blocks ``endpoint`` holds (0 when there are none)."""
+        return self.matched.get(endpoint, 0) / self.total if self.total else 0.0
+
+
+def match_key(producer: str) -> str:
+    """The ``request.state`` key a prefix producer leaves its ``PrefixMatch`` under."""
+    return f"{producer}.match"
+
+
+@dataclass(slots=True)
+class Prepared:
+    """What one request keeps in its state: the prompt's hashes (recomputed if the block
+    size turns out different), the candidates that reported sizes, and where it was learned."""
+
+    text: bytes
+    seed: int
+    block_tokens: int
+    hashes: list[int]
+    candidates: Sequence[Candidate] = ()
+    learned: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class IndexSettings:
+    """How prompts are cut into blocks and how many each endpoint's index remembers."""
+
+    auto_tune: bool = True
+    block_tokens: int = 16
+    max_blocks: int = 256
+    max_tokens: int = 0
+    lru_capacity: int = 31250
+
+    @classmethod
+    def read(cls, params: Params, *, characters: bool = False) -> IndexSettings:
+        """The settings in ``params``; with ``characters``, also the router's deprecated
+        ``blockSize`` (characters: 4 a token), which ``blockSizeTokens`` overrides."""
+        auto_tune = params.get("autoTune", bool, True)
+        default = 16
+        if characters and (chars := params.get("blockSize", int, 0, at_least=0)):
+            default = max(1, chars // CHARS_PER_TOKEN)
+        # 0 is allowed with autoTune only: then the engines' reported block size is the only one.
+        return cls(
+            auto_tune,
+            params.get("blockSizeTokens", int, default, at_least=0 if auto_tune else 1),
+            params.get("maxPrefixBlocksToMatch", int, 256, at_least=0),
+            params.get("maxPrefixTokensToMatch", int, 0, at_least=0),
+            params.get("lruCapacityPerServer", int, 31250, at_least=1),
+        )
+
+
+class ApproxPrefixCacheProducer:
+    """The index and the once-per-request match; see the module docstring.
+
+    ``match_as``: the name its ``PrefixMatch`` is kept under when it is not its
+    own, and ``settings`` instead of ``params``: a ``prefix-cache-scorer`` with
+    index settings of its own keeps a private producer with them, whose
+    readers still look under the producer's name.
+    """
+
+    needs_body = True
+    provides: Final = frozenset({PREFIX_MATCH})
+    """The plugins that name it read its match (``lwepp.contracts.Want``)."""
+
+    def __init__(
+        self,
+        name: str,
+        params: Params = NO_PARAMS,
+        *,
+        match_as: str | None = None,
+        settings: IndexSettings | None = None,
+    ) -> None:
+        self.name = name
+        self.settings = settings or IndexSettings.read(params, characters=True)
+        # The block size prompts are hashed with before candidates are known:
+        # the last one the candidates reported (they rarely change).
+        self._tuned_tokens = self.settings.block_tokens
+        self.index = PrefixIndex()
+        self._key = f"{name}.prompt"
+        self._match = match_key(match_as or name)
+        self._seen: set[str] = set()
+        self._swept: float | None = None
+
+    # --- prepare ---------------------------------------------------------------
+
+    def prepare(self, request: LLMRequest) -> None:
+        body = request.parsed
+        if body is None:
+            return
+        text = prompt_text(body)
+        model = request.model or body.get("model")
+        if text is None or not isinstance(model, str) or not model:
+            return
+        salt = body.get("cache_salt")
+        start = seed(model, salt if isinstance(salt, str) else "")
+        tokens = self._tuned_tokens
+        request.state[self._key] = Prepared(text, start, tokens, self._hash(text, start, tokens))
+
+    def _hash(self, text: bytes, start: int, tokens: int) -> list[int]:
+        if tokens <= 0:
+            return []
+        settings = self.settings
+        if settings.max_tokens > 0:
+            blocks = settings.max_tokens // tokens
+        else:
+            blocks = settings.max_blocks or math.ceil(len(text) / (tokens * CHARS_PER_TOKEN))
+        return block_hashes(text, start, tokens * CHARS_PER_TOKEN, blocks)
+
+    # --- the match: once per request ----------------------------------------------
+
+    def prefix_match(
+        self, request: LLMRequest, candidates: Sequence[Candidate], now: float
+    ) -> PrefixMatch | None:
+        """Blocks each of ``candidates`` holds in a row, of the prompt's; None when the prompt
+        gave no hashes. The first call of a request computes it, later ones read it back."""
+        found: PrefixMatch | None = request.state.get(self._match)
+        if found is not None:
+            return found
+        keys = [c.endpoint.hostport for c in candidates]
+        self._sweep(keys, now)
+        prepared: Prepared | None = request.state.get(self._key)
+        if prepared is None:
+            return None
+        if self.settings.auto_tune:
+            prepared.candidates = candidates  # for the LRU size of the pick
+            tokens = _reported(candidates, "cache_block_size") or self.settings.block_tokens
+            if tokens != prepared.block_tokens:
+                self._tuned_tokens = prepared.block_tokens = tokens
+                prepared.hashes = self._hash(prepared.text, prepared.seed, tokens)
+        if not prepared.hashes:
+            return None
+        matched = self.index.match(prepared.hashes, keys)
+        found = PrefixMatch(matched, len(prepared.hashes), prepared.block_tokens)
+        request.state[self._match] = found
+        return found
+
+    def _sweep(self, keys: list[str], now: float) -> None:
+        self._seen.update(keys)
+        if self._swept is None:
+            self._swept = now
+        elif now - self._swept >= CLEANUP_SECONDS:
+            self.index.retain(self._seen)
+            self._seen = set(keys)
+            self._swept = now
+
+    # --- learn -----------------------------------------------------------------
+
+    def picked(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None:
+        if endpoints:
+            self._learn(request, endpoints[0].hostport)
+
+    def response_complete(
+        self, request: LLMRequest, served: str | None, usage: Usage | None
+    ) -> None:
+        self._learn(request, served)
+
+    def _learn(self, request: LLMRequest, endpoint: str | None) -> None:
+        """Record the prompt's blocks as held by ``endpoint`` (once per request and endpoint)."""
+        prepared: Prepared | None = request.state.get(self._key)
+        if prepared is None or not prepared.hashes or endpoint in (None, prepared.learned):
+            return
+        same = [c for c in prepared.candidates if c.endpoint.hostport == endpoint]
+        capacity = _reported(same, "cache_num_blocks") or self.settings.lru_capacity
+        self.index.add(endpoint, prepared.hashes, capacity)
+        self._seen.add(endpoint)
+        prepared.learned = endpoint
+
+
+def _reported(candidates: Sequence[Candidate], attribute: str) -> int:
+    """The first positive value of a configuration attribute among ``candidates``, or 0."""
+    for candidate in candidates:
+        value = candidate.value(attribute, 0.0, math.inf)
+        if value is not None and value >= 1:
+            return int(value)
+    return 0

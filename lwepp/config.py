@@ -54,10 +54,6 @@ from plugin_api import ConfigError, Factory, Params, Role, build
 from plugin_api.document import ConfigErrors as ConfigErrors  # what callers catch
 from plugin_api.document import Document, keys_of, read_config
 
-API_VERSION: Final = "llm-d.ai/v1alpha1"
-API_VERSIONS: Final = (API_VERSION, "llm-d.ai/v1")
-DEPRECATED_API_VERSION: Final = "inference.networking.x-k8s.io/v1alpha1"
-KIND: Final = "EndpointPickerConfig"
 DEFAULT_SOURCE: Final = "metrics-data-source"
 """The data source the router adds when a running plugin reads what only it produces."""
 
@@ -150,15 +146,17 @@ class _Decoder:
         except ConfigError as error:
             self.document.error(keys_of(error.field or ""), str(error))
             return None
-        if api_version == DEPRECATED_API_VERSION:
-            self.document.warn(["apiVersion"], f"apiVersion: deprecated: use {API_VERSIONS[-1]}")
-        elif api_version not in API_VERSIONS:
-            expected = " or ".join(API_VERSIONS)
+        if api_version == compat.DEPRECATED_API_VERSION:
+            self.document.warn(
+                ["apiVersion"], f"apiVersion: deprecated: use {compat.API_VERSIONS[-1]}"
+            )
+        elif api_version not in compat.API_VERSIONS:
+            expected = " or ".join(compat.API_VERSIONS)
             self.document.error(
                 ["apiVersion"], f"apiVersion: expected {expected}, got {api_version!r}"
             )
-        if kind != KIND:
-            self.document.error(["kind"], f"kind: expected {KIND}, got {kind!r}")
+        if kind != compat.KIND:
+            self.document.error(["kind"], f"kind: expected {compat.KIND}, got {kind!r}")
         self.document.report(compat.gate_problems(gates))
         plugins: list[Configured] = []
         named: dict[str, str] = {}  # every plugin name in the file → its path
@@ -252,13 +250,15 @@ class _Decoder:
         skipped: Set[str] = frozenset(),
         wanting: Sequence[Configured] | None = None,
     ) -> None:
-        """Hand each plugin (of ``wanting``, default all) the plugins it wants (``Want``),
-        adding the defaults it names."""
-        given = plugins if wanting is None else wanting
-        needs = [(p, w) for p in given for w in getattr(p.plugin, "wants", ())]
-        for p, want in sorted(needs, key=lambda need: not need[1].add):  # adding ones first
-            with self.document.checking():
-                self.give(p, want, plugins, running, pairs, skipped)
+        """Hand each plugin (of ``wanting``, default all, those added included) the plugins it
+        wants (``Want``): first the wants that add a default, then the others."""
+        scope, met = (plugins if wanting is None else list(wanting)), set[int]()
+        for adding in (True, False):
+            while need := next(((p, w) for p in scope for w in getattr(p.plugin, "wants", ())
+                                if w.add is adding and id(w) not in met), None):  # fmt: skip
+                met.add(id(need[1]))
+                with self.document.checking():
+                    self.give(*need, plugins, running, pairs, skipped)
 
     def give(
         self,

@@ -246,9 +246,8 @@ class InFlightLoadProducer:
         match: PrefixMatch | None = request.state.get(self._match)
         if match is None or match.block_tokens <= 0:
             return prompt
-        indexed = match.total * match.block_tokens
-        held = match.matched.get(endpoint, 0) * match.block_tokens
-        return max(0, indexed - held) + max(0, prompt - indexed)
+        # A trailing partial block is indexed too: what is held can exceed the prompt.
+        return max(0, prompt - match.matched.get(endpoint, 0) * match.block_tokens)
 
     def _output_tokens(self, request: LLMRequest, prompt: int) -> int:
         """``round(prompt × outputRatio)``, capped by the request's limit and the configured cap."""

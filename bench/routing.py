@@ -336,7 +336,9 @@ def router(
         pipeline.picker.rng = random.Random(seed)  # the pickers take an injected rng; seeded here
     for source in pipeline.sources:
         if isinstance(source, PrecisePrefixCacheProducer | PrecisePrefixCacheScorer):
-            producer = source if isinstance(source, PrecisePrefixCacheProducer) else source.producer_plugin
+            producer = (
+                source if isinstance(source, PrecisePrefixCacheProducer) else source.producer_plugin
+            )
             producer.clock = clock  # speculative entries age in virtual time
             subscribe(producer, engines, pool)
     return PipelineRouter(strategy, pipeline, pipeline.sources, pool)

@@ -27,6 +27,7 @@ from lwepp.assembly import HEALTH_SERVICES, PickerOptions, add_picker_flags, ass
 from lwepp.leader import LeaderElector, LeaseTimings
 from lwepp.picking import Pool
 from lwepp.pipeline import ROLES
+from lwepp.plugins.discovery import POOL_NAME
 from plugin_api import Role, needs_body
 from pods.file import FileSource, PodFileError, load_pods
 from pods.kubeapi import KubeconfigError, load_kubeconfig
@@ -40,6 +41,7 @@ from serving.cli import (
     add_ignored_flags,
     add_serving_flags,
     duration,
+    go_bool,
     ignored_warnings,
     options_or_exit,
     run,
@@ -175,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and scorers of --config).",
     )
     pods = parser.add_argument_group("the pool")
-    where = pods.add_mutually_exclusive_group(required=True)
+    where = pods.add_mutually_exclusive_group()  # or --config's file-discovery: one of them
     where.add_argument(
         "--pods",
         help="YAML pod file listing the model-server pods (name, address, ports, labels, "
@@ -229,9 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--leader-elect",
         "--ha-enable-leader-election",
         dest="leader_elect",
-        action="store_true",
+        nargs="?",
+        const=True,
+        default=False,
+        type=go_bool,
+        metavar="BOOL",
         help="with the Kubernetes API: only the replica holding a Lease serves; standbys report "
-        "NOT_SERVING on every health service but 'liveness' (the llm-d router's rule)",
+        "NOT_SERVING on every health service but 'liveness' (the llm-d router's rule). A Go "
+        "boolean, as the router's: --ha-enable-leader-election=false (its chart's) is off",
     )
     ha.add_argument(
         "--leader-elect-lease-name",
@@ -309,12 +316,31 @@ def namespace_of(args: argparse.Namespace, fallback: str) -> str:
     return str(args.pool_namespace or os.environ.get("NAMESPACE") or fallback)
 
 
-def pod_source(args: argparse.Namespace) -> tuple[PodSource, LeaderElector | None]:
-    """The pod list the flags name (a file, an InferencePool or a selector) and the elector.
+def pod_source(
+    args: argparse.Namespace, discovery: Any = None
+) -> tuple[PodSource, LeaderElector | None]:
+    """The pod list the flags name (a file, an InferencePool or a selector), or the
+    configuration's ``discovery`` plugin (``file-discovery``), and the elector.
 
     Raises ``PodFileError``, ``KubeconfigError`` or ``ValueError`` with a message
     naming the file, variable or flag at fault.
     """
+    flags = [f for f in ("pods", "pool_name", "endpoint_selector") if getattr(args, f) is not None]
+    if discovery is not None:
+        if flags := [f for f in flags if f != "pool_name"]:  # --pool-name only names it there
+            flag = "--" + flags[0].replace("_", "-")
+            raise ValueError(f"{flag} and the configuration's {discovery.name} both name the pods")
+        if args.leader_elect:
+            raise ValueError("--leader-elect needs the Kubernetes API (the Lease lives there)")
+        load_pods(discovery.path)  # fail fast on a broken file at start-up, as the router
+        endpoints_file = discovery.pod_source(args.pods_interval)
+        endpoints_file.reload()
+        return endpoints_file, None
+    if not flags:
+        raise ValueError(
+            "one of --pods, --pool-name and --endpoint-selector is required (or a "
+            "file-discovery plugin named by dataLayer.discovery in --config)"
+        )
     if args.pods is not None:
         if args.leader_elect:
             raise ValueError("--leader-elect needs the Kubernetes API (the Lease lives there)")
@@ -346,9 +372,11 @@ def pod_source(args: argparse.Namespace) -> tuple[PodSource, LeaderElector | Non
 
 
 def pool_label(args: argparse.Namespace) -> str:
-    """The pool's name in the metrics' ``name`` label."""
+    """The pool's name in the metrics' ``name`` label (file discovery: the router's ``epp``)."""
     if args.pool_name:
         return str(args.pool_name)
+    if args.pods is None and args.endpoint_selector is None:
+        return POOL_NAME
     return str(args.endpoint_selector or args.selector or os.path.basename(args.pods))
 
 
@@ -374,15 +402,18 @@ def picker(
 ) -> Service:
     """The one pool's picker, as ``serve`` runs it (made inside the event loop)."""
     pool = Pool(source, args.selector)
-    if args.pods is not None and not pool.endpoints:  # a file is read whole at start
+    pods = args.pods or getattr(config and config.discovery, "path", None)
+    if pods is not None and not pool.endpoints:  # a file is read whole at start
         log.warning(
             "no pod matches the selector",
-            pods=args.pods,
+            pods=pods,
             selector=str(pool.selector),
             detail="every request is answered 503 no_endpoints until the file lists one",
         )
     registry = CollectorRegistry()
     namespace = getattr(source, "namespace", "")
+    if config is not None and config.discovery is not None:  # the router's order of sources
+        namespace = namespace_of(args, "default")
     built = assemble(
         pool,
         config,
@@ -419,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem := workers_problem(args, config):
         parser.error(problem)
     try:
-        source, elector = pod_source(args)
+        source, elector = pod_source(args, config and config.discovery)
     except (PodFileError, KubeconfigError, ValueError) as error:
         sys.exit(f"lwepp: {error}")
     return run(

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from lwepp import router_compat as compat
-from lwepp.contracts import Want
+from lwepp.contracts import Want, provides_of
 from lwepp.pipeline import ROLES, Pipeline
 from lwepp.plugins import REGISTRY
 from plugin_api import ConfigError, Factory, Params, Role, build
@@ -92,6 +92,8 @@ class PickerConfig:
     """The plugins that run, in stage order: the profile's, then the unlisted ones."""
     weights: Mapping[str, float]
     warnings: tuple[str, ...] = ()
+    discovery: Any = None
+    """The plugin ``dataLayer.discovery`` names: where the pods come from (``pod_source``)."""
 
     def pipeline(self, **options: Any) -> Pipeline:
         """The pipeline this file describes (``options``: ``Pipeline``'s keyword arguments)."""
@@ -191,17 +193,14 @@ class _Decoder:
         self.link(plugins, running, pairs, skipped)
         if (data_layer or {}).get("injectDefaults") is not False:
             self.add_source(plugins, running, pairs)
+        discovery = next((p for p in plugins if p.name == compat.discovery_ref(data_layer)), None)
+        self.given |= {discovery.name} if discovery else set()
         self.unnamed(plugins)
         self.check_attributes(running)
         return PickerConfig(
-            self.document.path,
-            api_version,
-            name,
-            tuple(plugins),
-            tuple(p.plugin for p in running),
-            weights,
-            tuple(self.document.warnings),
-        )
+            self.document.path, api_version, name, tuple(plugins), tuple(p.plugin for p in running),
+            weights, tuple(self.document.warnings), discovery and discovery.plugin,
+        )  # fmt: skip
 
     def plugin(
         self, entry: Params, named: dict[str, str], needing: dict[str, list[str]]
@@ -273,7 +272,7 @@ class _Decoder:
         by_name = {c.name: c for c in plugins}
         name = want.name
         if name is None:  # the one the data layer pairs with it, or the only one there is
-            providers = [c.name for c in plugins if want.provides in _provides(c.plugin)]
+            providers = [c.name for c in plugins if want.provides in provides_of(c.plugin)]
             name = pairs.get(p.name) or (providers[0] if len(providers) == 1 else None)
             if name is None:
                 return
@@ -286,12 +285,12 @@ class _Decoder:
         if other is None:
             if name == want.default or name in skipped:
                 return  # left at its default, or ignored or reported already
-            makers = [kind for kind, f in self.registry.items() if want.provides in _provides(f)]
+            makers = [kind for kind, f in self.registry.items() if want.provides in provides_of(f)]
             raise ConfigError(
                 f"{p.subject}: {want.field}: {name!r} names no {' or '.join(makers)}",
                 f"{p.path}.parameters.{want.field}",
             )
-        if want.provides not in _provides(other.plugin):
+        if want.provides not in provides_of(other.plugin):
             raise ConfigError(
                 f"{p.subject}: {want.field}: {name!r} is a {other.type}, which provides no "
                 f"{want.provides}",
@@ -441,9 +440,3 @@ class _Decoder:
                     f"{p.subject}: reads {attribute!r}, which no configured "
                     f"data source produces{hint}",
                 )
-
-
-def _provides(plugin: Any) -> frozenset[str]:
-    """What a plugin (or a plugin class) provides to those that name it."""
-    provided: frozenset[str] = getattr(plugin, "provides", frozenset())
-    return provided

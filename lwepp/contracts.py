@@ -291,11 +291,20 @@ class Want:
     quiet: bool = False
 
 
+def provides_of(plugin: Any) -> frozenset[str]:
+    """What a plugin (or a plugin class) provides to those that name it."""
+    provided: frozenset[str] = getattr(plugin, "provides", frozenset())
+    return provided
+
+
 PREFIX_MATCH: Final = "prefix-match"
 """What a prefix producer provides: the index a prefix scorer reads (approximate or precise)."""
 
 IN_FLIGHT_LOAD: Final = "in-flight-load"
 """What ``inflight-load-producer`` provides: the requests and tokens in flight it counts."""
+
+ENDPOINTS: Final = "endpoints"
+"""What ``file-discovery`` provides: the pool's endpoints (``dataLayer.discovery`` names it)."""
 
 ENGINE_METRICS: Final = "engine-metrics"
 """What ``core-metrics-extractor`` provides: which metric each engine publishes."""

@@ -56,7 +56,8 @@ SECTIONS: Final = {
             "injectDefaults", "sources", "discovery", "peerDiscovery", "crossReplica",
             "crossReplicaSyncerPluginRef", "crossReplicaSyncInterval", "crossReplicaPublishTimeout",
         },
-        "data sources listed under plugins run without it (sources pair extractors)",
+        "data sources listed under plugins run without it (sources pair extractors, discovery "
+        "names the endpoints file)",
     ),
     "flowControl": (
         {
@@ -133,8 +134,8 @@ UNSUPPORTED: Final = {
     ),
     "predicted-latency routing": ("predicted-latency-producer", "latency-scorer"),
     "session affinity by header filter": ("session-affinity-filter", "session-id-producer"),
-    "endpoint discovery plugins (give --pods, --pool-name or --endpoint-selector)": (
-        "file-discovery", "multicluster-file-discovery",
+    "multi-cluster endpoint discovery (give --pods, --pool-name or --endpoint-selector)": (
+        "multicluster-file-discovery",
     ),
     "state shared between picker replicas": ("local-syncer", "cross-replica-publisher"),
     "multi-cluster routing": (
@@ -255,9 +256,16 @@ def section_problems(
             if ref not in named:
                 where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in keys)
                 yield keys, True, f"{where[1:]}: {ref!r} names no plugin"
-        if section == "dataLayer" and set(value) <= {"injectDefaults", "sources"}:
+        if section == "dataLayer" and set(value) <= {"injectDefaults", "sources", "discovery"}:
             continue  # what the file says there, Switchyard does
         yield [section], False, f"{section}: decoded and ignored: {why}"
+
+
+def discovery_ref(data_layer: Mapping[str, Any] | None) -> str | None:
+    """The plugin ``dataLayer.discovery.pluginRef`` names: it lists the endpoints (the router
+    then runs without Kubernetes)."""
+    discovery = (data_layer or {}).get("discovery")
+    return discovery.get("pluginRef") if isinstance(discovery, Mapping) else None
 
 
 def extractor_pairs(data_layer: Mapping[str, Any] | None) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """A pod list read from a YAML file, reloaded when the file changes.
 
 The file looks like this (``ports`` may list several ports for a
-data-parallel pod; ``labels`` and ``ready`` are optional)::
+data-parallel pod; ``labels``, ``ready`` and ``namespace`` are optional)::
 
     pods:
     - name: llama-0
@@ -14,13 +14,30 @@ data-parallel pod; ``labels`` and ``ready`` are optional)::
       labels: {pool: llama, model: llama-3-8b}
       ready: false
 
+or the llm-d router's endpoints file (its ``file-discovery`` plugin's, and
+``docs/discovery.md``'s no-Kubernetes guide), one endpoint an entry: ``name``
+(required; unique within its namespace, the last entry wins as the router's
+upserts do), ``namespace`` (default ``default``), ``address`` (an IPv4
+address, as the router requires), ``port`` (a string holding 1–65535; a
+YAML number is taken too) and ``labels``; at most 1 MiB, YAML or JSON::
+
+    endpoints:
+    - name: vllm-0
+      address: "10.0.0.1"
+      port: "8000"
+      labels: {model: llama-3-8b}
+
 A broken edit never empties the list: the last good pods stay in force, and
 the error (naming the file and the field) is logged until the file is fixed.
+An edit that drops a pod (or an endpoint) removes it; one that adds a pod
+adds it (``FileSource``). The router skips a bad entry of a reloaded
+endpoints file and applies the rest; here the whole edit waits for the fix.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -35,7 +52,10 @@ from pods.model import Pod, is_ip
 
 log = structlog.get_logger()
 
-_POD_FIELDS: Final = {"name", "address", "ports", "labels", "ready"}
+_POD_FIELDS: Final = {"name", "address", "ports", "labels", "ready", "namespace"}
+_ENDPOINT_FIELDS: Final = {"name", "namespace", "address", "port", "labels"}
+MAX_ENDPOINTS_FILE: Final = 1 << 20
+"""The router's cap on an endpoints file (1 MiB)."""
 _PARENT: Final = re.compile(r"(\.[^.\[]*|\[\d+\])$")
 """The last step of a field's path: ``.ports`` or ``[1]``."""
 
@@ -95,8 +115,10 @@ def _lines(text: str) -> dict[str, int]:
 
 
 def _decode(document: Any) -> tuple[Pod, ...]:
+    if isinstance(document, Mapping) and set(document) == {"endpoints"}:
+        return _endpoints(document["endpoints"])
     if not isinstance(document, Mapping) or set(document) != {"pods"}:
-        raise _Invalid("pods", "expected a mapping with the single key 'pods'")
+        raise _Invalid("pods", "expected a mapping with the single key 'pods' (or 'endpoints')")
     entries = document["pods"] or []
     if not isinstance(entries, list):
         raise _Invalid("pods", "expected a list")
@@ -142,11 +164,6 @@ def _pod(entry: Any, where: str) -> Pod:
             raise _Invalid(f"{where}.ports[{j}]", f"expected a port 1-65535, got {port!r}")
     if len(set(ports)) != len(ports):
         raise _Invalid(f"{where}.ports", "duplicate port")
-    labels = entry.get("labels") or {}
-    if not isinstance(labels, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str | int | float | bool) for k, v in labels.items()
-    ):
-        raise _Invalid(f"{where}.labels", "expected a mapping of names to strings")
     ready = entry.get("ready", True)
     if not isinstance(ready, bool):
         raise _Invalid(f"{where}.ready", "expected true or false")
@@ -154,9 +171,68 @@ def _pod(entry: Any, where: str) -> Pod:
         name=name,
         address=address,
         ports=tuple(ports),
-        labels={k: str(v) for k, v in labels.items()},
+        labels=_labels(entry, where),
         ready=ready,
+        namespace=_namespace(entry, where, ""),
     )
+
+
+def _labels(entry: Mapping[str, Any], where: str) -> dict[str, str]:
+    labels = entry.get("labels") or {}
+    if not isinstance(labels, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str | int | float | bool) for k, v in labels.items()
+    ):
+        raise _Invalid(f"{where}.labels", "expected a mapping of names to strings")
+    return {k: str(v) for k, v in labels.items()}
+
+
+def _namespace(entry: Mapping[str, Any], where: str, default: str) -> str:
+    namespace = entry.get("namespace", default)
+    if not isinstance(namespace, str) or (not namespace and default):
+        raise _Invalid(f"{where}.namespace", "expected a non-empty string")
+    return namespace
+
+
+def _endpoints(entries: Any) -> tuple[Pod, ...]:
+    """The router's ``endpoints:`` list: one single-port pod an entry, by namespace/name."""
+    if not isinstance(entries, list):
+        raise _Invalid("endpoints", "expected a list")
+    by_id: dict[tuple[str, str], Pod] = {}
+    where_of: dict[tuple[str, int], str] = {}
+    for i, entry in enumerate(entries):
+        where = f"endpoints[{i}]"
+        if not isinstance(entry, Mapping):
+            raise _Invalid(where, "expected a mapping")
+        if unknown := sorted(set(entry) - _ENDPOINT_FIELDS):
+            raise _Invalid(f"{where}.{unknown[0]}", f"unknown field {unknown[0]!r}")
+        for required in ("name", "address", "port"):
+            if required not in entry:
+                raise _Invalid(f"{where}.{required}", "required")
+        name, address, port = entry["name"], entry["address"], entry["port"]
+        if not isinstance(name, str) or not name:
+            raise _Invalid(f"{where}.name", "expected a non-empty string")
+        if not isinstance(address, str) or not _is_ipv4(address):
+            raise _Invalid(f"{where}.address", f"expected an IPv4 address, got {address!r}")
+        number = int(port) if isinstance(port, str) and port.strip().isdigit() else port
+        if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= 65535:
+            raise _Invalid(f"{where}.port", f"expected a port 1-65535 (as a string), got {port!r}")
+        pod = Pod(name, address, (number,), _labels(entry, where), True,
+                  _namespace(entry, where, "default"))  # fmt: skip
+        if (address, number) in where_of and by_id.get((pod.namespace, name)) is None:
+            problem = f"{address}:{number} is listed twice (first: {where_of[(address, number)]})"
+            raise _Invalid(f"{where}.port", problem)
+        where_of[(address, number)] = where
+        by_id.pop((pod.namespace, name), None)  # the router upserts: the last entry wins
+        by_id[(pod.namespace, name)] = pod
+    return tuple(by_id.values())
+
+
+def _is_ipv4(text: str) -> bool:
+    try:
+        ipaddress.IPv4Address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def dump_pods(pods: Iterable[Pod]) -> str:
@@ -168,6 +244,8 @@ def dump_pods(pods: Iterable[Pod]) -> str:
             entry["labels"] = dict(pod.labels)
         if not pod.ready:
             entry["ready"] = False
+        if pod.namespace:
+            entry["namespace"] = pod.namespace
         entries.append(entry)
     return yaml.safe_dump({"pods": entries}, sort_keys=False)
 
@@ -175,6 +253,8 @@ def dump_pods(pods: Iterable[Pod]) -> str:
 def load_pods(path: str | os.PathLike[str]) -> tuple[Pod, ...]:
     """Read and decode a pod file."""
     try:
+        if os.path.getsize(path) > MAX_ENDPOINTS_FILE:
+            raise PodFileError(f"{path}: larger than 1 MiB (the llm-d router's cap)")
         text = read_utf8(path)
     except OSError as error:
         raise PodFileError(f"{path}: cannot read: {error.strerror}") from None
@@ -184,11 +264,21 @@ def load_pods(path: str | os.PathLike[str]) -> tuple[Pod, ...]:
 
 
 class FileSource:
-    """Pods from a YAML file, re-read whenever its modification time or size changes."""
+    """Pods from a YAML file, re-read whenever its modification time or size changes.
 
-    def __init__(self, path: str | os.PathLike[str], interval: float = 1.0) -> None:
+    Watching by polling the file's ``stat`` every ``interval`` seconds follows
+    what the router's ``fsnotify`` watch follows: writes in place, an atomic
+    rename over the file, and a ConfigMap's symlink swap (``stat`` follows the
+    link). With ``watch`` false the file is read once, as the router's
+    ``file-discovery`` does unless ``watchFile`` is set.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], interval: float = 1.0, *, watch: bool = True
+    ) -> None:
         self.path = Path(path)
         self.interval = interval
+        self.watch = watch
         self.error: str | None = None
         self.pods: tuple[Pod, ...] = ()
         """The pods as last read (``PodSource``): replaced whole, never changed in place."""
@@ -225,6 +315,8 @@ class FileSource:
         return False
 
     async def run(self) -> None:
-        while True:
-            self.reload()
+        self.reload()
+        while self.watch:
             await asyncio.sleep(self.interval)
+            self.reload()
+        await asyncio.Event().wait()  # read once: nothing more to do until cancelled

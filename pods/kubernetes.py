@@ -127,7 +127,8 @@ def to_pod(obj: Mapping[str, Any], spec: PoolSpec) -> Pod | None:
     ports = active_ports(obj, spec.ports)
     if not ports:
         return None
-    return Pod(name=str(metadata.get("name")), address=address, ports=ports, labels=labels)
+    name, namespace = str(metadata.get("name")), str(metadata.get("namespace") or "")
+    return Pod(name=name, address=address, ports=ports, labels=labels, namespace=namespace)
 
 
 class _Pods:

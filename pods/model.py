@@ -26,13 +26,19 @@ def _frozen(labels: Mapping[str, str]) -> Mapping[str, str]:
 
 @dataclass(frozen=True, slots=True)
 class Pod:
-    """One model-server replica as a pod source reports it."""
+    """One model-server replica as a pod source reports it.
+
+    ``namespace`` is the pod's Kubernetes namespace when its source knows one
+    (the InferencePool's, an llm-d endpoints file's entry), else empty; with
+    ``name`` it is the pod's identity in the llm-d router's session tokens.
+    """
 
     name: str
     address: str
     ports: tuple[int, ...]
     labels: Mapping[str, str] = field(default_factory=dict, hash=False)
     ready: bool = True
+    namespace: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "labels", _frozen(self.labels))
@@ -47,12 +53,13 @@ class Pod:
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    """One ``address:port`` that can serve a request."""
+    """One ``address:port`` that can serve a request (of ``pod``, in ``namespace`` if known)."""
 
     pod: str
     address: str
     port: int
     labels: Mapping[str, str] = field(default_factory=dict, hash=False)
+    namespace: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "labels", _frozen(self.labels))
@@ -72,7 +79,7 @@ def endpoints_of(
 ) -> tuple[Endpoint, ...]:
     """Every port of every ready pod whose labels match ``selector``, in file order."""
     return tuple(
-        Endpoint(pod.name, pod.address, port, pod.labels)
+        Endpoint(pod.name, pod.address, port, pod.labels, pod.namespace)
         for pod in pods
         if pod.ready and pod.matches(selector)
         for port in pod.ports

@@ -24,10 +24,10 @@ A, B, C = (Endpoint(n, f"10.0.0.{i + 1}", 8000) for i, n in enumerate("abc"))
 PROMPT = "You are a careful assistant. " * 40  # 1,160 characters: 18 blocks of 64
 
 
-def request(prompt: str = PROMPT, **state: Any) -> LLMRequest:
+def request(prompt: str = PROMPT, state: dict[str, Any] | None = None) -> LLMRequest:
     body = {"model": "m", "prompt": prompt}
     made = LLMRequest("r", {}, model="m", parsed=frozen(body))
-    made.state.update(state)
+    made.state.update(state or {})
     return made
 
 
@@ -73,7 +73,7 @@ def test_the_ttft_gate_breaks_stickiness_when_the_cached_endpoint_is_too_busy() 
     over a 10 s penalty all are kept, under a 15 s one only A."""
     for penalty, expected in ((10_000, ["a", "b"]), (15_000, ["a"])):
         filter_, producer = made(maxTTFTPenaltyMs=penalty)
-        req = request(**in_flight(a=200_000))
+        req = request(state=in_flight(a=200_000))
         producer.prepare(req)
         assert kept(filter_, req, A, B) == expected
 
@@ -81,7 +81,7 @@ def test_the_ttft_gate_breaks_stickiness_when_the_cached_endpoint_is_too_busy() 
 def test_a_zero_penalty_always_sticks() -> None:
     """maxTTFTPenaltyMs 0 (llm-d's optimized baseline): however busy A is, it keeps the prompt."""
     filter_, producer = made(maxTTFTPenaltyMs=0)
-    req = request(**in_flight(a=10**9))
+    req = request(state=in_flight(a=10**9))
     producer.prepare(req)
     assert kept(filter_, req, A, B) == ["a"]
 
@@ -91,7 +91,7 @@ def test_the_older_in_flight_token_gate() -> None:
     on the best sticky endpoint than on the best other one keeps all."""
     for extra, expected in ((286_721, ["a", "b"]), (286_720, ["a"])):
         filter_, producer = made(maxTTFTPenaltyMs=0, maxTokensInFlightPenalty=286_720)
-        req = request(**in_flight(a=extra))
+        req = request(state=in_flight(a=extra))
         producer.prepare(req)
         assert kept(filter_, req, A, B) == expected
 

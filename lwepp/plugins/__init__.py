@@ -20,6 +20,7 @@ from typing import Final
 
 from lwepp.plugins.affinity import PrefixCacheAffinityFilter
 from lwepp.plugins.approx_prefix import ApproxPrefixCacheProducer
+from lwepp.plugins.discovery import FileDiscovery
 from lwepp.plugins.inflight import InFlightLoadProducer
 from lwepp.plugins.kv_cache_scorer import KVCacheUtilizationScorer
 from lwepp.plugins.label_selector import LabelSelectorFilter
@@ -37,6 +38,8 @@ from lwepp.plugins.session_affinity import SessionAffinityScorer
 from plugin_api import Factory
 
 REGISTRY: Final[Mapping[str, Factory]] = {
+    # where the endpoints come from
+    "file-discovery": FileDiscovery,
     # data sources
     "metrics-data-source": MetricsDataSource,
     "models-data-source": ModelsDataSource,

@@ -338,7 +338,7 @@ def pod_source(
         return endpoints_file, None
     if not flags:
         raise ValueError(
-            "one of --pods, --pool-name and --endpoint-selector is required (or a "
+            "one of the arguments --pods --pool-name --endpoint-selector is required (or a "
             "file-discovery plugin named by dataLayer.discovery in --config)"
         )
     if args.pods is not None:

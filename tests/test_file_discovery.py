@@ -51,7 +51,10 @@ def test_a_name_listed_again_in_its_namespace_is_replaced() -> None:
 @pytest.mark.parametrize(
     ("entry", "message"),
     [
-        ('{name: x, address: "::1", port: "80"}', "endpoints.yaml:2: endpoints[0].address: expected an IPv4"),
+        (
+            '{name: x, address: "::1", port: "80"}',
+            "endpoints.yaml:2: endpoints[0].address: expected an IPv4",
+        ),
         ('{name: x, address: host.local, port: "80"}', "expected an IPv4 address, got 'host"),
         ('{name: x, address: "10.0.0.1", port: "0"}', "port: expected a port 1-65535"),
         ('{name: x, address: "10.0.0.1", port: "8a"}', "got '8a'"),
@@ -107,8 +110,8 @@ def test_without_watch_file_the_file_is_read_once(tmp_path: Path) -> None:
 
     async def scenario() -> None:
         task = asyncio.create_task(source.run())
-        while not source.synced:
-            await asyncio.sleep(0)
+        await asyncio.sleep(0)  # run() reads the file before its first await
+        assert source.synced
         path.write_text('endpoints:\n  - {name: vllm-2, address: "10.0.0.3", port: "8000"}\n')
         for _ in range(100):  # interval 0: a watching source would have re-read by now
             await asyncio.sleep(0)

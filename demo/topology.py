@@ -119,13 +119,23 @@ class Process:
         return TopologyError(f"{self.name} {what}; the end of {self.log}:\n{tail}")
 
 
+UNLABELLED_POOL: Final = "epp"
+"""The one pool of a file none of whose pods has a ``pool`` label (an llm-d endpoints file, as
+the router's file discovery serves it: its default pool name)."""
+
+
 def pools_of(pod_file: Path, fail_open: Collection[str] = ()) -> list[GatewayPool]:
-    """The pools the pods' ``pool`` labels name, with their models and replicas.
+    """The pools the pods' ``pool`` labels name, with their models and replicas (no pod
+    labelled: one pool, ``epp``, of every pod).
 
     The picker ports stay 0 here: they are known once the pickers run.
     """
     pods = load_pods(pod_file)
-    if unlabelled := [pod.name for pod in pods if "pool" not in pod.labels]:
+    unlabelled = [pod.name for pod in pods if "pool" not in pod.labels]
+    if len(unlabelled) == len(pods):
+        labelled = {"pool": UNLABELLED_POOL}
+        pods = tuple(dataclasses.replace(pod, labels={**pod.labels, **labelled}) for pod in pods)
+    elif unlabelled:
         raise TopologyError(f"{pod_file}: pod {unlabelled[0]!r} has no 'pool' label")
     names = list(dict.fromkeys(pod.labels["pool"] for pod in pods))
     if unknown := sorted(set(fail_open) - set(names)):
@@ -437,7 +447,7 @@ class Topology(Processes):
             self._ext_proc(
                 f"lwepp-{pool.name}",
                 "lwepp",
-                *("--pods", pods, "--selector", f"pool={pool.name}"),
+                *("--pods", pods, "--selector", self._selector(pool.name)),
                 *(("--config", str(self.picker_config)) if self.picker_config else ()),
                 *(DEMO_PICKER_FLAGS if self._demo_flags else ()),
                 *self._picker_args.get(pool.name, ()),
@@ -469,8 +479,17 @@ class Topology(Processes):
         if self.readiness is not None:
             self.readiness.start()
 
+    def _selector(self, pool: str) -> str:
+        """The picker's ``--selector``: the pool label, or every pod of an unlabelled file."""
+        unlabelled = [self.pools[0].name] == [UNLABELLED_POOL] and not any(
+            "pool" in pod.labels for pod in load_pods(self.pod_file)
+        )
+        return "" if unlabelled else f"pool={pool}"
+
     def _start_one_hop(self, pods: str) -> None:
         """The one service of ``one_hop``: every pool and its models, as ``--pool`` flags."""
+        if self._selector(self.pools[0].name) == "":
+            raise TopologyError(f"{self.pod_file}: --one-hop needs a 'pool' label on each pod")
         self._ext_proc(
             "onehop",
             "onehop",

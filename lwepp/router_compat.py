@@ -133,7 +133,6 @@ UNSUPPORTED: Final = {
         "probabilistic-admitter", "latency-slo-admitter", "slo-headroom-tier-filter",
     ),
     "predicted-latency routing": ("predicted-latency-producer", "latency-scorer"),
-    "session affinity by header filter": ("session-affinity-filter", "session-id-producer"),
     "multi-cluster endpoint discovery (give --pods, --pool-name or --endpoint-selector)": (
         "multicluster-file-discovery",
     ),

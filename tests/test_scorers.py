@@ -166,9 +166,19 @@ def test_lora_affinity_stale_and_no_model() -> None:
 # --- session-affinity-scorer ------------------------------------------------------
 
 
-def test_session_token_is_base64_of_the_pod_name() -> None:
-    """The token is standard base64 of the pod name (the router uses namespace/name)."""
-    assert token("pod-a") == base64.b64encode(b"pod-a").decode() == "cG9kLWE="
+def test_session_token_is_base64_of_the_pod_s_namespace_and_name() -> None:
+    """The token is standard base64 of ``namespace/name``, as the router writes it; a pod with
+    no namespace (Switchyard's pod file) is ``default``'s, the router's file-discovery default."""
+    assert token("pod-a", "ns") == base64.b64encode(b"ns/pod-a").decode()
+    assert token("pod-a") == base64.b64encode(b"default/pod-a").decode()
+
+
+def test_a_bare_name_token_still_matches() -> None:
+    """Switchyard's earlier tokens (base64 of the pod name alone) keep their session."""
+    bare = base64.b64encode(b"b").decode()
+    req = LLMRequest("r", {"x-session-token": bare})
+    got = scores(SessionAffinityScorer("s"), candidate("a"), candidate("b"), req=req)
+    assert got == [0.0, 1.0]
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,11 @@ from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
 from lwepp.plugins.prefix import PrecisePrefixCacheScorer, PrefixCacheScorer
 from lwepp.plugins.queue_scorer import QueueScorer
 from lwepp.plugins.role_filters import ByLabelFilter, DecodeFilter, EncodeFilter, PrefillFilter
-from lwepp.plugins.session_affinity import SessionAffinityScorer
+from lwepp.plugins.session_affinity import (
+    SessionAffinityFilter,
+    SessionAffinityScorer,
+    SessionIdProducer,
+)
 from plugin_api import Factory
 
 REGISTRY: Final[Mapping[str, Factory]] = {
@@ -49,6 +53,7 @@ REGISTRY: Final[Mapping[str, Factory]] = {
     "approx-prefix-cache-producer": ApproxPrefixCacheProducer,
     "precise-prefix-cache-producer": PrecisePrefixCacheProducer,
     "core-metrics-extractor": CoreMetricsExtractor,
+    "session-id-producer": SessionIdProducer,
     # filters
     "label-selector-filter": LabelSelectorFilter,
     "decode-filter": DecodeFilter,
@@ -56,6 +61,7 @@ REGISTRY: Final[Mapping[str, Factory]] = {
     "encode-filter": EncodeFilter,
     "by-label": ByLabelFilter,
     "prefix-cache-affinity-filter": PrefixCacheAffinityFilter,
+    "session-affinity-filter": SessionAffinityFilter,
     # scorers
     "queue-scorer": QueueScorer,
     "kv-cache-utilization-scorer": KVCacheUtilizationScorer,

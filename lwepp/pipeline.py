@@ -219,6 +219,12 @@ class Pipeline:
         self.reads: frozenset[str] = frozenset().union(
             *(getattr(p, "reads", frozenset()) for p in self.plugins)
         )
+        for source in self.sources:  # what its readers need: a source names what it cannot give
+            if hasattr(source, "wanted"):
+                produced = frozenset(source.produces)
+                readers = [p.name for p in self.plugins if getattr(p, "reads", set()) & produced]
+                source.wanted = self.reads & produced
+                setattr(source, "readers", tuple(readers))  # noqa: B010 (a protocol's extra)
         self.store = store or AttributeStore()
         self.clock = clock
         registry = registry or CollectorRegistry()
@@ -246,6 +252,14 @@ class Pipeline:
             for p in plugins
         }
         """Each plugin's ``plugin_duration_seconds`` child, per stage: bound once."""
+        self.unusable = Gauge(
+            "llm_d_epp_data_source_unusable_endpoints",
+            "Endpoints whose last answer to the data source gave nothing the picker can use "
+            "(unreachable, or none of the metrics its plugins read).",
+            ["plugin"],
+            registry=registry,
+            multiprocess_mode="livemax",
+        )
         self.pool_gauges = {
             (kind, attribute): Gauge(
                 f"llm_d_epp_{kind}_{name}",
@@ -425,12 +439,16 @@ class Pipeline:
         return last
 
     def refresh_metrics(self, endpoints: Sequence[Endpoint]) -> None:
-        """Set the pool gauges from the attributes measured within ``FRESH_SECONDS``.
+        """Set the pool gauges from the attributes measured within ``FRESH_SECONDS``, and each
+        data source's count of endpoints it reads nothing usable from (``problems``).
 
         A pool with no fresh measurement of an attribute reports 0 for it, as
         the router does for a pool whose pods have no fresh metrics.
         """
         snapshot, now = self.store.snapshot, self.clock()
+        for source in self.sources:
+            if isinstance(problems := getattr(source, "problems", None), Mapping):
+                self.unusable.labels(source.name).set(len(problems))
         for attribute in POOL_ATTRIBUTES:
             values = []
             for endpoint in endpoints:

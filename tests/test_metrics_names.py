@@ -235,13 +235,13 @@ def test_each_plugin_call_is_timed_under_the_router_s_extension_point_and_type()
         if s.name.endswith("_count")
     }
     assert counts == {
-        ("DataProducer", "prefix-cache-scorer"): 1,
+        ("DataProducer", "approx-prefix-cache-producer"): 1,
         ("Scorer", "queue-scorer"): 1,
         ("Scorer", "kv-cache-utilization-scorer"): 1,
         ("Scorer", "prefix-cache-scorer"): 1,
         ("Picker", "MaxScorePicker"): 1,
-        ("PreRequest", "prefix-cache-scorer"): 1,
-        ("ResponseComplete", "prefix-cache-scorer"): 0,
+        ("PreRequest", "approx-prefix-cache-producer"): 1,
+        ("ResponseComplete", "approx-prefix-cache-producer"): 0,
     }
 
 

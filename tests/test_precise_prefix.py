@@ -221,8 +221,11 @@ def test_the_scorer_reads_the_producer_it_names() -> None:
     made.prepare(request)
     scores = scorer.score(request, [Candidate(A), Candidate(B)], 0.0)
     assert list(scores) == [1.0, 0.0]
-    scorer.picked(request, [B])
-    assert list(scorer.score(request, [Candidate(A), Candidate(B)], 0.0)) == [1.0, 0.0]
+    assert not hasattr(scorer, "picked")  # a scorer only: the producer is what learns
+    made.picked(request, [B])
+    again = LLMRequest("r2", {}, body=body)
+    made.prepare(again)
+    assert list(scorer.score(again, [Candidate(A), Candidate(B)], 0.0)) == [1.0, 0.0]
 
 
 def test_the_debug_page_shows_each_engine_and_its_problems() -> None:

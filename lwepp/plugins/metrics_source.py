@@ -70,6 +70,7 @@ import aiohttp
 
 from lwepp.contracts import ENGINE_METRICS, Want
 from lwepp.plugins import polling
+from lwepp.plugins.polling import Values
 from lwepp.plugins.prometheus import Families, Selector, parse, parse_selector
 from plugin_api import NO_PARAMS, ConfigError, Params
 from pods.model import Endpoint
@@ -94,16 +95,27 @@ class EngineMapping:
     cache_info: Selector | None = None
     cache_labels: tuple[str, str] = ("block_size", "num_gpu_blocks")
     lora: Selector | None = None
+    custom: Mapping[str, Selector] = field(default_factory=dict)
+    """``customMetrics``: an endpoint attribute of the configuration's naming → its series."""
 
     @property
     def metric_names(self) -> frozenset[str]:
-        selectors = (*self.gauges.values(), self.cache_info, self.lora)
+        selectors = (*self.gauges.values(), *self.custom.values(), self.cache_info, self.lora)
         return frozenset(s.name for s in selectors if s is not None)
+
+    def produces(self) -> frozenset[str]:
+        """The attributes this engine's page can give."""
+        found = {*self.gauges, *self.custom}
+        if self.cache_info is not None:
+            found |= set(CACHE_ATTRIBUTES)
+        if self.lora is not None:
+            found |= {"lora_max", "lora_running", "lora_waiting"}
+        return frozenset(found)
 
     def extract(self, families: Families) -> dict[str, float | frozenset[str]]:
         """The attributes found in a parsed page; those not found are left out."""
         values: dict[str, float | frozenset[str]] = {}
-        for attribute, selector in self.gauges.items():
+        for attribute, selector in (*self.gauges.items(), *self.custom.items()):
             series = selector.select(families)
             if series and not math.isnan(series[0][1]):
                 values[attribute] = series[0][1]
@@ -184,6 +196,15 @@ BUILTIN_ENGINES: Final[Mapping[str, EngineMapping]] = {
                 cache_num_blocks="nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=max}",
             ),
         ),
+        # Triton Inference Server's own metrics, for models other than LLMs (the router's
+        # "triton" engine): pending requests, and executions as its running count.
+        EngineMapping(
+            "triton",
+            _gauges(
+                queue_depth="nv_inference_pending_request_count",
+                running_requests="nv_inference_exec_count",
+            ),
+        ),
         # llama.cpp's server (--metrics): "deferred" requests wait for a slot,
         # "processing" ones hold one. It publishes no KV-cache usage gauge.
         EngineMapping(
@@ -200,7 +221,7 @@ BUILTIN_ENGINES: Final[Mapping[str, EngineMapping]] = {
 class MetricsDataSource(polling.HttpSource):
     """Scrapes ``/metrics`` of every endpoint; see the module docstring."""
 
-    produces: ClassVar[frozenset[str]] = frozenset(
+    produces: frozenset[str] = frozenset(
         {
             "queue_depth",
             "running_requests",
@@ -223,6 +244,10 @@ class MetricsDataSource(polling.HttpSource):
         self.use(Engines.read(params))
         self.wants = (Want("engineConfigs", None, ENGINE_METRICS, self.use_extractor),)
         """The ``core-metrics-extractor`` the router's data layer pairs it with, or the only one."""
+        self.wanted: frozenset[str] = frozenset()
+        """The attributes the running plugins read (the pipeline tells it, as ``readers``)."""
+        self.readers: tuple[str, ...] = ()
+        self._other_engine: dict[str, str] = {}
 
     def use_extractor(self, extractor: Any) -> None:
         """Read pages as the extractor's engine configs say (``Want.give``)."""
@@ -238,6 +263,30 @@ class MetricsDataSource(polling.HttpSource):
         self.engines, self.default_engine = engines.mappings, engines.default
         self.engine_label = engines.label_key
         self._names = {key: m.metric_names for key, m in self.engines.items()}
+        custom = {attribute for m in self.engines.values() for attribute in m.custom}
+        self.produces = MetricsDataSource.produces | custom
+
+    def unusable(self, endpoint: Endpoint, values: Values) -> str | None:
+        """An endpoint whose page lacks what the running plugins read (``wanted``), or every
+        attribute of its engine when nothing is wanted: why, and the engine it looks like."""
+        engine = self.engine_of(endpoint)
+        expected = self.wanted & engine.produces() if self.wanted else engine.produces()
+        lacking = sorted(expected - values.keys())
+        if not lacking or (values and not self.wanted):
+            return None
+        readers = f", which {', '.join(self.readers)} read" if self.readers else ""
+        found = f"{len(values)} of its attributes" if values else "none of its metrics"
+        problem = (
+            f"its page has {found} as engine {engine.name!r} names them (no "
+            f"{', '.join(lacking)}{readers})"
+        )
+        other = self._other_engine.get(endpoint.hostport)
+        if other and other != engine.name:
+            problem += (
+                f"; it looks like {other!r}: set defaultEngine: {other} or the pod label "
+                f"{self.engine_label}={other}"
+            )
+        return problem
 
     def engine_of(self, endpoint: Endpoint) -> EngineMapping:
         """The mapping named by the endpoint's engine label, else the default engine's."""
@@ -248,7 +297,12 @@ class MetricsDataSource(polling.HttpSource):
     def read(self, endpoint: Endpoint, text: str) -> dict[str, float | frozenset[str]]:
         """The attributes one ``/metrics`` page of ``endpoint`` holds."""
         engine = self.engine_of(endpoint)
-        return engine.extract(parse(text, self._names[engine.name]))
+        values = engine.extract(parse(text, self._names[engine.name]))
+        if not values or (self.wanted and not self.wanted <= values.keys()):  # a problem: whose?
+            self._other_engine[endpoint.hostport] = next(
+                (n for n, names in self._names.items() if any(m in text for m in names)), ""
+            )
+        return values
 
     async def answer(
         self, endpoint: Endpoint, response: aiohttp.ClientResponse
@@ -319,8 +373,23 @@ def _engine_config(params: Params, index: int, raw: Any) -> EngineMapping:
     gauges = {attribute: s for key, attribute in GAUGE_SPECS.items() if (s := selector(key))}
     block_label = entry.get("cacheBlockSizeLabelName", str, "") or "block_size"
     count_label = entry.get("cacheNumBlocksLabelName", str, "") or "num_gpu_blocks"
+    custom: dict[str, Selector] = {}
+    for item in entry.entries("customMetrics"):
+        key, spec = item.require("attributeKey", str), item.require("metricSpec", str)
+        item.done()
+        if not key or key in gauges or key in custom:
+            raise item.error("attributeKey", f"must be a new, non-empty name, got {key!r}")
+        try:
+            custom[key] = parse_selector(spec)
+        except ValueError as error:
+            raise item.error("metricSpec", str(error)) from None
     mapping = EngineMapping(
-        name, gauges, selector("cacheInfoSpec"), (block_label, count_label), selector("loraSpec")
+        name,
+        gauges,
+        selector("cacheInfoSpec"),
+        (block_label, count_label),
+        selector("loraSpec"),
+        custom,
     )
     entry.done()
     if not name:

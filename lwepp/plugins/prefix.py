@@ -30,7 +30,7 @@ precise producer and this scorer in one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from lwepp.contracts import (
@@ -70,6 +70,10 @@ class PrefixSource(Protocol):
 
 class PrefixCacheScorer:
     needs_body = True
+    # The private producer's hooks, set on the instance while it has one (``_private``).
+    prepare: Callable[[LLMRequest], None]
+    picked: Callable[[LLMRequest, Sequence[Endpoint]], None]
+    response_complete: Callable[[LLMRequest, str | None, Usage | None], None]
 
     def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         self.name = name
@@ -93,6 +97,7 @@ class PrefixCacheScorer:
         )
         """Its producer; the default one is added when missing, unless the scorer has index
         settings of its own."""
+        self._private(True)
         self.length_weight = params.get("matchLengthWeight", float, 0.0, at_least=0)
         if self.length_weight > 1:
             raise params.error("matchLengthWeight", "must be at most 1")
@@ -110,10 +115,12 @@ class PrefixCacheScorer:
             )
             raise ConfigError(f"parameters: {', '.join(self.own_settings)} belong to {owner}")
         self.source = producer
+        self._private(False)
 
     def use_precise(self, producer: PrecisePrefixCacheProducer) -> None:
         """Score by the blocks the engines report (``lwepp.plugins.precise_prefix``)."""
         self.source = producer
+        self._private(False)
 
     @property
     def precise(self) -> PrecisePrefixCacheProducer | None:
@@ -152,19 +159,14 @@ class PrefixCacheScorer:
 
     # --- the private producer's part of the request ---------------------------------
 
-    def prepare(self, request: LLMRequest) -> None:
-        if self.source is self.own:
-            self.own.prepare(request)
-
-    def picked(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None:
-        if self.source is self.own:
-            self.own.picked(request, endpoints)
-
-    def response_complete(
-        self, request: LLMRequest, served: str | None, usage: Usage | None
-    ) -> None:
-        if self.source is self.own:
-            self.own.response_complete(request, served, usage)
+    def _private(self, on: bool) -> None:
+        """Play the private producer's roles (prepare, picked, response complete), or not: a
+        scorer reading a configured producer is a scorer only, as the router's is."""
+        for role in ("prepare", "picked", "response_complete"):
+            if on:
+                setattr(self, role, getattr(self.own, role))
+            else:
+                vars(self).pop(role, None)
 
     # --- score -----------------------------------------------------------------
 

@@ -88,8 +88,13 @@ IGNORED_TYPES: Final = {
     "models-responder": "the gateway answers GET /v1/models (manifests/envoy-gateway/models.yaml, "
     "the demo); a picker sends it on to one endpoint",
     **dict.fromkeys(
+        ("header-based-testing-filter", "destination-endpoint-served-verifier"),
+        "GIE's conformance header and served-endpoint report are built in "
+        "(--enable-test-selection-header, --report-served-endpoint)",
+    ),
+    **dict.fromkeys(
         ("openai-parser", "anthropic-parser", "vllmhttp-parser", "vllmgrpc-parser",
-         "vertexai-parser", "passthrough-parser"),
+         "sglanghttp-parser", "vertexai-parser", "passthrough-parser"),
         _PARSE,
     ),
     **dict.fromkeys(
@@ -133,6 +138,11 @@ UNSUPPORTED: Final = {
         "probabilistic-admitter", "latency-slo-admitter", "slo-headroom-tier-filter",
     ),
     "predicted-latency routing": ("predicted-latency-producer", "latency-scorer"),
+    "routing by request headers and attributes (agent identity, header-label affinity, "
+    "attribute reports)": (
+        "agent-identity", "header-label-affinity-scorer", "request-attribute-reporter",
+    ),
+    "KV-cache transfer between engines (P2P source)": ("p2p-source-producer",),
     "multi-cluster endpoint discovery (give --pods, --pool-name or --endpoint-selector)": (
         "multicluster-file-discovery",
     ),

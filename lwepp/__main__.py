@@ -28,7 +28,7 @@ from lwepp.leader import LeaderElector, LeaseTimings
 from lwepp.picking import Pool
 from lwepp.pipeline import ROLES
 from lwepp.plugins.discovery import POOL_NAME
-from plugin_api import Role, needs_body
+from plugin_api import Role, needs_body, roles_of
 from pods.file import FileSource, PodFileError, load_pods
 from pods.kubeapi import KubeconfigError, load_kubeconfig
 from pods.kubernetes import DEFAULT_GROUP, InferencePoolSource
@@ -134,14 +134,15 @@ def describe(config: picker_config.PickerConfig) -> Iterator[str]:
     labels = [p.name if p.name == p.type else f"{p.name} ({p.type})" for p in config.plugins]
     width = max(map(len, labels), default=0)
     for label, p in zip(labels, config.plugins, strict=True):
-        details = [", ".join(role.label for role in p.roles)] if p.roles else []
+        roles = roles_of(p.plugin, ROLES)  # as linked: a scorer handed its producer plays less
+        details = [", ".join(role.label for role in roles)] if roles else []
         provides: frozenset[str] = getattr(p.plugin, "provides", frozenset())
         if provides:
             details.append(f"provides {', '.join(sorted(provides))} to the plugins naming it")
         reads: frozenset[str] = getattr(p.plugin, "reads", frozenset())
         if reads:
             details.append(f"reads {', '.join(sorted(reads))}")
-        if Role.SOURCE in p.roles:
+        if Role.SOURCE in roles and p.plugin.produces:
             details.append(f"produces {', '.join(sorted(p.plugin.produces))}")
         if needs_body(p.plugin):
             details.append("needs the body")

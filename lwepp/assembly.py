@@ -216,6 +216,7 @@ def assemble(
     strategy, controls = request_metrics.install(
         options.request_metrics, strategy, metrics.labels, registry
     )
+    controls += pipeline.controls if pipeline is not None else ()  # last: just before the pick
     service = EndpointPickerService(
         pool,
         strategy,

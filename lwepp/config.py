@@ -163,21 +163,10 @@ class _Decoder:
         plugins: list[Configured] = []
         named: dict[str, str] = {}  # every plugin name in the file → its path
         needing: dict[str, list[str]] = {}  # unsupported feature → "type (line n)"
-        untokenized: list[ConfigError] = []  # precise producers with no tokenizer of their own
         for entry in entries:
             with self.document.checking():
-                try:
-                    made = self.plugin(entry, named, needing)
-                except ConfigError as error:
-                    if not (error.field or "").endswith(".tokenizer"):
-                        raise
-                    untokenized.append(error)
-                    made = None
-                if made is not None:
+                if (made := self.plugin(entry, named, needing)) is not None:
                     plugins.append(made)
-        if compat.TOKENS_FEATURE not in needing:  # else the token producer they need is reported
-            for missing in untokenized:
-                self.document.error(keys_of(missing.field or ""), str(missing))
         skipped = {n for n in named if n not in {c.name for c in plugins}}
         if needing:
             features = "; ".join(f"{f} ({', '.join(kinds)})" for f, kinds in needing.items())
@@ -273,12 +262,14 @@ class _Decoder:
         name = want.name
         if name is None:  # the one the data layer pairs with it, or the only one there is
             providers = [c.name for c in plugins if want.provides in provides_of(c.plugin)]
-            name = pairs.get(p.name) or (providers[0] if len(providers) == 1 else None)
+            paired, only = pairs.get(p.name), providers[0] if len(providers) == 1 else None
+            name = paired if paired in providers else only or want.default
             if name is None:
                 return
         other = by_name.get(name)
         if other is None and name == want.default and want.add:
             why = f"{p.name} names it in {want.field}; the router creates it for its consumers too"
+            why = f"{p.name} needs it: {want.note}" if want.note else why
             other = self.add(want.default, "" if want.quiet else why, p.path)
             plugins.append(other)
             running.append(other)

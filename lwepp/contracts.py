@@ -289,6 +289,8 @@ class Want:
     default: str | None = None
     add: bool = False
     quiet: bool = False
+    note: str = ""
+    """What the warning about an added plugin says, instead of the parameter that names it."""
 
 
 def provides_of(plugin: Any) -> frozenset[str]:
@@ -302,6 +304,13 @@ PREFIX_MATCH: Final = "prefix-match"
 
 IN_FLIGHT_LOAD: Final = "in-flight-load"
 """What ``inflight-load-producer`` provides: the requests and tokens in flight it counts."""
+
+TOKENS: Final = "tokenized-prompt"
+"""What ``token-producer`` provides: each request's prompt ids (``token_ids``)."""
+
+ENDPOINT_EVENTS: Final = "endpoint-events"
+"""What ``endpoint-notification-source`` provides: the pool's endpoints as they come and go,
+for the extractors paired with it (the precise prefix producer subscribes to each)."""
 
 ENDPOINTS: Final = "endpoints"
 """What ``file-discovery`` provides: the pool's endpoints (``dataLayer.discovery`` names it)."""

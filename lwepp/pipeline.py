@@ -212,6 +212,10 @@ class Pipeline:
         self.on_headers: tuple[ResponseHeadersHook, ...] = self.stages[Role.RESPONSE_HEADERS]
         self.on_chunk: tuple[ResponseChunkHook, ...] = self.stages[Role.RESPONSE_CHUNK]
         self.on_complete: tuple[ResponseCompleteHook, ...] = self.stages[Role.RESPONSE_COMPLETE]
+        self.controls = tuple(p for p in self.plugins if callable(getattr(p, "admit", None)))
+        """Plugins that are request controls as well (``lwepp.picking.RequestControl``: the
+        token producer asks an engine's tokenizer before the pick); the assembly runs them
+        last before the choice."""
         self.response_hooks = bool(self.on_headers or self.on_chunk or self.on_complete)
         """True when some plugin hears the response."""
         self.needs_body = any(needs_body(p) for p in self.plugins)

@@ -119,9 +119,8 @@ UNSUPPORTED: Final = {
     "a data-parallel profile handler (list each rank's port as an endpoint instead)": (
         "data-parallel-profile-handler",
     ),
-    "prompts tokenized by a separate token producer or the engine's render endpoint "
-    "(precise-prefix-cache-producer takes a local tokenizer instead)": (
-        "token-producer", "tokenizer", "endpoint-notification-source", "k8s-notification-source",
+    "notifications from Kubernetes objects (the pod source names the endpoints)": (
+        "k8s-notification-source",
     ),
     "multimodal embedding-cache affinity": (
         "mm-embeddings-cache-producer", "mm-embeddings-cache-scorer",
@@ -156,20 +155,18 @@ UNSUPPORTED: Final = {
 }  # fmt: skip
 """Router features Switchyard does not implement, and the plugin types that need them."""
 
-TOKENS_FEATURE: Final = next(f for f in UNSUPPORTED if "token-producer" in UNSUPPORTED[f])
-"""The router's separate tokenizing plugins: a precise producer without a tokenizer of its
-own relies on them, and is reported through them."""
-
 FEATURE_OF: Final = {kind: feature for feature, kinds in UNSUPPORTED.items() for kind in kinds}
 
 ALIASES: Final[Mapping[str, str]] = {
     "by-label-selector": "label-selector-filter",
+    "tokenizer": "token-producer",
 }
 """The router's deprecated names (removed there in v0.11) → the built-in's name."""
 
 DEPRECATED: Final[Mapping[str, str]] = {
     "by-label-selector": "use label-selector-filter",
     "by-label": "use label-selector-filter, or decode-filter/prefill-filter/encode-filter",
+    "tokenizer": "use token-producer",
 }
 """Types the router deprecated in v0.9: they load, with a warning saying what replaces them."""
 
@@ -278,14 +275,17 @@ def discovery_ref(data_layer: Mapping[str, Any] | None) -> str | None:
 
 
 def extractor_pairs(data_layer: Mapping[str, Any] | None) -> dict[str, str]:
-    """``dataLayer.sources``: each source's name → the first extractor listed with it."""
+    """``dataLayer.sources``: each source's name → the first extractor listed with it, and each
+    extractor's → its source (plugin names are unique, so one mapping holds both ways)."""
     pairs: dict[str, str] = {}
     for source in (data_layer or {}).get("sources") or []:
         if not isinstance(source, Mapping):
             continue
         for extractor in source.get("extractors") or []:
             if isinstance(extractor, Mapping):
-                pairs.setdefault(str(source.get("pluginRef")), str(extractor.get("pluginRef")))
+                name, of = str(source.get("pluginRef")), str(extractor.get("pluginRef"))
+                pairs.setdefault(name, of)
+                pairs.setdefault(of, name)
     return pairs
 
 

@@ -10,6 +10,7 @@ test`` does it): without it these tests fail, saying so, rather than skip.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib.util
 import json
@@ -22,11 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from demo.llamacpp import MODEL_ALIAS, packaged_model
 from demo.topology import HOST, Process, Topology, free_ports, listening_line, wait_for
+from lwepp.config import load_text
+from lwepp.picking import Admitted, RequestInfo
 from lwepp.plugins.prometheus import parse
+from lwepp.plugins.tokens import TokenProducer
 from pods.file import dump_pods
 from pods.model import Pod
 from tests.test_e2e import Answer, post
@@ -211,3 +216,40 @@ def test_check_model_server_reads_the_engine(engines: list[Engine]) -> None:
     assert [check["ok"] for check in report["api"]] == [True, True]
     signals = {name: finding["status"] for name, finding in report["signals"].items()}
     assert (signals["queue"], signals["running"], signals["kv_usage"]) == ("ok", "ok", "unknown")
+
+
+def test_the_token_producer_tokenizes_as_the_engine_does(engines: list[Engine]) -> None:
+    """token-producer's llamacpp backend (the engine's /apply-template and /tokenize): as many
+    ids as the engine counts in the prompt it runs, for a chat and for a completion; the precise
+    prefix cache keys its blocks from these ids."""
+    engine = engines[0]
+    config = load_text(
+        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n"
+        f"- type: token-producer\n  parameters: {{llamacpp: {{url: 'http://{engine.hostport}'}}}}\n"
+    )
+    pipeline = config.pipeline()
+    [made] = pipeline.controls
+    assert isinstance(made, TokenProducer)
+    chat = {"model": MODEL_ALIAS, "max_tokens": 1, "temperature": 0,
+            "messages": [{"role": "system", "content": PREFIX},
+                         {"role": "user", "content": "Which component picks the replica?"}]}  # fmt: skip
+    completion = {"model": MODEL_ALIAS, "max_tokens": 1, "temperature": 0,
+                  "prompt": PREFIX + "Which component reads the body?"}  # fmt: skip
+
+    async def tokenized(body: dict[str, Any]) -> list[int] | None:
+        tasks = [asyncio.create_task(job()) for job in pipeline.background(list)]
+        try:
+            await asyncio.sleep(0)
+            admitted = await made.admit(Admitted(RequestInfo((), orjson.dumps(body))))
+            return made.token_ids(pipeline.request_of(admitted.request))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+        ids = asyncio.run(asyncio.wait_for(tokenized(body), 30))
+        answer = post(f"http://{engine.hostport}", path, body)
+        assert answer.status == 200, answer.body[:300]
+        assert ids is not None
+        assert len(ids) == answer.json()["usage"]["prompt_tokens"] > 100

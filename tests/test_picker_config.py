@@ -194,13 +194,13 @@ ERRORS = [
     ),
     ("plugins:\n- type: no-such\n", "picker.yaml:4: plugin 'no-such' (no-such): type: unknown"),
     (
-        "plugins:\n- type: fake-scorer\n- type: context-length-aware\n- type: token-producer\n"
+        "plugins:\n- type: fake-scorer\n- type: context-length-aware\n"
+        "- type: burst-prefix-cache-producer\n"
         "- type: precise-prefix-cache-producer\nschedulingProfiles:\n- name: p\n  plugins:\n"
         "  - pluginRef: context-length-aware\n",
         "picker.yaml: needs what Switchyard does not implement: running-request and "
-        "context-length scoring (context-length-aware (line 5)); prompts tokenized by a "
-        "separate token producer or the engine's render endpoint (precise-prefix-cache-producer "
-        "takes a local tokenizer instead) (token-producer (line 6))",
+        "context-length scoring (context-length-aware (line 5)); burst co-location of "
+        "prompt-sharing requests (burst-prefix-cache-producer (line 6))",
     ),
     (
         "plugins:\n- type: max-score-picker\n  parameters:\n    maxNumOfEndpoints: x\n",

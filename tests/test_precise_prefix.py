@@ -258,7 +258,10 @@ def test_the_debug_page_shows_each_engine_and_its_problems() -> None:
 @pytest.mark.parametrize(
     ("parameters", "message"),
     [
-        ("{}", "tokenizer: required"),
+        (
+            "{indexerConfig: {tokenizersPoolConfig: {modelName: x}}}",
+            "tokenizersPoolConfig: not supported by precise-prefix-cache-producer",
+        ),
         ("{tokenizer: no.such.function}", "tokenizer: cannot load 'no.such.function'"),
         (
             "{tokenizer: " + TOKENIZER + ", indexerConfig: {tokenProcessorConfig: {blocksize: 4}}}",
@@ -271,7 +274,7 @@ def test_the_debug_page_shows_each_engine_and_its_problems() -> None:
         ),
         ("{tokenizer: " + TOKENIZER + ", eventsGracePeriod: -1}", "eventsGracePeriod: must be"),
     ],
-    ids=["no-tokenizer", "bad-tokenizer", "typo", "hash-algorithm", "grace"],
+    ids=["tokenizer-pool", "bad-tokenizer", "typo", "hash-algorithm", "grace"],
 )
 def test_bad_producer_parameters_name_the_field(parameters: str, message: str) -> None:
     """Each problem is refused at load, naming the field."""

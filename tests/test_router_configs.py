@@ -47,6 +47,15 @@ LOADS = {
         ("active-request-scorer", 1.0),
         ("session-affinity-scorer", 1.0),
     ],
+    "v0.10.0/epp-precise-prefix-cache-config.yaml": [
+        ("prefix-cache-scorer", 2.0),
+        ("kv-cache-utilization-scorer", 1.0),
+        ("queue-scorer", 1.0),
+    ],
+    "v0.10.0/sim-epp-kvcache-config.yaml": [("prefix-cache-scorer", 10.0)],
+    "head/sim-epp-kvcache-config.yaml": [("prefix-cache-scorer", 10.0)],
+    "v0.10.0/sim-epp-tokenizer-vllm-http-config.yaml": [("prefix-cache-scorer", 10.0)],
+    "v0.10.0/sim-epp-no-hit-lru.yaml": [("prefix-cache-scorer", 2.0), ("no-hit-lru-scorer", 1.0)],
     "chart/optimized-baseline-plugins.yaml": [
         ("queue-scorer", 2.0),
         ("kv-cache-utilization-scorer", 2.0),
@@ -66,42 +75,29 @@ REFUSED = {
     "v0.10.0/sim-pd-epp-config.yaml": ["several scheduling profiles", "prefix-based-pd-decider"],
     "v0.10.0/sim-e-p-d-epp-config.yaml": ["several scheduling profiles", "disagg-profile-handler"],
     "v0.10.0/sim-e-pd-epp-config.yaml": ["several scheduling profiles", "disagg-profile-handler"],
-    "v0.10.0/epp-precise-prefix-cache-config.yaml": ["separate token producer", "token-producer"],
-    "v0.10.0/sim-epp-kvcache-config.yaml": ["separate token producer", "token-producer"],
-    "head/sim-epp-kvcache-config.yaml": ["separate token producer", "token-producer"],
-    "v0.10.0/sim-epp-tokenizer-vllm-http-config.yaml": [
-        "separate token producer",
-        "token-producer",
-    ],
     "v0.10.0/probabilistic-admitter-epp-config.yaml": [
         "admission control",
         "probabilistic-admitter",
     ],
     "v0.10.0/sim-epp-gpu-config.yaml": ["DCGM", "dcgm-data-source", "endpoint-attribute-filter"],
     "head/sim-epp-gpu-config.yaml": ["DCGM", "dcgm-data-source", "endpoint-attribute-scorer"],
-    # Files that need two or three router features at once; the one message names each.
     "v0.10.0/epp-burst-prefix-cache-config.yaml": [
         "burst co-location",
         "burst-prefix-cache-producer",
-        "token-producer",
     ],
     "v0.10.0/epp-mm-embeddings-cache-config.yaml": [
         "multimodal embedding-cache",
+        "mm-embeddings-cache-producer",
         "mm-embeddings-cache-scorer",
-        "token-producer",
     ],
 }
 """Files refused, and what the one message must name."""
-
-NEEDS_A_TOKENIZER = {"v0.10.0/sim-epp-no-hit-lru.yaml": ["precise-prefix-cache-producer"]}
-"""Files whose only problem is a precise producer given no tokenizer (the router's tokenizes
-with a model's tokenizer it downloads); the message names the field and the plugin."""
 
 
 def test_every_sample_is_accounted_for() -> None:
     """No sample file goes unchecked: each is expected to load or to be refused."""
     files = {str(p.relative_to(SAMPLES)) for p in SAMPLES.rglob("*.yaml")}
-    assert files == set(LOADS) | set(REFUSED) | set(NEEDS_A_TOKENIZER)
+    assert files == set(LOADS) | set(REFUSED)
     assert not set(LOADS) & set(REFUSED)
 
 
@@ -115,16 +111,12 @@ def test_router_files_that_need_nothing_missing_load_and_run_as_written(sample: 
     assert [type(f) for f in filters] == ([DecodeFilter] if "decode-filter" in text else [])
 
 
-@pytest.mark.parametrize("sample", sorted({**REFUSED, **NEEDS_A_TOKENIZER}))
+@pytest.mark.parametrize("sample", sorted(REFUSED))
 def test_router_files_that_need_a_missing_feature_are_refused_in_one_message(sample: str) -> None:
     """One error line, naming the feature and each plugin that needs it; nothing else reported."""
     with pytest.raises(ConfigErrors) as refused:
         load_config(SAMPLES / sample)
     [message] = refused.value.errors
-    if sample in NEEDS_A_TOKENIZER:
-        assert "parameters.tokenizer: required" in message
-        assert all(needed in message for needed in NEEDS_A_TOKENIZER[sample])
-        return
     assert "needs what Switchyard does not implement" in message
     for needed in REFUSED[sample]:
         assert needed in message

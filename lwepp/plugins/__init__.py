@@ -20,7 +20,7 @@ from typing import Final
 
 from lwepp.plugins.affinity import PrefixCacheAffinityFilter
 from lwepp.plugins.approx_prefix import ApproxPrefixCacheProducer
-from lwepp.plugins.discovery import FileDiscovery
+from lwepp.plugins.discovery import EndpointNotificationSource, FileDiscovery
 from lwepp.plugins.inflight import InFlightLoadProducer
 from lwepp.plugins.kv_cache_scorer import KVCacheUtilizationScorer
 from lwepp.plugins.label_selector import LabelSelectorFilter
@@ -39,11 +39,13 @@ from lwepp.plugins.session_affinity import (
     SessionAffinityScorer,
     SessionIdProducer,
 )
+from lwepp.plugins.tokens import TokenProducer
 from plugin_api import Factory
 
 REGISTRY: Final[Mapping[str, Factory]] = {
     # where the endpoints come from
     "file-discovery": FileDiscovery,
+    "endpoint-notification-source": EndpointNotificationSource,
     # data sources
     "metrics-data-source": MetricsDataSource,
     "models-data-source": ModelsDataSource,
@@ -52,6 +54,7 @@ REGISTRY: Final[Mapping[str, Factory]] = {
     "inflight-load-producer": InFlightLoadProducer,
     "approx-prefix-cache-producer": ApproxPrefixCacheProducer,
     "precise-prefix-cache-producer": PrecisePrefixCacheProducer,
+    "token-producer": TokenProducer,
     "core-metrics-extractor": CoreMetricsExtractor,
     "session-id-producer": SessionIdProducer,
     # filters

@@ -24,13 +24,21 @@ while the last good list stays. The pool is named by ``--pool-name`` (default
 
 Parameters: ``path`` (required: relative paths are read from the picker's
 working directory) and ``watchFile``.
+
+``endpoint-notification-source`` is the router's data source of endpoint
+lifecycle events (an endpoint added, one deleted) for the extractors
+``dataLayer.sources`` pairs with it: here the precise prefix producer, which
+subscribes to each endpoint's KV-event publisher as it comes
+(``kvEventsConfig.discoverPods``) and drops it as it goes. Here the pool's
+endpoint list is those events: the plugin takes no parameters and is handed
+to its extractors (``lwepp.contracts.Want``).
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-from lwepp.contracts import ENDPOINTS
+from lwepp.contracts import ENDPOINT_EVENTS, ENDPOINTS
 from plugin_api import NO_PARAMS, Params
 from pods.file import FileSource
 
@@ -54,3 +62,13 @@ class FileDiscovery:
     def pod_source(self, interval: float = 1.0) -> FileSource:
         """The file as a pod source: read once, or watched every ``interval`` seconds."""
         return FileSource(self.path, interval, watch=self.watch)
+
+
+class EndpointNotificationSource:
+    """The router's ``endpoint-notification-source``: the pool's endpoints, as they change, to
+    the extractors paired with it."""
+
+    provides: Final = frozenset({ENDPOINT_EVENTS})
+
+    def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
+        self.name = name

@@ -95,7 +95,9 @@ import zmq.asyncio
 
 from blockhash.vllm import DEFAULT_SEED, HASH_ALGORITHMS, BlockHasher, external
 from lwepp.contracts import (
+    ENDPOINT_EVENTS,
     PREFIX_MATCH,
+    TOKENS,
     AttributeWriter,
     Candidate,
     Clock,
@@ -105,15 +107,19 @@ from lwepp.contracts import (
 )
 from lwepp.plugins.approx_prefix import PrefixMatch, match_key
 from plugin_api import NO_PARAMS, Params
-from pods.model import Endpoint
+from pods.model import Endpoint, join_host_port
 from serving.cli import duration
 
 log = structlog.get_logger()
 
 PRODUCER: Final = "precise-prefix-cache-producer"
+TOKEN_PRODUCER: Final = "token-producer"
+"""The producer of prompt ids the router adds when none is configured (its estimate backend)."""
 ROOT_CHECKS: Final = 3
 """Root blocks of an engine checked against vLLM's hash before a mismatch is reported: a
 request's ``cache_salt`` or images change its first block's hash, invisibly here."""
+DEFAULT_ENDPOINT: Final = "tcp://*:5557"
+"""Where the subscriber binds when neither ``zmqEndpoint`` nor pod discovery says where."""
 CHECK_EVERY: Final = 1.0
 """Seconds between the subscriber's looks for silent endpoints and unknown engines."""
 Tokenizer = Callable[[bytes], Sequence[int] | None]
@@ -212,9 +218,22 @@ class PrecisePrefixCacheProducer:
     def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         self.name = name
         indexer = params.entry("indexerConfig", params.get("indexerConfig", dict, {}))
-        tokens = indexer.entry(
-            "tokenProcessorConfig", indexer.get("tokenProcessorConfig", dict, {})
+        if "tokenizersPoolConfig" in indexer:
+            raise indexer.error(
+                "tokenizersPoolConfig",
+                "not supported by precise-prefix-cache-producer (nor by the router's since "
+                "v0.10): configure a token-producer plugin instead",
+            )
+        # tokenProcessorConfig: at the top since the router's v0.10, inside indexerConfig before.
+        tokens = params.entry(
+            "tokenProcessorConfig", params.get("tokenProcessorConfig", dict, None)
         )
+        if "tokenProcessorConfig" in indexer:
+            if "tokenProcessorConfig" in params:
+                raise indexer.error("tokenProcessorConfig", "set at the top already: once only")
+            tokens = indexer.entry(
+                "tokenProcessorConfig", indexer.get("tokenProcessorConfig", dict, {})
+            )
         older = tokens.get("blockSize", int, 0, at_least=0)
         self.block_size = tokens.get("blockSizeTokens", int, older or 16, at_least=1)
         seed = tokens.get("hashSeed", str, "")
@@ -229,21 +248,59 @@ class PrecisePrefixCacheProducer:
         index = indexer.entry("kvBlockIndexConfig", indexer.get("kvBlockIndexConfig", dict, {}))
         self.max_tokens = index.get("maxPrefixTokensToMatch", int, 0, at_least=0)
         index.get("enableMetrics", bool, False)
-        index.get("metricsLoggingInterval", int, 0)
+        index.get("metricsLoggingInterval", object, 0)  # nanoseconds, or a duration string
+        index.get("inMemoryConfig", dict, {})  # the index is in this process's memory
+        index.get("costAwareMemoryConfig", dict, {})
+        if "redisConfig" in index:
+            raise index.error(
+                "redisConfig",
+                "an index shared in Redis is not implemented: each picker keeps its own, fed by "
+                "every engine's events (the llm-d guide's active-active recipe does the same)",
+            )
         index.done()
+        indexer.get("kvCacheBackendConfigs", object, None)  # device tiers: one tier here
+        indexer.get("prefixStoreConfig", dict, {})  # the older tokenizer's cache
         indexer.done()
         events = params.entry("kvEventsConfig", params.get("kvEventsConfig", dict, {}))
-        self.endpoint = events.get("zmqEndpoint", str, "tcp://*:5557")
+        self.endpoint = events.get("zmqEndpoint", str, "")
         self.topic_filter = events.get("topicFilter", str, "kv@")
-        events.done()
-        path = params.get("tokenizer", str, "")
-        if not path:
-            raise params.error(
-                "tokenizer",
-                "required: a dotted path to a function from the request body to its prompt "
-                "token ids (simulator.openai.prompt_token_ids for the simulator)",
+        events.get("concurrency", int, 4, at_least=1)  # one reader here: batches stay in order
+        engine = events.get("engineType", str, "vllm")
+        if engine != "vllm":
+            raise events.error(
+                "engineType", f"only vllm's event format is read here, got {engine!r}"
             )
-        self.tokenizer = _tokenizer(path, params)
+        self.discover = events.get("discoverPods", bool, True)
+        pods = events.entry("podDiscoveryConfig", events.get("podDiscoveryConfig", dict, {}))
+        self.socket_port = pods.get("socketPort", int, 5557, at_least=1)
+        pods.get("podLabelSelector", str, "")  # the pool's endpoints are the pods here
+        pods.get("podNamespace", str, "")
+        pods.get("replaySocketPort", int, 0)
+        pods.done()
+        events.done()
+        self.events: Any = None
+        """The ``endpoint-notification-source`` paired with it (``Want``): with ``discoverPods``,
+        each endpoint's publisher is subscribed to as the pool lists it."""
+        self.tokens: Any = None
+        """The ``token-producer`` whose ids it hashes (``Want``), unless ``tokenizer`` is set."""
+        path = params.get("tokenizer", str, "")
+        self.tokenizer: Tokenizer | None = _tokenizer(path, params) if path else None
+        wants = [Want("endpoint-notification-source", None, ENDPOINT_EVENTS, self._use_events)]
+        if self.tokenizer is None:
+            wants.append(
+                Want(
+                    "tokenizer",
+                    None,
+                    TOKENS,
+                    self._use_tokens,
+                    default=TOKEN_PRODUCER,
+                    add=True,
+                    note="the prompt's token ids. The router adds one too, with its estimate "
+                    "backend, whose pseudo-token ids match no engine's blocks: configure a "
+                    "token-producer with the engine's tokenizer (vllm.url, or llamacpp.url)",
+                )
+            )
+        self.wants: tuple[Want, ...] = tuple(wants)
         self.grace = params.get("eventsGracePeriod", float, 30.0, at_least=0)
         self.speculative = params.get("speculativeIndexing", bool, False)
         ttl = params.get("speculativeTTL", str, "2s")
@@ -282,15 +339,22 @@ class PrecisePrefixCacheProducer:
         """Endpoints reported silent and engines reported unknown: each is told once."""
         self._key = f"{name}.keys"
         self._match = match_key(name)
-        self.wants: tuple[Want, ...] = ()
 
     # --- the request side: what the prefix scorer calls ------------------------------
 
+    def _use_events(self, source: Any) -> None:
+        self.events = source
+
+    def _use_tokens(self, producer: Any) -> None:
+        self.tokens = producer
+
     def prepare(self, request: LLMRequest) -> None:
-        """Tokenize the prompt once, into its block keys (the scorer reads ``request_keys``)."""
-        if request.body is None:
-            return
-        ids = self.tokenizer(request.body)
+        """The prompt's ids (its token producer's, or ``tokenizer``'s) cut into block keys, once
+        (the scorer reads ``request_keys``)."""
+        if self.tokenizer is not None:
+            ids = self.tokenizer(request.body) if request.body is not None else None
+        else:
+            ids = self.tokens.token_ids(request) if self.tokens is not None else None
         if not ids:
             return
         if self.max_tokens:
@@ -498,13 +562,19 @@ class PrecisePrefixCacheProducer:
             del self._unknown_since[engine]
 
     def _silence(self, endpoint: Endpoint) -> str:
-        bound = "*" in self.endpoint or "::" in self.endpoint
-        where = (
-            f"bound at {self.endpoint} (the engine's --kv-events-config endpoint must connect "
-            "to this picker's address on that port)"
-            if bound
-            else f"connected to {self.endpoint} (the engine must bind there)"
-        )
+        at = self.endpoint or DEFAULT_ENDPOINT
+        if self.discovering:
+            where = (
+                f"connected to {self.publisher(endpoint)} (kvEventsConfig.podDiscoveryConfig."
+                "socketPort: the engine's --kv-events-config endpoint must bind there)"
+            )
+        elif "*" in at or "::" in at:
+            where = (
+                f"bound at {at} (the engine's --kv-events-config endpoint must connect to this "
+                "picker's address on that port)"
+            )
+        else:
+            where = f"connected to {at} (the engine must bind there)"
         return (
             f"no KV events from this endpoint in {self.grace:g} s: it scores 0 on the prefix "
             f"cache. The subscriber is {where}, subscribed to topics starting "
@@ -526,7 +596,7 @@ class PrecisePrefixCacheProducer:
         }
         return orjson.dumps(
             {
-                "zmqEndpoint": self.endpoint,
+                "zmqEndpoint": self.endpoint or DEFAULT_ENDPOINT,
                 "topicFilter": self.topic_filter,
                 "hashSeed": self.hash_seed,
                 "hashAlgorithm": self.hash_algorithm,
@@ -541,29 +611,62 @@ class PrecisePrefixCacheProducer:
 
     # --- the subscriber ------------------------------------------------------------------
 
+    @property
+    def discovering(self) -> bool:
+        """Does it subscribe to each endpoint's publisher (``discoverPods`` with an
+        ``endpoint-notification-source``), rather than one socket at ``zmqEndpoint``?"""
+        return self.discover and self.events is not None and not self.endpoint
+
+    def publisher(self, endpoint: Endpoint) -> str:
+        """Where ``endpoint``'s engine publishes, by ``podDiscoveryConfig.socketPort``."""
+        return f"tcp://{join_host_port(endpoint.address, self.socket_port)}"
+
     async def run(self, endpoints: EndpointsNow, store: AttributeWriter, clock: Clock) -> None:
-        """Receive the engines' events until cancelled: bound to a wildcard endpoint (the
-        engines connect), else connected to the one engine publishing there; about once a
-        second (``CHECK_EVERY``), ``check`` the pool for silent endpoints and unknown engines."""
+        """Receive the engines' events until cancelled, on one SUB socket: connected to each
+        endpoint's publisher as the pool lists it, and disconnected (its blocks forgotten) when
+        it leaves (``discovering``); else bound to ``zmqEndpoint`` when it has a wildcard (the
+        engines connect; ``tcp://*:5557`` when none is set), or connected to the one engine
+        publishing there. About once a second (``CHECK_EVERY``), ``check`` the pool for silent
+        endpoints and unknown engines, and follow the pool's changes."""
         self.clock = clock
         context = zmq.asyncio.Context.instance()
         socket = context.socket(zmq.SUB)
+        connected: dict[str, Endpoint] = {}
         try:
             socket.setsockopt(zmq.SUBSCRIBE, self.topic_filter.encode())
-            if "*" in self.endpoint or "::" in self.endpoint:
-                socket.bind(self.endpoint)
-            else:
-                socket.connect(self.endpoint)
+            where = self.endpoint or DEFAULT_ENDPOINT
+            if not self.discovering:
+                socket.bind(where) if "*" in where or "::" in where else socket.connect(where)
             due = clock()
             while True:
+                if (now := clock()) >= due:
+                    pool = endpoints()
+                    if self.discovering:
+                        self._follow(socket, pool, connected)
+                    self.check(pool, now)
+                    due = now + CHECK_EVERY
                 if await socket.poll(int(CHECK_EVERY * 1000)):
                     frames = await socket.recv_multipart()
                     if len(frames) == 3:
                         self.ingest(*frames)
-                if (now := clock()) >= due:
-                    self.check(endpoints(), now)
-                    due = now + CHECK_EVERY
         except asyncio.CancelledError:
             raise
         finally:
             socket.close(linger=0)
+
+    def _follow(
+        self, socket: Any, pool: Sequence[Endpoint], connected: dict[str, Endpoint]
+    ) -> None:
+        """Connect to the publishers of endpoints that came, disconnect from those that left."""
+        current = {self.publisher(e): e for e in pool}
+        for url in connected.keys() - current.keys():
+            gone = connected.pop(url)
+            socket.disconnect(url)
+            for engine in (gone.hostport, gone.address):
+                self.index.clear(engine)
+                self.sequence.pop(engine, None)
+            log.info("kv events: unsubscribed", producer=self.name, endpoint=gone.hostport)
+        for url in current.keys() - connected.keys():
+            socket.connect(url)
+            connected[url] = current[url]
+            log.info("kv events: subscribed", producer=self.name, publisher=url)

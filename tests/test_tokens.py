@@ -202,3 +202,29 @@ def test_a_tokenizer_that_does_not_answer_leaves_the_request_without_ids() -> No
 
     assert asyncio.run(asyncio.wait_for(scenario(), 10)) is None
     assert made.failures == 1
+
+
+def test_the_older_scorer_s_tokenizer_pool_reads_local_files(tmp_path: Path) -> None:
+    """precise-prefix-cache-scorer with indexerConfig.tokenizersPoolConfig.local: its producer
+    tokenizes with that file, and no token producer is added; hf (a download) is refused."""
+    tokenizers = pytest.importorskip("tokenizers")
+    model = tokenizers.models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]")
+    tokenizer = tokenizers.Tokenizer(model)
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    pool = f"{{modelName: m, local: {{modelTokenizerMap: {{m: {tmp_path / 'tokenizer.json'}}}}}}}"
+    config = load_text(
+        HEAD + "plugins:\n- type: precise-prefix-cache-scorer\n  parameters:\n"
+        f"    indexerConfig: {{tokenizersPoolConfig: {pool}}}\n"
+    )
+    assert not [w for w in config.warnings if "added" in w]
+    [scorer] = config.running
+    producer = scorer.producer_plugin
+    assert isinstance(producer, PrecisePrefixCacheProducer)
+    request = LLMRequest("r", {}, body=b"{}", parsed=frozen({"prompt": "hello hello x"}))
+    assert producer.tokens.token_ids(request) == [1, 1, 0]
+    with pytest.raises(ConfigErrors, match=r"tokenizersPoolConfig\.hf: downloading tokenizers"):
+        load_text(
+            HEAD + "plugins:\n- type: precise-prefix-cache-scorer\n  parameters:\n"
+            "    indexerConfig: {tokenizersPoolConfig: {hf: {tokenizersCacheDir: /mnt/t}}}\n"
+        )

@@ -31,7 +31,7 @@ precise producer and this scorer in one.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from lwepp.contracts import (
     PREFIX_MATCH,
@@ -52,6 +52,7 @@ from lwepp.plugins.approx_prefix import (
     match_key,
 )
 from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
+from lwepp.plugins.tokens import TokenProducer
 from plugin_api import NO_PARAMS, ConfigError, Params
 from pods.model import Endpoint
 
@@ -187,15 +188,41 @@ class PrefixCacheScorer:
         return [w * length + (1 - w) * ratio for length, ratio in zip(lengths, ratios, strict=True)]
 
 
+PRECISE_PARAMETERS: Final = (
+    "tokenProcessorConfig", "indexerConfig", "kvEventsConfig", "speculativeIndexing",
+    "speculativeTTL", "tokenizer", "eventsGracePeriod",
+)  # fmt: skip
+"""The precise producer's parameters, which the older scorer takes as its own."""
+
+
 class PrecisePrefixCacheScorer(PrefixCacheScorer):
     """The router's older ``precise-prefix-cache-scorer``: one plugin that is both the precise
-    producer (its parameters) and the prefix scorer reading it."""
+    producer (its parameters) and the prefix scorer reading it.
+
+    Where it applies, as in the router: ``indexerConfig.tokenizersPoolConfig`` tokenizes for
+    it, its ``local`` files read with the ``tokenizers`` package (``modelName``,
+    ``local.modelTokenizerMap`` or ``autoDiscoveryDir``: ``token-producer``'s ``local``
+    backend). The pool's ``hf`` (a download from Hugging Face) and ``uds`` (the sidecar) are
+    refused, naming what to use instead; without a pool it reads a ``token-producer``."""
 
     produces = PrecisePrefixCacheProducer.produces
 
     def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
-        producer = PrecisePrefixCacheProducer(name, params)
+        given: dict[str, Any] = {
+            key: params.get(key, object, None) for key in PRECISE_PARAMETERS if key in params
+        }
+        raw_indexer = given.get("indexerConfig")
+        indexer = dict(raw_indexer) if isinstance(raw_indexer, dict) else {}
+        pool = indexer.pop("tokenizersPoolConfig", None)
+        tokens = None
+        if pool is not None and raw_indexer is not None:
+            given["indexerConfig"] = indexer
+            tokens = _pool(Params(pool, params.subject, path="parameters.indexerConfig."
+                                  "tokenizersPoolConfig"), name)  # fmt: skip
+        producer = PrecisePrefixCacheProducer(name, Params(given or None, params.subject))
         super().__init__(name)
+        if tokens is not None:
+            producer.tokens, producer.wants = tokens, producer.wants[:1]  # the pool tokenizes
         self.wants = producer.wants
         self.use_precise(producer)
         self.producer_plugin = producer
@@ -211,3 +238,22 @@ class PrecisePrefixCacheScorer(PrefixCacheScorer):
 
     async def run(self, endpoints: EndpointsNow, store: AttributeWriter, clock: Clock) -> None:
         await self.producer_plugin.run(endpoints, store, clock)
+
+
+def _pool(pool: Params, name: str) -> TokenProducer:
+    """The older scorer's ``tokenizersPoolConfig``, as a local token producer."""
+    for refused, why in (
+        ("hf", "downloading tokenizers from Hugging Face is not done here"),
+        ("uds", "the router's tokenizer sidecar is not supported"),
+    ):
+        if pool.get(refused, dict, None) is not None:
+            raise pool.error(refused, f"{why}: use local (a tokenizer.json on disk) or a "
+                             "token-producer (vllm.url: the engine's render endpoint)")  # fmt: skip
+    model = pool.get("modelName", str, "")
+    pool.get("workersCount", int, 5)
+    local = pool.get("local", dict, None)
+    if local is None:
+        raise pool.error("local", "required: where the tokenizer.json files are")
+    pool.done()
+    raw = {"modelName": model, "local": local} if model else {"local": local}
+    return TokenProducer(f"{name}.tokenizer", Params(raw, pool.subject, path=pool.path))

@@ -208,7 +208,7 @@ class _Decoder:
             )
         named[name] = entry.path
         at = keys_of(entry.path_of("type"))
-        verdict = compat.verdict(kind)
+        verdict = compat.verdict(kind, parameters)
         if verdict.unsupported is not None:
             line = self.document.line(at)
             needing.setdefault(verdict.unsupported, []).append(f"{kind} (line {line})")

@@ -114,7 +114,7 @@ UNSUPPORTED: Final = {
         "disagg-headers-handler", "header-profile-handler", "prefix-based-pd-decider",
         "always-disagg-pd-decider", "always-disagg-multimodal-decider", "topology-extractor",
         "topology-affinity-filter", "topology-affinity-scorer",
-        "disaggregatedset-rollout-screener",
+        "disaggregatedset-rollout-screener", "header-phase-profile-handler",
     ),
     "a data-parallel profile handler (list each rank's port as an endpoint instead)": (
         "data-parallel-profile-handler",
@@ -150,12 +150,36 @@ UNSUPPORTED: Final = {
         "multicluster-metrics-data-source", "multicluster-metrics-extractor",
         "multicluster-session-affinity-filter", "multicluster-queue-scorer",
         "multicluster-kv-cache-utilization-scorer", "multicluster-prefix-cache-scorer",
-        "multicluster-approx-prefix-cache-producer",
+        "multicluster-approx-prefix-cache-producer", "latency-observer-producer-hub",
+        "latency-observation-scorer-hub",
     ),
+    "LMetric scoring (lmetric-scorer, an experiment outside the router's releases)": (
+        "lmetric-scorer",
+    ),
+    "the router's integration-test metrics double": ("mock-metrics-source",),
 }  # fmt: skip
 """Router features Switchyard does not implement, and the plugin types that need them."""
 
 FEATURE_OF: Final = {kind: feature for feature, kinds in UNSUPPORTED.items() for kind in kinds}
+
+_PD: Final = next(iter(UNSUPPORTED))
+_PREDICTOR: Final = {"ttftSource": ("latencyPredictor", "predicted-latency routing")}
+_PROFILE: Final = {"profileName": (None, _PD)}
+_SIDECAR: Final = (
+    None,
+    "the router's tokenizer sidecar over a Unix socket (give token-producer vllm.url, "
+    "llamacpp.url or local instead)",
+)
+UNSUPPORTED_PARAMETERS: Final[Mapping[str, Mapping[str, tuple[str | None, str]]]] = {
+    "prefix-cache-affinity-filter": _PREDICTOR,
+    "session-affinity-filter": _PROFILE,
+    "session-affinity-scorer": _PROFILE,
+    "token-producer": {"udsTokenizerConfig": _SIDECAR},
+    "tokenizer": {"udsTokenizerConfig": _SIDECAR},
+    "precise-prefix-cache-scorer": {"indexerConfig.tokenizersPoolConfig.uds": _SIDECAR},
+}
+"""Parameters of types Switchyard has that need a feature it has not (a dotted path into the
+parameters): the value that does (None: any but empty), and the feature."""
 
 ALIASES: Final[Mapping[str, str]] = {
     "by-label-selector": "label-selector-filter",
@@ -208,14 +232,26 @@ class Verdict:
     deprecated: str | None = None
 
 
-def verdict(kind: str) -> Verdict:
-    """How a ``plugins[].type`` of the router's is read here."""
+def verdict(kind: str, parameters: object = None) -> Verdict:
+    """How a ``plugins[].type`` of the router's, with these ``parameters``, is read here."""
+    needs = [
+        feature
+        for field, (value, feature) in UNSUPPORTED_PARAMETERS.get(kind, {}).items()
+        if (given := _field(parameters, field)) and (value is None or given == value)
+    ]
     return Verdict(
         ALIASES.get(kind, kind),
-        unsupported=FEATURE_OF.get(kind),
+        unsupported=FEATURE_OF.get(kind) or next(iter(needs), None),
         ignored=IGNORED_TYPES.get(kind),
         deprecated=DEPRECATED.get(kind),
     )
+
+
+def _field(parameters: object, dotted: str) -> object:
+    """The value at ``dotted`` in nested mappings (None where a step is missing)."""
+    for key in dotted.split("."):
+        parameters = parameters.get(key) if isinstance(parameters, Mapping) else None
+    return parameters
 
 
 def gate_problems(gates: Sequence[Any]) -> Iterator[tuple[Keys, bool, str]]:

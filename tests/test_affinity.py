@@ -191,7 +191,7 @@ def test_llm_d_s_optimized_baseline_runs_as_written() -> None:
         ("{affinityThreshold: 1.5}", "affinityThreshold: must be <= 1"),
         ("{explorationProbability: 2}", "explorationProbability: must be in"),
         ("{maxTTFTPenaltyMs: -1}", "maxTTFTPenaltyMs: must be >= 0"),
-        ("{ttftSource: latencyPredictor}", "needs the router's latency predictor"),
+        ("{ttftSource: latencyPredictor}", "does not implement: predicted-latency routing"),
         ("{ttftSource: guess}", "ttftSource: must be one of prefillThroughput"),
         ("{peakPrefillThroughput: 0}", "peakPrefillThroughput: must be > 0 when"),
         ("{maxTokensInFlightPenalty: -3}", "maxTokensInFlightPenalty: must be >= 0"),

@@ -270,7 +270,7 @@ def test_the_debug_page_shows_each_engine_and_its_problems() -> None:
         (
             "{tokenizer: " + TOKENIZER + ", indexerConfig: {tokenProcessorConfig: "
             "{hashAlgorithm: md5}}}",
-            r"tokenProcessorConfig.hashAlgorithm: expected one of sha256, sha256_cbor",
+            r"tokenProcessorConfig.hashAlgorithm: expected one of cbor-fnv, xxh64, sha256,",
         ),
         ("{tokenizer: " + TOKENIZER + ", eventsGracePeriod: -1}", "eventsGracePeriod: must be"),
     ],

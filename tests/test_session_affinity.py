@@ -100,7 +100,7 @@ def test_session_ids_from_the_producer_s_attribute_or_a_cookie() -> None:
     ("parameters", "message"),
     [
         ("{strategy: cookie}", "strategy: expected one of encoded_endpoint_header, session_id"),
-        ("{profileName: prefill}", "profileName: Switchyard runs one scheduling profile"),
+        ("{profileName: prefill}", "does not implement: several scheduling profiles per request"),
         (
             "{sessionIdConfig: {sources: [{header: a, attribute: b}]}}",
             "sources[0].header: set exactly one of header and attribute",

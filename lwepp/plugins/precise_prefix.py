@@ -17,19 +17,29 @@ engine's hash algorithm and seed never decide a match; what must agree is
 the block size and the tokenizer.
 
 **Seed and algorithm, checked.** They still matter to anyone else who reads
-the engine's hashes: the llm-d router given the same configuration keys by
-them and would miss every block. So the first root blocks (no parent, no
-adapter) of each engine are hashed as vLLM does (``blockhash.vllm``) with
-``hashSeed`` ("" meaning an engine without ``PYTHONHASHSEED``: vLLM's fixed
-``"vllm-none-hash"``) and ``hashAlgorithm`` (unset: each of vLLM's, and the
-one that matches is logged). The first match settles it; three misses in a
-row (one could carry a ``cache_salt`` this cannot see) give one warning
-naming the seed, the algorithm and what to set on the engine or here.
+the engine's hashes as keys (the llm-d router, too, keys blocks by their
+token ids and maps the engine's hashes to them). So the first root blocks
+(no parent, no adapter) of each engine are hashed as vLLM does
+(``blockhash.vllm``) with ``hashSeed`` ("" meaning an engine without
+``PYTHONHASHSEED``: vLLM's fixed ``"vllm-none-hash"``) and ``hashAlgorithm``
+(unset, or the router's own key hashes ``cbor-fnv``/``xxh64``: each of
+vLLM's, and the one that matches is logged). The first match settles it;
+three misses in a row (one could carry a ``cache_salt`` this cannot see)
+give one warning naming the seed, the algorithm and what to set on the
+engine or here. SGLang's engines (``kvEventsConfig.engineType: sglang``)
+publish the same batches, their trailing fields optional, with hashes of
+their own: nothing is checked there.
 
-**Events.** One ZMQ SUB socket at ``kvEventsConfig.zmqEndpoint``, bound
-when it has a wildcard (``tcp://*:5557``: the engines connect their PUB to
-it, as with the router) and connected otherwise (to one engine that binds),
-subscribed to ``topicFilter``; the topic names the
+**Events.** One ZMQ SUB socket, subscribed to ``topicFilter``. With
+``kvEventsConfig.discoverPods`` (the router's default) and an
+``endpoint-notification-source`` paired with it in ``dataLayer.sources``
+(or the only one), it connects to each endpoint's publisher at
+``podDiscoveryConfig.socketPort`` (5557) as the pool lists it, and
+disconnects, forgetting its blocks, when it leaves (the engines bind:
+``--kv-events-config '{"endpoint": "tcp://*:5557", ...}'``). Otherwise it
+binds ``zmqEndpoint`` when that has a wildcard (``tcp://*:5557`` when unset:
+the engines connect their PUB to it) and connects to it otherwise (to one
+engine that binds); the topic names the
 engine, ``kv@<pod ip>@<model>`` (or ``kv@<ip:port>@<model>`` for one engine
 of several on a pod). Each message's 8-byte sequence number is checked per
 engine: the next one is applied; 0 after others means the engine restarted
@@ -59,21 +69,25 @@ blocks as held by the picked engine for ``speculativeTTL`` (a Go duration,
 once the entry lapses, overrule it. The approximate index records every
 pick for the same reason.
 
-**Tokens.** ``tokenizer``, Switchyard's parameter: a dotted path to a
-function from the raw request body to its prompt token ids (None: not a
-prompt). ``simulator.openai.prompt_token_ids`` is the simulator's own; for
-vLLM, a function calling the model's tokenizer and chat template. (The
-router can also call the engine's render endpoint; a pick here does no I/O,
-so that is not offered.)
+**Tokens.** From the ``token-producer`` in the file (``lwepp.plugins.tokens``:
+the engine's own tokenizer endpoint, a local tokenizer file, or the
+estimate), as in the router; one with the estimate backend is added when
+the file has none, with a warning, since its pseudo-token ids match no
+engine's blocks. Or Switchyard's ``tokenizer`` parameter: a dotted path to
+a function from the raw request body to its prompt token ids (None: not a
+prompt), such as the simulator's own ``simulator.openai.prompt_token_ids``.
 
 Parameters (the router's shape): ``indexerConfig.tokenProcessorConfig``
 ``blockSizeTokens`` (or the older ``blockSize``; 16), ``hashSeed`` (""),
-``hashAlgorithm`` (vLLM's names; unset),
+``hashAlgorithm`` (the router's or vLLM's names; unset),
 ``indexerConfig.kvBlockIndexConfig.maxPrefixTokensToMatch`` (0: all) and
 ``enableMetrics`` (accepted); ``kvEventsConfig.zmqEndpoint``
-(``tcp://*:5557``) and ``topicFilter`` (``kv@``); ``speculativeIndexing``
-(false) and ``speculativeTTL`` (``2s``); Switchyard's own ``tokenizer``
-(required) and ``eventsGracePeriod`` (seconds, 30).
+(``tcp://*:5557``), ``topicFilter`` (``kv@``) and ``engineType`` (``vllm``
+or ``sglang``); ``speculativeIndexing``
+(false) and ``speculativeTTL`` (``2s``); ``discoverPods`` (true),
+``podDiscoveryConfig.socketPort`` (5557), ``concurrency`` (accepted: one
+reader keeps batches in order); Switchyard's own ``tokenizer`` (optional)
+and ``eventsGracePeriod`` (seconds, 30).
 """
 
 from __future__ import annotations
@@ -118,6 +132,9 @@ TOKEN_PRODUCER: Final = "token-producer"
 ROOT_CHECKS: Final = 3
 """Root blocks of an engine checked against vLLM's hash before a mismatch is reported: a
 request's ``cache_salt`` or images change its first block's hash, invisibly here."""
+ROUTER_KEY_HASHES: Final = ("cbor-fnv", "xxh64")
+"""``hashAlgorithm``'s values in the router: how it hashes its own index keys. Keys here are
+this producer's own as well, so either is accepted and changes nothing."""
 DEFAULT_ENDPOINT: Final = "tcp://*:5557"
 """Where the subscriber binds when neither ``zmqEndpoint`` nor pod discovery says where."""
 CHECK_EVERY: Final = 1.0
@@ -238,11 +255,13 @@ class PrecisePrefixCacheProducer:
         self.block_size = tokens.get("blockSizeTokens", int, older or 16, at_least=1)
         seed = tokens.get("hashSeed", str, "")
         algorithm = tokens.get("hashAlgorithm", str, "")
-        if algorithm and algorithm not in HASH_ALGORITHMS:
+        if algorithm in ROUTER_KEY_HASHES:
+            algorithm = ""  # the router's own keys; this producer's are its own too
+        elif algorithm and algorithm not in HASH_ALGORITHMS:
             raise tokens.error(
                 "hashAlgorithm",
-                f"expected one of {', '.join(HASH_ALGORITHMS)} (vLLM's "
-                f"--prefix-caching-hash-algo) or none, got {algorithm!r}",
+                f"expected one of {', '.join(ROUTER_KEY_HASHES + HASH_ALGORITHMS)} (the "
+                f"router's keys, or vLLM's --prefix-caching-hash-algo) or none, got {algorithm!r}",
             )
         tokens.done()
         index = indexer.entry("kvBlockIndexConfig", indexer.get("kvBlockIndexConfig", dict, {}))
@@ -266,10 +285,10 @@ class PrecisePrefixCacheProducer:
         self.topic_filter = events.get("topicFilter", str, "kv@")
         events.get("concurrency", int, 4, at_least=1)  # one reader here: batches stay in order
         engine = events.get("engineType", str, "vllm")
-        if engine != "vllm":
-            raise events.error(
-                "engineType", f"only vllm's event format is read here, got {engine!r}"
-            )
+        if engine not in ("vllm", "sglang"):
+            raise events.error("engineType", f"expected vllm or sglang, got {engine!r}")
+        self.vllm_hashes = engine == "vllm"
+        """Are the engines' own block hashes vLLM's (checked against the seed), or SGLang's?"""
         self.discover = events.get("discoverPods", bool, True)
         pods = events.entry("podDiscoveryConfig", events.get("podDiscoveryConfig", dict, {}))
         self.socket_port = pods.get("socketPort", int, 5557, at_least=1)
@@ -481,7 +500,8 @@ class PrecisePrefixCacheProducer:
             if root is None:
                 return  # its parent is not indexed (lost, or evicted): nothing can reach it
             plain = not lora and (len(event) < 6 or event[5] is None)  # no adapter in the key
-            if parent is None and plain and hashes and engine not in self.hashed_with:
+            checked = engine in self.hashed_with or not self.vllm_hashes
+            if parent is None and plain and hashes and not checked:
                 self._check_hash(engine, hashes[0], ids[:size])
             self.index.stored(engine, hashes, chain(root, ids, size, lora))
         elif kind == "BlockRemoved":
@@ -524,8 +544,8 @@ class PrecisePrefixCacheProducer:
             f"block hashes are not {which} seeded with {meaning}: start the engine with "
             f"{engine_side}, or set indexerConfig.tokenProcessorConfig.hashSeed"
             f"{'' if algorithm else ' (and hashAlgorithm)'} to the engine's. Routing here is "
-            "unaffected (blocks are keyed from the events' token ids); the llm-d router given "
-            "this configuration would miss every block"
+            "unaffected (blocks are keyed from the events' token ids, as in the llm-d router); "
+            "a reader keying blocks by the engine's own hashes would miss every block"
         )
 
     def check(self, endpoints: Sequence[Endpoint], now: float) -> None:

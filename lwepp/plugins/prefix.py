@@ -209,7 +209,9 @@ class PrecisePrefixCacheScorer(PrefixCacheScorer):
 
     def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         given: dict[str, Any] = {
-            key: params.get(key, object, None) for key in PRECISE_PARAMETERS if key in params
+            key: params.get(key, bool if key == "speculativeIndexing" else object, None)
+            for key in PRECISE_PARAMETERS
+            if key in params
         }
         raw_indexer = given.get("indexerConfig")
         indexer = dict(raw_indexer) if isinstance(raw_indexer, dict) else {}

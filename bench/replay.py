@@ -49,14 +49,25 @@ from pathlib import Path
 from typing import Final
 
 from bench import workloads
-from bench.routing import ENGINES, FULL, ORACLES, Outcome, envelope, profile_for, simulate
+from bench.routing import (
+    BASELINE,
+    DROP_IN,
+    ENGINES,
+    FULL,
+    ORACLES,
+    Outcome,
+    envelope,
+    profile_for,
+    simulate,
+)
 from bench.workloads import BAILIAN, Arrival, Replay
 from serving.logs import configure_logging
 
 WORKLOAD = "replay"
 """The workload name every run of a replay carries."""
-PICKERS = ("round-robin", "recommended", "precise", "prefix-aware")
-"""What runs unless ``--picker`` names others; the oracles always run, for the envelope."""
+PICKERS = ("round-robin", BASELINE, *DROP_IN, "precise", "prefix-aware")
+"""What runs unless ``--picker`` names others (llm-d's default, the configurations the README
+gives users, precise and prefix-aware); the oracles always run, for the envelope."""
 
 
 AUTO_TOKENS_PER_SECOND: Final = 5000.0

@@ -12,8 +12,13 @@ round-robin        ``Pipeline()`` with no plugins: LWEPP's default
 random             ``bench/configs/random.yaml`` (random-picker)
 least-queue        ``bench/configs/least-queue.yaml`` (metrics-data-source + queue-scorer)
 prefix-aware       ``demo/configs/prefix-aware.yaml``, exactly the example users get
+optimized-baseline llm-d's current default, its optimized-baseline guide's configuration
+                   as the guide ships it (``bench.upstream``): prefix-cache-affinity-filter
+                   then token-load-scorer
 recommended        ``demo/configs/recommended.yaml``: prefix affinity held in check by
                    the requests and prompt tokens the picker has in flight per engine
+vllm, sglang,      ``demo/configs/<engine>.yaml``: the same, with the engine's metrics;
+llamacpp           the engines' pages rendered in that engine's names (``SERVERS``)
 precise            ``bench/configs/precise.yaml``: the same, with the precise prefix
                    cache fed by the engines' KV-cache events (``subscribe``)
 oracle-lookahead   ``bench.oracle.Lookahead``: forks every engine's exact state and
@@ -23,21 +28,23 @@ offline-partition  ``bench.oracle.partition``: every group on one engine, from t
                    whole workload known in advance (shared-prefix only)
 =================  =========================================================
 
-The first six are the picker users run: ``lwepp.config.load_config(path)
+The first ten are the pickers users run: ``lwepp.config.load_config(path)
 .pipeline(store=..., clock=...)`` with the virtual clock, each request routed
 through the ``Strategy`` seam exactly as the service does it,
 ``pipeline.choose(RequestInfo(headers, body), endpoints)``.
 The metrics a configured ``metrics-data-source`` would scrape are what the
 simulator's HTTP server would serve: each engine's state rendered as vLLM's
-``/metrics`` page (``simulator.metrics.render``), read by that plugin's own
-``read`` and written to the pipeline's ``AttributeStore`` stamped with the
-virtual clock, every ``refreshIntervalSeconds`` (the plugin's default unless
-the file sets it) per endpoint, the endpoints' scrapes staggered across the
-interval as independent pollers drift apart. The scrape itself takes no
-virtual time (a loopback scrape takes well under a millisecond). The
-pick's followup hears what the service would tell it: the response headers
-with the served endpoint and the first event when the first token comes
-back, and, when the stream ends, its last event (the token usage) and its end.
+``/metrics`` page (``simulator.metrics.render``; SGLang's or llama.cpp's for
+the configurations written for them, ``SERVERS``, and ``MISMATCHED`` reads
+SGLang's names off vLLM's pages), read by that plugin's own ``read`` and
+written to the pipeline's ``AttributeStore`` stamped with the virtual clock,
+every ``refreshIntervalSeconds`` (the plugin's default unless the file sets
+it) per endpoint, the endpoints' scrapes staggered across the interval as
+independent pollers drift apart. The scrape itself takes no virtual time (a
+loopback scrape takes well under a millisecond). The pick's followup hears
+what the service would tell it: the response headers with the served endpoint
+and the first event when the first token comes back, and, when the stream
+ends, its last event (the token usage) and its end.
 
 Measured per run (workload × strategy, × rate for the swept workload), over
 the requests after the warm-up (``WARMUP``): time to first token (arrival to
@@ -80,6 +87,7 @@ import orjson
 from bench import workloads
 from bench.oracle import Lookahead, Oracle, floor_ttfts, partition
 from bench.report import Options, Plot, Section, Series, Table, Target, percentile, progress
+from bench.upstream import OPTIMIZED_BASELINE, guide_config
 from bench.workloads import Arrival, MultiTurn, Replay, SharedPrefix
 from lwepp.attributes import AttributeStore
 from lwepp.config import load_config
@@ -114,12 +122,17 @@ ENGINES: Final = 8
 DEFAULT_SCHEDULING: Final = Scheduling()
 """The engines' scheduler switches: current vLLM's (``simulator.engine.Scheduling``)."""
 PROFILE: Final = "llama-3.1-8b-l4"
+BASELINE: Final = "optimized-baseline"
+"""llm-d's current default configuration, the peer the drop-in configurations are held to."""
+DROP_IN: Final = ("recommended", "vllm", "sglang", "llamacpp")
+"""The configurations the README gives users: no worse than round-robin or ``BASELINE`` anywhere."""
 PICKERS: Final = (
     "round-robin",
     "random",
     "least-queue",
     "prefix-aware",
-    "recommended",
+    BASELINE,
+    *DROP_IN,
     "precise",
 )
 """The strategies users run: the oracle envelope must not be beaten by any of them."""
@@ -129,13 +142,22 @@ OFFLINE: Final = "offline-partition"
 """The offline reference, for workloads whose requests come in groups (shared prefix)."""
 STRATEGIES: Final = (*PICKERS, *ORACLES)
 """What every workload runs under."""
+MISMATCHED: Final = "sglang on vLLM"
+"""``sglang.yaml`` in front of servers that publish vLLM's names: its metrics never match
+(run on the system-prompt workload, to show what picking does then)."""
 CONFIG_FILES: Final = {
     "random": CONFIGS / "random.yaml",
     "least-queue": CONFIGS / "least-queue.yaml",
     "prefix-aware": PREFIX_AWARE,
+    BASELINE: OPTIMIZED_BASELINE,
     "recommended": RECOMMENDED,
+    **{engine: ROOT / "demo" / "configs" / f"{engine}.yaml" for engine in DROP_IN[1:]},
+    MISMATCHED: ROOT / "demo" / "configs" / "sglang.yaml",
     "precise": CONFIGS / "precise.yaml",
 }
+SERVERS: Final = {"sglang": "sglang", "llamacpp": "llamacpp"}
+"""The metrics dialect the simulated servers publish under a strategy (``simulator.metrics``):
+the engine its configuration is written for; vLLM's for every other one."""
 
 
 # --- routers -------------------------------------------------------------------------
@@ -330,7 +352,8 @@ def router(
     pool = endpoints(len(engines))
     if strategy == "round-robin" and config_file is None:
         return PipelineRouter(strategy, Pipeline(clock=clock), (), pool)
-    config = load_config(config_file or CONFIG_FILES[strategy])
+    path = config_file or CONFIG_FILES[strategy]
+    config = guide_config(path) if path.name.endswith(".values.yaml") else load_config(path)
     pipeline = config.pipeline(store=AttributeStore(), clock=clock, explain="off")
     if isinstance(pipeline.picker, RandomPicker):  # weighted-random-picker is one too
         pipeline.picker.rng = random.Random(seed)  # the pickers take an injected rng; seeded here
@@ -562,7 +585,8 @@ def simulate(
         if isinstance(source, MetricsDataSource):
             interval = source.interval
             for i in range(engines):
-                loop.at(interval * i / engines, _scrape(run, source, i, interval))
+                scrape = _scrape(run, source, i, interval, SERVERS.get(strategy, "vllm"))
+                loop.at(interval * i / engines, scrape)
     loop.run()
     return _outcome(workload, strategy, rate, run, time.perf_counter() - started)
 
@@ -620,7 +644,7 @@ def engine_state(engine: Engine, now: float, model: str = workloads.MODEL) -> me
 
 
 def _scrape(
-    run: _Run, source: MetricsDataSource, index: int, interval: float
+    run: _Run, source: MetricsDataSource, index: int, interval: float, dialect: str
 ) -> Callable[[], None]:
     engine, endpoint, store, loop = run.engines[index], run.pool[index], run.router.store, run.loop
     assert store is not None  # a router with sources has a store
@@ -629,7 +653,7 @@ def _scrape(
         if run.remaining <= 0:
             return  # the run is over: stop polling so the loop can drain
         now = loop.now
-        page = metrics.render("vllm", engine_state(engine, now))
+        page = metrics.render(dialect, engine_state(engine, now))
         values = source.read(endpoint, page)
         store.write(endpoint.hostport, {k: Measurement(v, now) for k, v in values.items()})
         run.scrapes += 1
@@ -700,6 +724,9 @@ class Sizes:
     """The shared-prefix rate the targets are taken at: one where round-robin is steady."""
     shared_count: int
     chat: MultiTurn
+    system: MultiTurn
+    """The system-prompt workload: one long system prompt every session starts with, then a
+    few divergent turns (the shape that makes prefix affinity herd)."""
     mooncake_start: int
     mooncake_count: int
     mooncake_block_tokens: int
@@ -724,6 +751,15 @@ FULL: Final = Sizes(
         max_tokens=64,
         think_seconds=10.0,
     ),
+    system=MultiTurn(
+        sessions=600,
+        turns=3,
+        session_rate=4.0,
+        system_tokens=512,
+        user_tokens=96,
+        max_tokens=64,
+        think_seconds=10.0,
+    ),
     mooncake_start=0,
     mooncake_count=1000,
     mooncake_block_tokens=32,
@@ -741,6 +777,9 @@ QUICK: Final = Sizes(
     target_rate=4.0,
     shared_count=60,
     chat=MultiTurn(sessions=8, turns=3, session_rate=4.0, think_seconds=2.0, max_tokens=8),
+    system=MultiTurn(
+        sessions=12, turns=3, session_rate=4.0, system_tokens=128, think_seconds=2.0, max_tokens=8
+    ),
     mooncake_start=0,
     mooncake_count=40,
     mooncake_block_tokens=16,
@@ -823,6 +862,9 @@ def run(options: Options) -> Section:
         measure("shared-prefix", arrivals, rate, (*STRATEGIES, OFFLINE))
     chat = workloads.multi_turn(sizes.chat, seed)
     measure("multi-turn", chat)
+    measure(
+        "system-prompt", workloads.multi_turn(sizes.system, seed), None, (*STRATEGIES, MISMATCHED)
+    )
     traces = TRACES / MOONCAKE_FILE, TRACES / AZURE_FILE
     if all(path.exists() for path in traces):
         records = workloads.read_mooncake(traces[0], sizes.mooncake_start, sizes.mooncake_count)
@@ -900,6 +942,7 @@ def section(
     tables.append(workload_table(by_workload, sizes.target_rate))
     tables.append(workload_table(by_workload, sizes.target_rate, "recommended"))
     tables.append(workload_table(by_workload, sizes.target_rate, "precise"))
+    tables.append(drop_in_table(by_workload))
     tables.append(bound_table(outcomes))
     if variants:
         tables.append(variant_table(outcomes, variants))
@@ -932,6 +975,7 @@ def section(
             *targets(shared, sizes.target_rate),
             *recommended_targets(by_workload, sizes.target_rate),
             *precise_targets(by_workload, sizes.target_rate),
+            *drop_in_targets(by_workload),
             bound_target(outcomes),
         ],
         data={
@@ -1319,9 +1363,75 @@ def precise_targets(by_workload: Mapping[str, Sequence[Outcome]], rate: float) -
     return found
 
 
+def _runs(
+    by_workload: Mapping[str, Sequence[Outcome]],
+) -> list[tuple[str, Sequence[Outcome], float | None]]:
+    """Every run of the part: (workload, its outcomes, rate), swept rates one by one."""
+    return [
+        (workload, outcomes, rate)
+        for workload, outcomes in by_workload.items()
+        for rate in dict.fromkeys(o.rate for o in outcomes)
+    ]
+
+
+def _worse(a: Outcome | None, b: Outcome | None) -> float:
+    """``a``'s TTFT p90 over ``b``'s; infinite when ``a`` alone is saturated; NaN when there is
+    nothing to compare (a run missing, or both saturated)."""
+    if a is None or b is None or (a.saturated and b.saturated):
+        return math.nan
+    if a.saturated or b.saturated:
+        return math.inf if a.saturated else 0.0
+    return _ratio(a.ttft_p90, b.ttft_p90)
+
+
+def drop_in_table(by_workload: Mapping[str, Sequence[Outcome]]) -> Table:
+    """``DROP_IN`` and llm-d's default against round-robin, and ``DROP_IN`` against llm-d's
+    default, run by run."""
+    rows: list[list[object]] = []
+    for workload, outcomes, rate in _runs(by_workload):
+        rr, baseline = _find(outcomes, "round-robin", rate), _find(outcomes, BASELINE, rate)
+        if rr is None or baseline is None:
+            continue
+        row: list[object] = [workload if rate is None else f"{workload} at {rate:g}/s"]
+        row.append(versus(baseline, rr, _p90))
+        for name in DROP_IN:
+            mine = _find(outcomes, name, rate)
+            row += [versus(mine, rr, _p90), versus(mine, baseline, _p90)]
+        rows.append(row)
+    columns = ["run", f"{BASELINE} / RR"]
+    for name in DROP_IN:
+        columns += [f"{name} / RR", f"{name} / {BASELINE}"]
+    return Table(
+        f"The drop-in configurations beside round-robin and llm-d's default ({BASELINE})",
+        columns,
+        rows,
+        "TTFT p90 ratios, every run (each swept rate of shared prefix too); below 1 favours the "
+        f"first named. {BASELINE} is llm-d's optimized-baseline guide's configuration, unchanged.",
+    )
+
+
+def drop_in_targets(by_workload: Mapping[str, Sequence[Outcome]]) -> list[Target]:
+    """Each of ``DROP_IN``: its worst TTFT p90 against round-robin's and against ``BASELINE``'s,
+    over every run (a run where it alone is saturated counts as infinitely worse)."""
+    found = []
+    for name in DROP_IN:
+        for reference in ("round-robin", BASELINE):
+            worst, where = math.nan, "no run"
+            for workload, outcomes, rate in _runs(by_workload):
+                ratio = _worse(_find(outcomes, name, rate), _find(outcomes, reference, rate))
+                if not math.isnan(ratio) and not ratio <= worst:
+                    worst, where = ratio, workload if rate is None else f"{workload} at {rate:g}/s"
+            if where != "no run":
+                found.append(
+                    Target(f"{name} TTFT p90 / {reference}'s, worst run ({where})", worst, 1.0)
+                )
+    return found
+
+
 def workload_notes(sizes: Sizes) -> dict[str, str]:
     """Each workload table's note: its shape and every scaling factor."""
     sp, chat, mc, az = sizes.shared, sizes.chat, sizes.mooncake_replay, sizes.azure_replay
+    system = sizes.system
     return {
         "shared-prefix": (
             f"{sp.groups} groups × {sp.prefix_tokens}-token system prompt, {sp.users} users each, "
@@ -1333,6 +1443,14 @@ def workload_notes(sizes: Sizes) -> dict[str, str]:
             f"{chat.session_rate:g}/s (Poisson), think time {chat.think_seconds:g} s mean "
             f"(exponential, open-loop); shared {chat.system_tokens}-token system prompt, "
             f"{chat.user_tokens}-token user messages, {chat.max_tokens}-token answers resent."
+        ),
+        "system-prompt": (
+            f"{system.sessions} sessions × {system.turns} turns, sessions start at "
+            f"{system.session_rate:g}/s (Poisson), think time {system.think_seconds:g} s mean; "
+            f"every session starts with the same {system.system_tokens}-token system prompt, "
+            f"then {system.user_tokens}-token user messages and {system.max_tokens}-token "
+            f"answers resent. '{MISMATCHED}' is sglang.yaml in front of servers publishing "
+            "vLLM's metric names."
         ),
         "mooncake": (
             f"Mooncake synthetic trace, records {MOONCAKE_FIRST + sizes.mooncake_start}–"

@@ -546,6 +546,8 @@ def test_quick_run_measures_every_strategy_on_every_workload(quick: Section) -> 
         expected = list(routing.STRATEGIES)
         if workload == "shared-prefix":
             expected.append(routing.OFFLINE)
+        if workload == "system-prompt":
+            expected.append(routing.MISMATCHED)
         rates = {r["rate"] for r in runs if r["workload"] == workload}
         for rate in rates:
             strategies = [
@@ -561,9 +563,12 @@ def test_quick_run_measures_every_strategy_on_every_workload(quick: Section) -> 
         assert r["floor_p90"] <= r["ttft_p90"]
         assert 0.0 <= r["hit_rate"] <= 1.0
     assert [t.name for t in quick.targets]
-    recommended = [t for t in quick.targets if t.name.startswith("recommended")]
-    precise = [t for t in quick.targets if t.name.startswith("precise")]
-    assert len(quick.targets) - len(recommended) - len(precise) == 4
+    drop_in = [t for t in quick.targets if ", worst run (" in t.name]
+    assert len(drop_in) == 2 * len(routing.DROP_IN)  # against round-robin and llm-d's default
+    rest = [t for t in quick.targets if t not in drop_in]
+    recommended = [t for t in rest if t.name.startswith("recommended")]
+    precise = [t for t in rest if t.name.startswith("precise")]
+    assert len(rest) - len(recommended) - len(precise) == 4
     assert len(precise) == 2 * sum(w in workloads_run for w in ("shared-prefix", "mooncake"))
     assert len(recommended) == sum(
         w in workloads_run for w, *_ in routing.RECOMMENDED_LIMITS
@@ -605,9 +610,11 @@ def test_quick_run_round_robin_spreads_evenly(quick: Section) -> None:
 
 
 def test_quick_run_scrapes_only_for_configs_with_a_metrics_source(quick: Section) -> None:
-    """least-queue and prefix-aware read scraped metrics; the others never scrape."""
+    """least-queue, prefix-aware, vllm and sglang (and sglang's on vLLM's pages) read scraped
+    metrics; the others (llamacpp's reads none: llama.cpp has no KV gauge) never scrape."""
+    scraping = ("least-queue", "prefix-aware", "vllm", "sglang", routing.MISMATCHED)
     for r in quick.data["runs"]:
-        if r["strategy"] in ("least-queue", "prefix-aware"):
+        if r["strategy"] in scraping:
             assert r["scrapes"] > 0
         else:
             assert r["scrapes"] == 0

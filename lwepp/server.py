@@ -228,6 +228,13 @@ class EndpointPickerService:
             headers, body = state.request.headers, b"".join(state.request.chunks)
             if message.WhichOneof("request") == "request_body":
                 body += message.request_body.body
+        await self.admit_request(state, headers, body)
+
+    async def admit_request(
+        self, state: PickerState, headers: Sequence[tuple[str, str]], body: bytes | None
+    ) -> None:
+        """The request controls, in order, on a whole request: what they let through is
+        ``state.admitted``, which the choice then sees (a composing handler calls this too)."""
         admitted = Admitted(RequestInfo(headers, body))
         for control in self.controls:
             admitted = await control.admit(admitted)
@@ -353,7 +360,8 @@ class EndpointPickerService:
         if state.admitted is not None and state.admitted.followups and state.response.streamed:
             body = chunk.body
             for followup in followups(state):
-                body = followup.chunk(body) or body  # a control may rewrite what goes on
+                sent = followup.chunk(body)  # a control may rewrite what goes on, or hold it
+                body = body if sent is None else sent
             if chunk.end_of_stream:
                 self.end_response(state)
             return extproc.streamed_body_responses(

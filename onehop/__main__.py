@@ -98,7 +98,13 @@ def pickers(
         registries.append(registry)
         pool = Pool(source, {args.pool_label: name})
         built[name] = assemble(
-            pool, picking.load_config(), picking, registry, name=name, max_body_bytes=max_body_bytes
+            pool,
+            picking.load_config(),
+            picking,
+            registry,
+            name=name,
+            max_body_bytes=max_body_bytes,
+            rewrites=picking.rewrite_file(name),  # the file's rewrites whose poolRef names it
         )
         for model in models:
             if model in by_model:
@@ -150,6 +156,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     picking = PickerOptions.from_args(args)
     if options.workers > 1 and (picking.config_path or picking.config_text):
         parser.error("--workers with --config: each worker would learn from its share only")
+    if picking.model_rewrites == "api":
+        parser.error("--model-rewrites=api: the one hop reads its pools' rewrites from a file")
+    try:
+        picking.rewrite_file(None)
+    except ConfigErrors as error:
+        parser.error(f"argument --model-rewrites:\n{error}")
     source = FileSource(args.pods, interval=args.pods_interval)
     bbr_registry = CollectorRegistry()
     try:  # a bad --plugin, --config or --pool stops here

@@ -229,7 +229,7 @@ class Draws(random.Random):
 
     def __init__(self, *numbers: int) -> None:
         super().__init__()
-        self.numbers, self.asked = list(numbers), []
+        self.numbers, self.asked = list(numbers), list[int]()
 
     def randrange(self, stop: int, *_: Any, **__: Any) -> int:  # type: ignore[override]
         self.asked.append(stop)

@@ -2,7 +2,9 @@
 
 ``python -m bbr`` serves one router; ``python -m onehop`` runs the same
 request chain before its picks. Both take BBR's flags (``add_router_flags``)
-and build the router with ``router_of``.
+and build the router with ``router_of``, which also attaches what feeds its
+plugins (``base-model-to-header``'s ConfigMaps: ``bbr.base_models``) as
+background tasks and collects what they had to say at start.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from bbr.plugins import DEFAULT_PLUGINS, PluginSpec
+from bbr.base_models import KubeAccess, feed
+from bbr.plugins import DEFAULT_PLUGINS, BaseModelToHeader, PluginSpec
 from bbr.server import BodyBasedRouter
 from plugin_api import ConfigError
 from serving.cli import add_bool
@@ -52,11 +55,19 @@ def add_router_flags(parser: Any, *, streaming: bool = False) -> None:
 
 def router_of(
     args: argparse.Namespace, registry: CollectorRegistry, max_body_bytes: int
-) -> BodyBasedRouter:
-    """The router the flags describe, its metrics in ``registry``. Raises ``ConfigError``."""
-    return BodyBasedRouter(
+) -> tuple[BodyBasedRouter, list[str]]:
+    """The router the flags describe, its metrics in ``registry``, its plugins fed (their
+    sources in its ``background``), and the warnings to give at start. Raises ``ConfigError``."""
+    router = BodyBasedRouter(
         registry,
         args.plugins or DEFAULT_PLUGINS,
         streaming=args.streaming,
         max_body_bytes=max_body_bytes,
     )
+    warnings = []
+    for plugin in router.plugins:
+        if isinstance(plugin, BaseModelToHeader):
+            job, warning = feed(plugin, KubeAccess(args.kubeconfig))
+            router.background.extend([job] if job is not None else [])
+            warnings.extend([warning] if warning is not None else [])
+    return router, warnings

@@ -140,7 +140,11 @@ def one_hop(
         handler,
         Health(HEALTH_SERVICES, ready=lambda: source.synced),
         registry,
-        background=[source.run, *(job for b in built.values() for job in b.background)],
+        background=[
+            source.run,
+            *router.background,
+            *(job for b in built.values() for job in b.background),
+        ],
         debug_pages=pages,
         announce={
             "response_headers": handler.hears_response,
@@ -165,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     source = FileSource(args.pods, interval=args.pods_interval)
     bbr_registry = CollectorRegistry()
     try:  # a bad --plugin, --config or --pool stops here
-        router = router_of(args, bbr_registry, options.max_body_bytes)
+        router, router_warnings = router_of(args, bbr_registry, options.max_body_bytes)
         picked = pickers(args, picking, source, options.max_body_bytes)
     except ConfigErrors as error:
         parser.error(f"argument --config:\n{error}")
@@ -177,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PodFileError as error:
         sys.exit(f"onehop: {error}")
     service = one_hop(args, options, router, bbr_registry, source, picked)
-    warnings = cli.ignored_warnings(args, cli.COMMON_IGNORED)
+    warnings = [*cli.ignored_warnings(args, cli.COMMON_IGNORED), *router_warnings]
     return cli.run("onehop", options, lambda: service, argv, warnings)
 
 

@@ -367,7 +367,9 @@ def test_each_decision_is_counted_with_the_router_s_labels() -> None:
         metrics.count("default", f"client-{n}", "fallback", frozenset({"m"}))
     metrics.count("canary", "m", "canary", frozenset({"m"}))
     names = {s.labels["model_name"] for f in metrics.decisions.collect() for s in f.samples}
-    assert "other" in names and "m" in names and f"client-{CAP}" not in names
+    assert "other" in names
+    assert "m" in names
+    assert f"client-{CAP}" not in names
 
 
 # --- the response mapped back --------------------------------------------------------------------

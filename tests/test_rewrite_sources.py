@@ -90,7 +90,8 @@ def test_a_file_applies_its_pool_s_rewrites_and_keeps_the_last_good_set(tmp_path
     write(path, text="apiVersion: llm-d.ai/v1alpha2\nkind: InferenceModelRewrite\n")
     assert not source.reload()
     assert targets(source) == "second"
-    assert source.error is not None and "metadata" in source.error
+    assert source.error is not None
+    assert "metadata" in source.error
     path.unlink()
     assert not source.reload()
     assert targets(source) == "second"

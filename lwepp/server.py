@@ -234,11 +234,12 @@ class EndpointPickerService:
         self, state: PickerState, headers: Sequence[tuple[str, str]], body: bytes | None
     ) -> None:
         """The request controls, in order, on a whole request: what they let through is
-        ``state.admitted``, which the choice then sees (a composing handler calls this too)."""
-        admitted = Admitted(RequestInfo(headers, body))
+        ``state.admitted``, which the choice then sees (a composing handler calls this too).
+        Let through untouched, the request goes on as with no control: nothing is kept."""
+        asked = admitted = Admitted(RequestInfo(headers, body))
         for control in self.controls:
             admitted = await control.admit(admitted)
-        state.admitted = admitted
+        state.admitted = None if admitted is asked else admitted
 
     def on_request_headers(
         self, message: ProcessingRequest, state: PickerState

@@ -42,7 +42,8 @@ from bench.streams import HEADERS
 from lwepp.metrics import PickerMetrics
 from lwepp.picking import Pool, RoundRobin
 from lwepp.rewrite_control import ModelRewriteControl, RewriteMetrics
-from lwepp.rewrites import ModelRewrite, RewriteTable, Rule, Target
+from lwepp.rewrite_sources import FixedRewrites
+from lwepp.rewrites import ModelRewrite, Rule, Target
 from lwepp.server import EndpointPickerService
 from pods.model import Pod, StaticSource
 from serving.logs import configure_logging
@@ -99,48 +100,41 @@ class WireStream(Stream):
         reply.SerializeToString()
 
 
-class Fixed:
-    """A rewrite source holding one table."""
-
-    def __init__(self, table: RewriteTable) -> None:
-        self.table = table
-
-    async def run(self) -> None:
-        pass
-
-
-def hundred_rules() -> RewriteTable:
-    """100 exact rules, ``model-i`` → ``model-i-canary`` (one rewrite each)."""
-    return RewriteTable(
+def rules(count: int) -> list[ModelRewrite]:
+    """``count`` exact rules, ``model-i`` → ``model-i-canary`` (one rewrite each)."""
+    return [
         ModelRewrite(f"r{i}", "ns", "a", (Rule((f"model-{i}",), (Target(f"model-{i}-canary"),)),))
-        for i in range(RULES)
-    )
+        for i in range(count)
+    ]
 
 
-def picker(table: RewriteTable | None) -> EndpointPickerService:
+def picker(count: int | None) -> EndpointPickerService:
+    """Round-robin, with the rewrite control over ``count`` rules (None: no control)."""
     controls = []
-    if table is not None:
-        controls.append(ModelRewriteControl(Fixed(table), RewriteMetrics(CollectorRegistry())))
+    if count is not None:
+        source = FixedRewrites(rules(count))
+        controls.append(ModelRewriteControl(source, RewriteMetrics(CollectorRegistry())))
     pool = Pool(StaticSource(*PODS), {"pool": "a"})
     return EndpointPickerService(
         pool, RoundRobin(), PickerMetrics(CollectorRegistry()), controls=controls
     )
 
 
-VARIANTS: Final = (
+VARIANTS: Final[tuple[tuple[str, int | None, str, str, bool], ...]] = (
     ("round-robin, no control (the baseline)", None, "m", "m", False),
     ("round-robin, the response through it", None, "m", "m", True),
-    ("rewrite control, no rewrite configured", RewriteTable(), "m", "m", True),
-    (f"{RULES} rules, none for this model", "100", "m", "m", True),
-    (f"{RULES} rules, this model rewritten", "100", "model-42", "model-42-canary", True),
+    ("rewrite control, no rewrite configured", 0, "m", "m", True),
+    (f"{RULES} rules, none for this model", RULES, "m", "m", True),
+    (f"{RULES} rules, this model rewritten", RULES, "model-42", "model-42-canary", True),
 )
-"""(what, the table (None: no control; "100": ``hundred_rules``), model, served, response)."""
+"""(what, the rules (None: no control), the model asked for, the model served, whether the
+response passes through the picker)."""
 
 
 def call(index: int) -> Callable[[], Any]:
     """One request through variant ``index``'s picker, ready to time."""
-    _, table, model, served, response = VARIANTS[index]
-    service = picker(hundred_rules() if table == "100" else table)  # type: ignore[arg-type]
+    _, count, model, served, response = VARIANTS[index]
+    service = picker(count)
     messages = wire(model, served, response)
     loop = asyncio.new_event_loop()
     return lambda: loop.run_until_complete(service(WireStream(messages)))

@@ -1,7 +1,8 @@
 """Where a picker's InferenceModelRewrites come from: a file, or the Kubernetes API.
 
 Both keep a ``RewriteTable`` (``lwepp.rewrites``) current and replace it whole
-on every change, so a request reads one consistent table without a lock.
+on every change, so a request reads one consistent table without a lock
+(``FixedRewrites``, a set given once, is for code and tests).
 
 ``RewriteFile``
     A YAML file of InferenceModelRewrite objects, as ``kubectl apply -f``
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -49,6 +50,16 @@ from pods.kubeapi import ApiError, Backoff, ClusterConfig, KubeApi, Object, refl
 log = structlog.get_logger()
 
 RESOURCE: Final = "inferencemodelrewrites"
+
+
+class FixedRewrites:
+    """A set given once and never changed (benchmarks and tests; a picker built in code)."""
+
+    def __init__(self, rewrites: Iterable[ModelRewrite] = ()) -> None:
+        self.table = RewriteTable(rewrites)
+
+    async def run(self) -> None:
+        """Nothing to keep current."""
 
 
 # --- a file ------------------------------------------------------------------------------

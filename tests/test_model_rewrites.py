@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from lwepp.metrics import PickerMetrics
 from lwepp.picking import Admitted, Choice, Pool, RequestInfo, RoundRobin
 from lwepp.rewrite_control import CAP, ModelNameBack, ModelRewriteControl, RewriteMetrics
+from lwepp.rewrite_sources import FixedRewrites
 from lwepp.rewrites import ModelRewrite, RewriteError, RewriteTable, Rule, Target, decode
 from lwepp.server import EndpointPickerService
 from pods.model import Endpoint
@@ -257,19 +258,13 @@ def test_without_weights_uniform_and_mixed_only_the_weighted() -> None:
 # --- the request control ------------------------------------------------------------------------
 
 
-class Fixed:
-    """A rewrite source holding one table."""
-
-    def __init__(self, *raws: dict[str, Any]) -> None:
-        self.table = table(*raws)
-
-    async def run(self) -> None:
-        pass
+def fixed(*raws: dict[str, Any]) -> FixedRewrites:
+    return FixedRewrites(decode(raw) for raw in raws)
 
 
 def control(*raws: dict[str, Any], rng: random.Random | None = None) -> ModelRewriteControl:
     registry = CollectorRegistry()
-    return ModelRewriteControl(Fixed(*raws), RewriteMetrics(registry), rng or Draws(*[0] * 50))
+    return ModelRewriteControl(fixed(*raws), RewriteMetrics(registry), rng or Draws(*[0] * 50))
 
 
 def admit(c: ModelRewriteControl, body: bytes | None, **headers: str) -> Admitted:
@@ -354,7 +349,7 @@ def test_each_decision_is_counted_with_the_router_s_labels() -> None:
     into ``other`` past the cap, the configured names never do."""
     registry = CollectorRegistry()
     generic = imr("default", rule(fallback=None))
-    c = ModelRewriteControl(Fixed(CANARY, generic), RewriteMetrics(registry), Draws(*[0] * 9))
+    c = ModelRewriteControl(fixed(CANARY, generic), RewriteMetrics(registry), Draws(*[0] * 9))
     for body in (b'{"model":"m"}', b'{"model":"m"}', b'{"model":"z"}'):
         asyncio.run(c.admit(Admitted(RequestInfo([], body))))
     count = registry.get_sample_value

@@ -266,12 +266,14 @@ class RewriteWatch:
 
     async def run(self) -> None:
         async with KubeApi(self.config) as api:
-            backoff = self._backoff()
+            backoff, said = self._backoff(), False
             while (version := await self.discover(api)) is None:
-                log.warning(
-                    "no InferenceModelRewrite CRD is installed; no rewrites until one is",
-                    looked_for=list(API_VERSIONS),
-                )
+                if not said:  # once: a cluster without the CRD is a normal cluster
+                    log.warning(
+                        "no InferenceModelRewrite CRD is installed; no rewrites until one is",
+                        looked_for=list(API_VERSIONS),
+                    )
+                said = True
                 await backoff.wait()
             self.api_version = version
             path = f"/apis/{version}/namespaces/{self.namespace}/{RESOURCE}"

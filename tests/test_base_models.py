@@ -86,6 +86,8 @@ def test_a_configmap_reads_as_the_payload_processor_reads_it() -> None:
     ids=["no-base", "blank-base", "not-a-list", "not-yaml"],
 )
 def test_an_unreadable_configmap_is_named_with_its_field(data: dict[str, str], field: str) -> None:
+    """No ``baseModel``, or ``adapters`` not a YAML list: an error naming the ConfigMap and the
+    field, as the payload processor refuses to parse it."""
     with pytest.raises(ConfigMapError, match=f"ConfigMap {NS}/bad: {field}"):
         decode_configmap({"metadata": {"name": "bad", "namespace": NS}, "data": data})
 
@@ -235,6 +237,9 @@ def test_the_labelled_configmaps_are_followed_and_nothing_stale_stays() -> None:
 
 
 def test_a_configmap_turned_unreadable_keeps_its_last_good_contents() -> None:
+    """A ConfigMap that loses its ``baseModel`` keeps what it mapped before (the original's
+    failed reconcile does the same); its new adapters are not taken."""
+
     async def scenario(fake: FakeKube) -> None:
         plugin = BaseModelToHeader("p", Params({}))
         fake.put(CONFIGMAPS, configmap("one", "llama", "sql"))

@@ -218,6 +218,7 @@ def test_ties_the_router_leaves_open_go_in_the_source_s_order() -> None:
 
 
 def test_no_rule_no_decision() -> None:
+    """A model no rule matches, with no generic rule (or no rewrite at all): no decision."""
     assert table(imr("c", rule("m", t=None))).lookup("other") is None
     assert RewriteTable().lookup("m") is None
 
@@ -333,6 +334,7 @@ def test_no_model_and_no_generic_rule_is_a_400_naming_the_field() -> None:
     ids=["not-json", "not-an-object", "model-not-a-string"],
 )
 def test_a_body_that_names_no_model_properly_is_a_400(body: bytes, message: str) -> None:
+    """Not JSON, not an object, a ``model`` that is no string: 400 saying which."""
     answer = refusal(control(CANARY), body)
     assert answer.status == 400
     assert message in answer.message

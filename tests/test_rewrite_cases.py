@@ -9,13 +9,23 @@ runs the cases that exercise its own admit step (between BBR's chain and the pic
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from conformance.client import Timing
-from conformance.rewrites import CASES, RewriteCase, rewrite_world, run_case
+from conformance.rewrites import (
+    ADAPTERS,
+    ALIASES,
+    CASES,
+    MODEL,
+    RewriteCase,
+    rewrite_world,
+    run_case,
+)
 from demo.topology import Topology
 
 pytestmark = pytest.mark.e2e
@@ -67,3 +77,15 @@ def test_the_one_hop_applies_rewrites_as_the_picker_does(
     """The one hop runs the pool's request controls between BBR's chain and the pick."""
     seen, detail = outcomes(case, one_hop_world)
     assert seen == SKIPPED.get(case.name, ("passed", "passed")), detail
+
+
+def test_the_model_list_names_every_name_a_client_may_send(
+    world: tuple[Topology, Path],
+) -> None:
+    """``GET /v1/models``: the pool's model and adapters, and each name a rewrite matches (the
+    gateway routes those to the pool too), owned by the pool."""
+    topology, _ = world
+    with urllib.request.urlopen(f"{topology.url}/v1/models") as answer:
+        listed = json.load(answer)["data"]
+    assert [card["id"] for card in listed] == [MODEL, *ADAPTERS, *ALIASES]
+    assert {card["owned_by"] for card in listed} == {"a"}

@@ -106,6 +106,8 @@ class OneHop:
         """Whether some pool's picker needs the response headers (``EndpointPickerService``'s)."""
         self.reads_response_body = any(p.reads_response_body for p in self.pickers.values())
         """Whether some pool's picker reads the response body (its request controls)."""
+        self.admits = any(picker.controls for picker in self.pickers.values())
+        """Whether some pool's picker runs request controls (``admit``)."""
 
     async def __call__(self, stream: Stream) -> None:
         state = OneHopState(self.max_body_bytes)
@@ -207,10 +209,12 @@ class OneHop:
         """The model's pool's request controls (LWEPP's second seam: its model rewrite), after
         BBR's chain named the pool and before that pool's choice, as the picker runs them
         behind two hops; the body they send upstream instead, or None."""
-        picker = self.picker_for(with_changes(state.request.headers, set_headers, remove))
-        if picker is None or not picker.controls:
+        if not self.admits:
             return None
         headers = with_changes(state.request.headers, set_headers, remove)
+        picker = self.picker_for(headers)
+        if picker is None or not picker.controls:
+            return None
         await picker.admit_request(state, headers, body)
         return state.admitted.body if state.admitted is not None else None
 

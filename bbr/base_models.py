@@ -36,7 +36,6 @@ imports this module: the core stays free of Kubernetes.
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
@@ -49,7 +48,7 @@ import yaml
 
 from bbr.plugins import BaseModelToHeader
 from plugin_api import ConfigError
-from pods.file import read_utf8
+from pods.file import WatchedFile, read_utf8
 from pods.kubeapi import (
     Backoff,
     ClusterConfig,
@@ -298,39 +297,26 @@ def load_configmaps(path: str | os.PathLike[str]) -> list[AdapterSet]:
 
 class ConfigMapFile:
     """A file of ConfigMaps, re-read when it changes into ``store``; a broken edit keeps the
-    last good map (the error logged once per change)."""
+    last good map (``pods.file.WatchedFile``)."""
 
     def __init__(
         self, path: str | os.PathLike[str], store: BaseModels, interval: float = 1.0
     ) -> None:
-        self.path, self.store, self.interval = Path(path), store, interval
-        self.error: str | None = None
-        self._stamp: tuple[int, int] | None = None
+        self.path, self.store = Path(path), store
+        rejected = "configmap file rejected; keeping the last good map"
+        self._file = WatchedFile(path, load_configmaps, self._take, rejected, interval)
+
+    @property
+    def error(self) -> str | None:
+        """Why the file as it is now is not in force (None: it is)."""
+        return self._file.error
 
     def reload(self) -> bool:
         """Re-read the file if it changed; True when the map was read anew."""
-        try:
-            stat = self.path.stat()
-            stamp: tuple[int, int] | None = (stat.st_mtime_ns, stat.st_size)
-        except OSError as error:
-            stamp, message = None, f"{self.path}: cannot read: {error.strerror}"
-        else:
-            if stamp == self._stamp:
-                return False
-            try:
-                sets = load_configmaps(self.path)
-            except ConfigMapError as error:
-                message = str(error)
-            else:
-                self._stamp, self.error = stamp, None
-                self.store.replace(sets, str(self.path))
-                return True
-        if message != self.error:
-            log.error("configmap file rejected; keeping the last good map", error=message)
-        self._stamp, self.error = stamp, message
-        return False
+        return self._file.reload()
+
+    def _take(self, sets: list[AdapterSet]) -> None:
+        self.store.replace(sets, str(self.path))
 
     async def run(self) -> None:
-        while True:
-            self.reload()
-            await asyncio.sleep(self.interval)
+        await self._file.run()

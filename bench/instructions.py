@@ -27,7 +27,7 @@ import functools
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from prometheus_client import CollectorRegistry
@@ -54,12 +54,13 @@ WIRE: Final = (
 
 
 class WireStream(Stream):
-    """A stream that hands over ``WIRE`` parsed from bytes and serialises every reply."""
+    """A stream that hands over ``messages`` (by default ``WIRE``) parsed from bytes, and
+    serialises every reply."""
 
     __slots__ = ("pending",)
 
-    def __init__(self) -> None:  # no gRPC call behind it
-        self.pending = list(WIRE)
+    def __init__(self, messages: Sequence[bytes] = WIRE) -> None:  # no gRPC call behind it
+        self.pending = list(messages)
 
     async def recv(self) -> ProcessingRequest | None:
         return ProcessingRequest.FromString(self.pending.pop(0)) if self.pending else None
@@ -94,26 +95,25 @@ def run_one(what: str, which: str) -> None:
 
 def count(what: str, which: str) -> float:
     """Instructions per call of one row, from a callgrind run of this module."""
+    module = ("bench.instructions", "--one", what, which)
+    return per_call(module, PICKS if what == "pick" else STREAMS)
+
+
+def per_call(module: Sequence[str], calls: int) -> float:
+    """Instructions per call of ``python -m <module...>``, which makes ``calls`` calls inside
+    ``functools.reduce`` (what callgrind collects), from a callgrind run."""
     result = subprocess.run(
         [
-            "valgrind",
-            "--tool=callgrind",
-            "--callgrind-out-file=/dev/null",
+            *("valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"),
             "--toggle-collect=functools_reduce",
-            sys.executable,
-            "-m",
-            "bench.instructions",
-            "--one",
-            what,
-            which,
+            *(sys.executable, "-m", *module),
         ],
         capture_output=True,
         text=True,
         check=True,
     )
     collected = [line for line in result.stderr.splitlines() if "Collected :" in line]
-    total = int(collected[-1].split(":")[-1].strip())
-    return total / (PICKS if what == "pick" else STREAMS)
+    return int(collected[-1].split(":")[-1].strip()) / calls
 
 
 def table(rows: list[tuple[str, float]], unit: str) -> str:

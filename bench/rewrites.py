@@ -30,14 +30,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import shutil
-import subprocess
 import sys
 import timeit
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Final
 
 from prometheus_client import CollectorRegistry
 
+from bench.instructions import WireStream, per_call
 from bench.streams import HEADERS
 from lwepp.metrics import PickerMetrics
 from lwepp.picking import Pool, RoundRobin
@@ -48,8 +48,7 @@ from lwepp.server import EndpointPickerService
 from pods.model import Pod, StaticSource
 from serving.logs import configure_logging
 from serving.testing import request_body, request_headers, response_body, response_headers
-from wire.extproc import BodyMode, ProcessingRequest, ProcessingResponse
-from wire.stream import Stream
+from wire.extproc import BodyMode
 
 RULES: Final = 100
 CALLS: Final = 500
@@ -83,21 +82,6 @@ def wire(model: str, served: str, response: bool) -> tuple[bytes, ...]:
             response_body(answer(served)),
         ]
     return tuple(m.SerializeToString() for m in messages)
-
-
-class WireStream(Stream):
-    """A stream that hands over messages parsed from bytes and serialises every reply."""
-
-    __slots__ = ("pending",)
-
-    def __init__(self, messages: Sequence[bytes]) -> None:  # no gRPC call behind it
-        self.pending = list(messages)
-
-    async def recv(self) -> ProcessingRequest | None:
-        return ProcessingRequest.FromString(self.pending.pop(0)) if self.pending else None
-
-    async def send(self, reply: ProcessingResponse) -> None:
-        reply.SerializeToString()
 
 
 def rules(count: int) -> list[ModelRewrite]:
@@ -163,18 +147,7 @@ def run_one(index: int) -> None:
 
 def instructions(index: int) -> float:
     """Instructions per request of one variant, from a callgrind run of this module."""
-    result = subprocess.run(
-        [
-            *("valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"),
-            "--toggle-collect=functools_reduce",
-            *(sys.executable, "-m", "bench.rewrites", "--one", str(index)),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    collected = [line for line in result.stderr.splitlines() if "Collected :" in line]
-    return int(collected[-1].split(":")[-1].strip()) / CALLS
+    return per_call(("bench.rewrites", "--one", str(index)), CALLS)
 
 
 def table(rows: list[tuple[str, float]], unit: str) -> str:

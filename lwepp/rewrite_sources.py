@@ -23,7 +23,6 @@ on every change, so a request reads one consistent table without a lock
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -44,7 +43,7 @@ from lwepp.rewrites import (
     for_pool,
 )
 from plugin_api.document import ConfigErrors, Document, keys_of
-from pods.file import read_utf8
+from pods.file import WatchedFile, read_utf8
 from pods.kubeapi import ApiError, Backoff, ClusterConfig, KubeApi, Object, reflect
 
 log = structlog.get_logger()
@@ -135,46 +134,35 @@ class RewriteFile:
         group: str = POOL_GROUP,
         interval: float = 1.0,
     ) -> None:
-        self.path, self.pool, self.group, self.interval = Path(path), pool, group, interval
+        self.path, self.pool, self.group = Path(path), pool, group
         self.table = RewriteTable()
         """The rewrites as last read: replaced whole, never changed in place."""
-        self.error: str | None = None
-        self._stamp: tuple[int, int] | None = None
+        rejected = "model rewrite file rejected; keeping the last good set"
+        self._file = WatchedFile(path, load_rewrites, self._take, rejected, interval)
+
+    @property
+    def error(self) -> str | None:
+        """Why the file as it is now is not in force (None: it is)."""
+        return self._file.error
 
     def reload(self) -> bool:
         """Re-read the file if it changed; True when the table was replaced."""
-        try:
-            stat = self.path.stat()
-            stamp: tuple[int, int] | None = (stat.st_mtime_ns, stat.st_size)
-        except OSError as error:
-            stamp, message = None, f"{self.path}: cannot read: {error.strerror}"
-        else:
-            if stamp == self._stamp:
-                return False
-            try:
-                rewrites, warnings = load_rewrites(self.path)
-            except ConfigErrors as error:
-                message = str(error)
-            else:
-                mine = for_pool(rewrites, self.pool, self.group)
-                self._stamp, self.table, self.error = stamp, RewriteTable(mine), None
-                log.info(
-                    "model rewrites loaded",
-                    path=str(self.path),
-                    pool=self.pool,
-                    rewrites=[r.name for r in mine],
-                    warnings=warnings or None,
-                )
-                return True
-        if message != self.error:
-            log.error("model rewrite file rejected; keeping the last good set", error=message)
-        self._stamp, self.error = stamp, message
-        return False
+        return self._file.reload()
+
+    def _take(self, loaded: tuple[list[ModelRewrite], list[str]]) -> None:
+        rewrites, warnings = loaded
+        mine = for_pool(rewrites, self.pool, self.group)
+        self.table = RewriteTable(mine)
+        log.info(
+            "model rewrites loaded",
+            path=str(self.path),
+            pool=self.pool,
+            rewrites=[r.name for r in mine],
+            warnings=warnings or None,
+        )
 
     async def run(self) -> None:
-        while True:
-            self.reload()
-            await asyncio.sleep(self.interval)
+        await self._file.run()
 
 
 # --- the Kubernetes API ------------------------------------------------------------------

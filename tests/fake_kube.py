@@ -23,11 +23,12 @@ which resources the code really uses (``verbs()``), and compare with RBAC.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -154,6 +155,17 @@ async def eventually(check: Callable[[], bool], what: str = "condition") -> None
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.005)
+
+
+@contextlib.asynccontextmanager
+async def in_background(job: Callable[[], Coroutine[Any, Any, None]]) -> AsyncIterator[None]:
+    """``job()`` running as a task for the block (a source's ``run``), cancelled after it."""
+    task = asyncio.create_task(job())
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 class FakeKube:

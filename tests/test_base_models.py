@@ -5,10 +5,9 @@ or a live list/watch against a fake API server."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +32,8 @@ from bbr.message import Message
 from bbr.plugins import BASE_MODEL_HEADER, BaseModelToHeader, PluginSpec
 from plugin_api import ConfigError, Params
 from pods.kubeapi import Backoff, ClusterConfig
-from tests.fake_kube import FakeKube, eventually
-from tests.test_kubernetes import Sleeps
+from tests.fake_kube import FakeKube, eventually, in_background
+from tests.test_kubernetes import Sleeps, run
 
 NS = "llm-d"
 CONFIGMAPS = f"/api/v1/namespaces/{NS}/configmaps"
@@ -176,7 +175,8 @@ def test_a_file_of_configmaps_is_read_and_reread_keeping_the_last_good_map(tmp_p
 
 
 @contextlib.asynccontextmanager
-async def watching(fake: FakeKube, plugin: BaseModelToHeader) -> AsyncIterator[ConfigMapWatch]:
+async def watching(fake: FakeKube, plugin: BaseModelToHeader) -> AsyncIterator[None]:
+    """``plugin``'s map fed from ``fake``'s ConfigMaps for the block (backoff without waiting)."""
     sleeps = Sleeps()
     watch = ConfigMapWatch(
         ClusterConfig(fake.url, namespace=NS),
@@ -184,20 +184,8 @@ async def watching(fake: FakeKube, plugin: BaseModelToHeader) -> AsyncIterator[C
         BaseModels(plugin),
         backoff=lambda: Backoff(sleep=sleeps),
     )
-    task = asyncio.create_task(watch.run())
-    try:
-        yield watch
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
-
-def run(scenario: Callable[[FakeKube], Any]) -> None:
-    async def main() -> None:
-        async with FakeKube() as fake:
-            await asyncio.wait_for(scenario(fake), 20)
-
-    asyncio.run(main())
+    async with in_background(watch.run):
+        yield
 
 
 def test_the_labelled_configmaps_are_followed_and_nothing_stale_stays() -> None:

@@ -20,12 +20,11 @@ from lwepp.rewrites import ModelRewrite, RewriteError, RewriteTable, Rule, Targe
 from lwepp.server import EndpointPickerService
 from pods.model import Endpoint
 from serving.testing import (
-    ExtProcClient,
+    exchange_with,
     request_body,
     request_headers,
     response_body,
     response_headers,
-    running,
     set_headers,
 )
 from tests.fakes import StaticPods, pod
@@ -434,22 +433,14 @@ def test_the_picker_sends_the_rewritten_body_and_maps_the_streamed_answer_back()
     start, cut = answer.index(b'"model"'), answer.index(b"nary")
     pieces = (answer[:start], answer[start:cut], answer[cut:])  # the middle: '"model":"ca'
 
-    async def go() -> list[Any]:
-        async with (
-            running("lwepp", picker) as ports,
-            ExtProcClient(f"127.0.0.1:{ports.grpc}") as client,
-        ):
-            return await client.exchange(
-                [
-                    request_headers(POST, body_modes=STREAMED),
-                    request_body(b'{"model": "m", "messages": []}'),
-                    response_headers({":status": "200"}),
-                    *(response_body(p, end_of_stream=False) for p in pieces[:2]),
-                    response_body(pieces[2]),
-                ]
-            )
-
-    routed, sent, _, *replies = asyncio.run(go())
+    messages = [
+        request_headers(POST, body_modes=STREAMED),
+        request_body(b'{"model": "m", "messages": []}'),
+        response_headers({":status": "200"}),
+        *(response_body(p, end_of_stream=False) for p in pieces[:2]),
+        response_body(pieces[2]),
+    ]
+    routed, sent, _, *replies = asyncio.run(exchange_with("lwepp", picker, messages))
     upstream = sent.request_body.response.body_mutation.streamed_response.body
     assert upstream == b'{"model":"canary","messages":[]}'
     assert ("content-length", str(len(upstream))) in set_headers(routed)

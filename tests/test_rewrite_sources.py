@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,8 @@ import yaml
 from lwepp.rewrite_sources import RewriteFile, RewriteWatch, parse_rewrites
 from plugin_api.document import ConfigErrors
 from pods.kubeapi import Backoff, ClusterConfig
-from tests.fake_kube import FakeKube, eventually
-from tests.test_kubernetes import Sleeps
+from tests.fake_kube import FakeKube, eventually, in_background
+from tests.test_kubernetes import Sleeps, run
 from tests.test_model_rewrites import imr, rule
 
 NS = "models"
@@ -110,22 +109,11 @@ def test_a_file_applies_its_pool_s_rewrites_and_keeps_the_last_good_set(tmp_path
 
 @contextlib.asynccontextmanager
 async def watching(fake: FakeKube, pool: str = "a") -> AsyncIterator[RewriteWatch]:
+    """Pool ``pool``'s rewrites read from ``fake`` for the block (backoff without waiting)."""
     sleeps = Sleeps()
     source = RewriteWatch(ClusterConfig(fake.url), NS, pool, backoff=lambda: Backoff(sleep=sleeps))
-    task = asyncio.create_task(source.run())
-    try:
+    async with in_background(source.run):
         yield source
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
-
-def run(scenario: Callable[[FakeKube], Any]) -> None:
-    async def main() -> None:
-        async with FakeKube() as fake:
-            await asyncio.wait_for(scenario(fake), 20)
-
-    asyncio.run(main())
 
 
 def test_the_pool_s_rewrites_follow_the_api() -> None:

@@ -19,9 +19,10 @@ rather than restating it:
 ``request_body``
     Held (at most ``--max-body-bytes``); at its end BBR's request chain runs
     (``BodyBasedRouter.read_request``: not a JSON object is 400). The model
-    it found names the pool (``--pool NAME=MODEL,...``); that pool's picker
-    (``EndpointPickerService``) chooses among its candidates, given the
-    request's headers as BBR changed them and the body. One answer carries
+    it found names the pool (``--pool NAME=MODEL,...``); that pool's request
+    controls run (``admit``: its model rewrite, which may change the body
+    sent on), then its picker (``EndpointPickerService``) chooses among its
+    candidates, given the request's headers as BBR changed them and the body. One answer carries
     both services' header changes, the ``envoy.lb`` metadata and
     ``clear_route_cache``; in full duplex the body follows it. A model no
     pool serves is answered with BBR's changes alone, so Envoy's routes

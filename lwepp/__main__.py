@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from lwepp import config as picker_config
 from lwepp.assembly import HEALTH_SERVICES, PickerOptions, add_picker_flags, assemble
 from lwepp.leader import LeaderElector, LeaseTimings
+from lwepp.objectives import ObjectiveSource, ObjectiveWatch
 from lwepp.picking import Pool
 from lwepp.pipeline import ROLES
 from plugin_api import Role, needs_body
@@ -283,6 +284,11 @@ def workers_problem(
         return None
     if args.leader_elect:
         return "--workers with --leader-elect: each worker would campaign for the Lease alone"
+    if config is not None and config.flow.gate:
+        return (
+            f"--workers {args.workers} with flow control ({config.path}): each worker would "
+            "queue, and count the pool's load, on its own; run one worker per replica instead"
+        )
     if config is not None and (learning := config.learning):
         return (
             f"--workers {args.workers} with {config.path}: plugin(s) "
@@ -345,6 +351,17 @@ def pod_source(args: argparse.Namespace) -> tuple[PodSource, LeaderElector | Non
     return source, LeaderElector(config, namespace, lease, timings=timings)
 
 
+def objective_source(args: argparse.Namespace, picking: PickerOptions) -> ObjectiveSource | None:
+    """``--inference-objectives``; else, with ``--pool-name``, the pool's InferenceObjectives
+    from the Kubernetes API (as the router, which reads none in its standalone and file modes).
+    Raises ``ConfigErrors`` for a broken file, ``KubeconfigError`` as ``pod_source``."""
+    found = picking.objective_file(args.pool_name)
+    if found is not None or not args.pool_name:
+        return found
+    config = load_kubeconfig(args.kubeconfig)
+    return ObjectiveWatch(config, args.pool_name, namespace_of(args, config.namespace))
+
+
 def pool_label(args: argparse.Namespace) -> str:
     """The pool's name in the metrics' ``name`` label."""
     if args.pool_name:
@@ -371,6 +388,7 @@ def picker(
     config: picker_config.PickerConfig | None,
     source: PodSource,
     elector: LeaderElector | None,
+    objectives: ObjectiveSource | None = None,
 ) -> Service:
     """The one pool's picker, as ``serve`` runs it (made inside the event loop)."""
     pool = Pool(source, args.selector)
@@ -391,6 +409,7 @@ def picker(
         name=pool_label(args),
         namespace=namespace,
         max_body_bytes=options.max_body_bytes,
+        objectives=objectives,
     )
     side = [source.run] if elector is None else [source.run, elector.run]
     return Service(
@@ -404,6 +423,7 @@ def picker(
             "response_headers": built.service.hears_response,
             "response_body": built.service.reads_response_body,
         },
+        stopping=built.stopping,
     )
 
 
@@ -419,13 +439,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem := workers_problem(args, config):
         parser.error(problem)
     try:
+        objectives = objective_source(args, picking)
+    except picker_config.ConfigErrors as error:
+        parser.error(f"argument --inference-objectives:\n{error}")
+    try:
         source, elector = pod_source(args)
     except (PodFileError, KubeconfigError, ValueError) as error:
         sys.exit(f"lwepp: {error}")
     return run(
         "lwepp",
         options,
-        functools.partial(picker, args, options, picking, config, source, elector),
+        functools.partial(picker, args, options, picking, config, source, elector, objectives),
         argv,
         warnings(args),
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, cast
@@ -23,7 +24,11 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from lwepp import config as picker_config
+from lwepp import objectives as inference_objectives
+from lwepp.contracts import Candidate
 from lwepp.explain import DecisionLog, ExplainMode
+from lwepp.flowcontrol.config import OFF
+from lwepp.flowcontrol.governance import govern
 from lwepp.metrics import PickerMetrics
 from lwepp.picking import Pool, RoundRobin, Strategy
 from lwepp.pipeline import Pipeline
@@ -58,6 +63,14 @@ def add_picker_flags(parser: argparse.ArgumentParser) -> None:
         "--config-text",
         metavar="YAML",
         help="the EndpointPickerConfig itself, in lieu of a file",
+    )
+    picking.add_argument(
+        "--inference-objectives",
+        metavar="FILE",
+        help="InferenceObjectives as YAML (the Kubernetes objects, several separated by ---): "
+        "a request naming one in x-llm-d-inference-objective gets its priority; re-read when "
+        "it changes (lwepp/objectives.py). With --pool-name they are read from the Kubernetes "
+        "API instead, unless this is given",
     )
     picking.add_argument(
         "--explain",
@@ -131,6 +144,7 @@ class PickerOptions:
     refresh_every: float = 5.0
     test_selection: bool = False
     report_served: bool = False
+    objectives: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PickerOptions:
@@ -143,6 +157,7 @@ class PickerOptions:
             refresh_every=args.refresh_prometheus_metrics_interval,
             test_selection=args.test_selection,
             report_served=args.report_served_endpoint,
+            objectives=args.inference_objectives,
         )
 
     def load_config(self) -> picker_config.PickerConfig | None:
@@ -154,15 +169,25 @@ class PickerOptions:
             return picker_config.load_text(self.config_text)
         return None
 
+    def objective_file(self, pool: str | None = None) -> inference_objectives.ObjectiveFile | None:
+        """``--inference-objectives``, read now, for ``pool`` (None: a picker that does not
+        know its pool's name takes every objective); None without the flag. Raises
+        ``lwepp.config.ConfigErrors`` naming the file and line of every problem."""
+        if self.objectives is None:
+            return None
+        return inference_objectives.load(self.objectives, pool)
+
 
 @dataclass(frozen=True, slots=True)
 class Assembly:
     """One pool's picker, ready to serve: its stream handler, what runs beside it (the pool
-    gauges' refresh, the pipeline's data sources) and its debug pages."""
+    gauges' refresh, the pipeline's data sources, flow control's dispatcher), its debug pages,
+    and what to call when it stops (flow control answers what it holds)."""
 
     service: EndpointPickerService
     background: list[Job] = field(default_factory=list)
     debug_pages: dict[str, Callable[[], bytes]] = field(default_factory=dict)
+    stopping: list[Callable[[], None]] = field(default_factory=list)
 
 
 def assemble(
@@ -174,12 +199,15 @@ def assemble(
     name: str,
     namespace: str = "",
     max_body_bytes: int,
+    objectives: inference_objectives.ObjectiveSource | None = None,
 ) -> Assembly:
-    """The picker for ``pool``: round-robin, or ``config``'s pipeline (its warnings logged).
+    """The picker for ``pool``: round-robin, or ``config``'s pipeline (its warnings logged),
+    with the request controls its ``flowControl`` section asks for (``lwepp.flowcontrol``).
 
     ``name`` labels its metrics (``llm_d_epp_*{name}``) and its log lines;
     ``registry`` takes its metrics. The pool's endpoints are read afresh by
-    every background task (``Pool.endpoints``).
+    every background task (``Pool.endpoints``). ``objectives``: where its
+    InferenceObjectives come from (default: ``--inference-objectives``, if given).
     """
     strategy: Strategy = RoundRobin()
     pipeline: Pipeline | None = None
@@ -199,6 +227,14 @@ def assemble(
             pipeline.background(functools.partial(current_endpoints, pool)),
             pipeline.debug_pages(),
         )
+    governed = govern(
+        config.flow if config is not None else OFF,
+        None if pipeline is None else functools.partial(pool_candidates, pipeline, pool),
+        pipeline.clock if pipeline is not None else time.monotonic,
+        objectives or options.objective_file(),
+        registry,
+        name,
+    )
     metrics = PickerMetrics(registry, name, namespace)
     service = EndpointPickerService(
         pool,
@@ -207,14 +243,23 @@ def assemble(
         max_body_bytes,
         test_selection=options.test_selection,
         report_served=options.report_served,
+        controls=governed.controls,
     )
-    jobs.append(functools.partial(refresh_metrics, options.refresh_every, metrics, pool, pipeline))
-    return Assembly(service, jobs, pages)
+    jobs += [
+        *governed.jobs,
+        functools.partial(refresh_metrics, options.refresh_every, metrics, pool, pipeline),
+    ]
+    return Assembly(service, jobs, pages, list(governed.stopping))
 
 
 def current_endpoints(pool: Pool) -> Sequence[Endpoint]:
     """The pool's endpoints at this moment (what a pipeline's data sources poll)."""
     return pool.endpoints
+
+
+def pool_candidates(pipeline: Pipeline, pool: Pool) -> Sequence[Candidate]:
+    """The pool's endpoints now, with their attributes (what a saturation detector reads)."""
+    return pipeline.candidates(pool.endpoints).candidates
 
 
 async def refresh_metrics(

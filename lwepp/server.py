@@ -228,6 +228,14 @@ class EndpointPickerService:
             headers, body = state.request.headers, b"".join(state.request.chunks)
             if message.WhichOneof("request") == "request_body":
                 body += message.request_body.body
+        await self.run_controls(state, headers, body)
+
+    async def run_controls(
+        self, state: PickerState, headers: Sequence[tuple[str, str]], body: bytes | None
+    ) -> None:
+        """Run the request controls, in order, on the whole request (``body`` None: it has
+        none); what they let through is kept in ``state.admitted`` for ``destination``.
+        A composing handler calls this before ``destination``."""
         admitted = Admitted(RequestInfo(headers, body))
         for control in self.controls:
             admitted = await control.admit(admitted)

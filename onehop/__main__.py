@@ -98,7 +98,13 @@ def pickers(
         registries.append(registry)
         pool = Pool(source, {args.pool_label: name})
         built[name] = assemble(
-            pool, picking.load_config(), picking, registry, name=name, max_body_bytes=max_body_bytes
+            pool,
+            picking.load_config(),
+            picking,
+            registry,
+            name=name,
+            max_body_bytes=max_body_bytes,
+            objectives=picking.objective_file(name),
         )
         for model in models:
             if model in by_model:
@@ -140,6 +146,7 @@ def one_hop(
             "response_headers": handler.hears_response,
             "response_body": handler.reads_response_body,
         },
+        stopping=[hook for pool_picker in built.values() for hook in pool_picker.stopping],
     )
 
 
@@ -152,6 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--workers with --config: each worker would learn from its share only")
     source = FileSource(args.pods, interval=args.pods_interval)
     bbr_registry = CollectorRegistry()
+    try:
+        picking.objective_file()
+    except ConfigErrors as error:
+        parser.error(f"argument --inference-objectives:\n{error}")
     try:  # a bad --plugin, --config or --pool stops here
         router = router_of(args, bbr_registry, options.max_body_bytes)
         picked = pickers(args, picking, source, options.max_body_bytes)

@@ -45,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -198,7 +198,8 @@ def parse(text: str, path: str, pool: str | None = None) -> dict[str, Objective]
                 continue
             if objective is not None:
                 if objective.name in found:
-                    document.error(keys_of(at), f"{objective.name!r}: listed twice")
+                    where = keys_of(f"{at}.metadata.name" if at else "metadata.name")
+                    document.error(where, f"{objective.name!r}: listed twice")
                 found[objective.name] = objective
         errors += document.errors
     if errors:
@@ -307,7 +308,7 @@ class ObjectiveWatch:
         pool: str,
         namespace: str,
         *,
-        backoff: type[Backoff] = Backoff,
+        backoff: Callable[[], Backoff] = Backoff,
         watch_timeout: int = 300,
         retry: float = CRD_RETRY_SECONDS,
     ) -> None:

@@ -81,6 +81,9 @@ SERVED: Final = "x-gateway-destination-endpoint-served"
 SERVED_REPORT: Final = "x-conformance-test-served-endpoint"
 ECHO_SET_HEADER: Final = "X-Echo-Set-Header"
 
+NO_ENDPOINTS: Final = (("x-llm-d-request-dropped-reason", "rejected-no-endpoints"),)
+"""What the router adds to its 503 for a pool without endpoints."""
+
 UNCHANGED_RESPONSE_HEADERS: Final = extproc.headers_response("response")
 """The reply to response headers when nothing is reported or added: go on unchanged."""
 
@@ -89,13 +92,15 @@ MODES: Final = (BodyMode.FULL_DUPLEX_STREAMED, BodyMode.NONE)
 
 
 class PickerState(Exchange):
-    """What one stream remembers: the two halves, the candidates, the choice's followup, and
-    what the request controls let through (when the service runs some)."""
+    """What one stream remembers: the two halves, the candidates (and the subset they are
+    limited to), the choice's followup, and what the request controls let through (when the
+    service runs some)."""
 
-    __slots__ = ("admitted", "candidates", "followup")
+    __slots__ = ("admitted", "allowed", "candidates", "followup")
 
     def __init__(self, limit: int) -> None:
         super().__init__(MODES, limit)
+        self.allowed: list[str] | None = None
         self.candidates: tuple[Endpoint, ...] = ()
         self.followup: Followup | None = None
         self.admitted: Admitted | None = None
@@ -224,11 +229,15 @@ class EndpointPickerService:
         if message.WhichOneof("request") == "request_headers":
             headers = extproc.header_pairs(message.request_headers)
             body = None
+            state.allowed = self.allowed_for(message, headers)
         else:
             headers, body = state.request.headers, b"".join(state.request.chunks)
             if message.WhichOneof("request") == "request_body":
                 body += message.request_body.body
         await self.run_controls(state, headers, body)
+        # The pool as it is now: the request may have waited (for an endpoint, even), and
+        # the router locates its candidates after admission too.
+        state.candidates = self.candidates_in(state.allowed)
 
     async def run_controls(
         self, state: PickerState, headers: Sequence[tuple[str, str]], body: bytes | None
@@ -247,7 +256,9 @@ class EndpointPickerService:
         """Work out the candidates now; pick now unless the body is coming to us."""
         state.use_modes(message)
         state.request.headers = extproc.header_pairs(message.request_headers)
-        state.candidates = self.candidates_for(message, state.request.headers)
+        state.allowed = self.allowed_for(message, state.request.headers)
+        if not self.controls:  # else once they admit it (``admit``)
+            state.candidates = self.candidates_in(state.allowed)
         if message.request_headers.end_of_stream or not state.request.streamed:
             return [self.route(state)]
         state.request.held = True
@@ -279,13 +290,26 @@ class EndpointPickerService:
     def candidates_for(
         self, message: ProcessingRequest, headers: Sequence[tuple[str, str]]
     ) -> tuple[Endpoint, ...]:
-        endpoints = self.pool.endpoints
-        if not endpoints:
-            raise Refusal(503, "no ready endpoint in the pool", reason="no_endpoints")
+        """The endpoints the request may go to now (503 if none)."""
+        return self.candidates_in(self.allowed_for(message, headers))
+
+    def allowed_for(
+        self, message: ProcessingRequest, headers: Sequence[tuple[str, str]]
+    ) -> list[str] | None:
+        """The subset the request is limited to: the gateway's hint, or the test header."""
         test_header = (
             extproc.first_header(headers, TEST_SELECTION_HEADER) if self.test_selection else None
         )
-        allowed = allowed_entries(extproc.filter_metadata(message, SUBSET_NAMESPACE), test_header)
+        return allowed_entries(extproc.filter_metadata(message, SUBSET_NAMESPACE), test_header)
+
+    def candidates_in(self, allowed: list[str] | None) -> tuple[Endpoint, ...]:
+        """The pool's endpoints within ``allowed`` (None: all); 503 if there are none, with
+        the llm-d router's ``x-llm-d-request-dropped-reason``."""
+        endpoints = self.pool.endpoints
+        if not endpoints:
+            raise Refusal(
+                503, "no ready endpoint in the pool", reason="no_endpoints", headers=NO_ENDPOINTS
+            )
         found = candidates(endpoints, allowed)
         if not found:
             raise Refusal(

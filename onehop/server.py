@@ -229,8 +229,8 @@ class OneHop:
         metadata = None
         if picker is not None and state.first is not None:
             state.picker = picker
-            state.candidates = picker.candidates_for(state.first, half.headers)
             await picker.run_controls(state, half.headers, body)
+            state.candidates = picker.candidates_for(state.first, half.headers)  # then, as it is
             endpoint = picker.destination(state, body)
             set_headers = [*set_headers, *routing_headers(endpoint, picker.report_served)]
             if (changed := upstream_body(state)) is not None:  # its length replaces BBR's

@@ -174,6 +174,8 @@ class FakeKube:
         """(user name, non-resource path, verb) a SubjectAccessReview allows; others denied."""
         self.reviews: list[Object] = []
         """The body of every TokenReview and SubjectAccessReview received, in order."""
+        self.uninstalled: set[str] = set()
+        """API groups (``llm-d.ai/v1alpha2``) whose CRDs are not installed: answered 404."""
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -283,6 +285,8 @@ class FakeKube:
             return web.json_response(
                 status(self.failing, "InternalError", "failing"), status=self.failing
             )
+        if match and match["api"].removeprefix("/apis/") in self.uninstalled:
+            return web.json_response(status(404, "NotFound", "no such resource"), status=404)
         if request.method == "POST" and request.path in (TOKEN_REVIEWS, ACCESS_REVIEWS):
             return web.json_response(self._review(request.path, await request.json()), status=201)
         if not match or not match["ns"]:

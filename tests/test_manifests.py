@@ -24,6 +24,7 @@ from lwepp.assembly import HEALTH_SERVICES as LWEPP_HEALTH
 from lwepp.assembly import PickerOptions
 from lwepp.config import load_config
 from lwepp.leader import LeaderElector
+from lwepp.objectives import ObjectiveWatch
 from pods.kubeapi import ClusterConfig, KubeApi
 from serving.metrics_auth import MetricsAuth
 from tests.fake_kube import FakeKube, eventually
@@ -548,8 +549,13 @@ def granted(docs: list[Doc], service_account: str) -> set[tuple[str, str, str]]:
     return rights
 
 
+def objectives(group: str) -> str:
+    return f"/apis/{group}/v1alpha2/namespaces/models/inferenceobjectives"
+
+
 def used_by_the_code() -> tuple[set[tuple[str, str, str]], set[tuple[str, str, str]]]:
-    """The (group, resource, verb) requests the pod source, then the elector, really make.
+    """The (group, resource, verb) requests the pod source (with the InferenceObjective
+    watch, of either group), then the elector, really make.
 
     Recorded by the fake API server while each runs through its paths: list,
     watch, resume, relist after 410; acquire, renew, lose, take over, release.
@@ -566,6 +572,13 @@ def used_by_the_code() -> tuple[set[tuple[str, str, str]], set[tuple[str, str, s
                 fake.compact()
                 fake.put(PODS, k8s_pod("b", "10.0.0.2", app="other"))
                 await eventually(lambda: len(source.pods) == 1 and source.pods[0].name == "b")
+            for group in ("llm-d.ai", "inference.networking.x-k8s.io"):  # each, on its own
+                fake.uninstalled = {"llm-d.ai/v1alpha2"} if group != "llm-d.ai" else set()
+                watch = ObjectiveWatch(ClusterConfig(fake.url), "llama", "models")
+                task = asyncio.create_task(watch.run())
+                await eventually(lambda: fake.watching(objectives(group)) == 1, "watching")
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
             source_verbs = fake.verbs()
             fake.requests.clear()
             now = [0.0]

@@ -37,6 +37,7 @@ class Governance:
     jobs: tuple[Job, ...] = ()
     stopping: tuple[Callable[[], None], ...] = ()
     controller: FlowController | None = None
+    dispatcher: Dispatcher | None = None
 
 
 def govern(
@@ -73,4 +74,6 @@ def govern(
     admission = Admission(
         source, controller=controller, dispatcher=dispatcher, counts_in_flight=counts
     )
-    return Governance((admission,), (*jobs, dispatcher.run), (controller.close,), controller)
+    return Governance(
+        (admission,), (*jobs, dispatcher.run), (controller.close,), controller, dispatcher
+    )

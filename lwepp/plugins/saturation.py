@@ -58,6 +58,7 @@ admission control says so), as the router's Envoy always does.
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Sequence
 from typing import ClassVar, Final
@@ -86,8 +87,8 @@ def parse_duration(text: str) -> float | None:
     """Seconds from Go's ``time.ParseDuration`` syntax (the flags' parser), or None if it is
     no duration."""
     try:
-        return duration(text) if text != "0" else 0.0
-    except ValueError:  # argparse.ArgumentTypeError is one
+        return duration(text)
+    except argparse.ArgumentTypeError:
         return None
 
 

@@ -576,7 +576,8 @@ def used_by_the_code() -> tuple[set[tuple[str, str, str]], set[tuple[str, str, s
                 fake.uninstalled = {"llm-d.ai/v1alpha2"} if group != "llm-d.ai" else set()
                 watch = ObjectiveWatch(ClusterConfig(fake.url), "llama", "models")
                 task = asyncio.create_task(watch.run())
-                await eventually(lambda: fake.watching(objectives(group)) == 1, "watching")
+                watched = objectives(group)
+                await eventually(lambda: fake.watching(watched) == 1, "watching")  # noqa: B023
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
             source_verbs = fake.verbs()

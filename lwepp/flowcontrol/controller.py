@@ -201,6 +201,8 @@ class FlowController:
         band.flow(item.fairness_id).push(band.ordering.key(item), item)
         band.length += 1
         band.size += item.size
+        band.peak_length = max(band.peak_length, band.length)
+        band.peak_size = max(band.peak_size, band.size)
         self.length += 1
         self.size += item.size
         self.peak_length = max(self.peak_length, self.length)

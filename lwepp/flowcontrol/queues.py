@@ -144,6 +144,8 @@ class Band:
         "max_bytes",
         "max_requests",
         "ordering",
+        "peak_length",
+        "peak_size",
         "priority",
         "size",
         "state",
@@ -164,6 +166,9 @@ class Band:
         self.flows: dict[str, Flow] = {}
         self.length = 0
         self.size = 0
+        self.peak_length = 0
+        self.peak_size = 0
+        """The most it ever held (the overload benchmark checks them against the limits)."""
         self.state: Any = fairness.new_state()
 
     def flow(self, fairness_id: str) -> Flow:

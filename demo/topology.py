@@ -64,6 +64,9 @@ off by default, since it lets a client choose or learn its replica (``docs/secur
 DEMO_BBR_FLAGS: Final = ("--enable-debug-pages",)
 """BBR's ``/debug/runtime``, for the soak run."""
 
+OBJECTIVES: Final = Path(__file__).resolve().parent / "objectives.yaml"
+"""The demo's InferenceObjectives (``interactive``, ``batch``), which every picker reads."""
+
 T = TypeVar("T")
 
 
@@ -347,6 +350,8 @@ class Topology(Processes):
     (named ``onehop``) does BBR's job and every pool's pick, and Envoy calls
     it once per request, in place of BBR and the pickers (it gets the
     pickers' demo flags; ``picker_args`` and ``bbr_args`` go to it too).
+    ``objectives``: the InferenceObjectives file every picker reads
+    (``--inference-objectives``; None: none).
     ``die_with_parent``: every process started goes when this one does, even
     killed outright (``Process``; the ``demo`` command, whose main thread
     starts them all). ``keepalive``: how often Envoy pings the ext_proc
@@ -374,7 +379,9 @@ class Topology(Processes):
         one_hop: bool = False,
         die_with_parent: bool = False,
         keepalive: timedelta = KEEPALIVE,
+        objectives: Path | None = OBJECTIVES,
     ) -> None:
+        self.objectives = objectives
         self.work_dir = work_dir
         self.keepalive = keepalive
         self.die_with_parent = die_with_parent
@@ -439,6 +446,7 @@ class Topology(Processes):
                 "lwepp",
                 *("--pods", pods, "--selector", f"pool={pool.name}"),
                 *(("--config", str(self.picker_config)) if self.picker_config else ()),
+                *self._objectives_flag(),
                 *(DEMO_PICKER_FLAGS if self._demo_flags else ()),
                 *self._picker_args.get(pool.name, ()),
             )
@@ -478,10 +486,14 @@ class Topology(Processes):
             pods,
             *(f"--pool={pool.name}={','.join(pool.models)}" for pool in self.pools),
             *(("--config", str(self.picker_config)) if self.picker_config else ()),
+            *self._objectives_flag(),
             *(DEMO_PICKER_FLAGS if self._demo_flags else ()),
             *(arg for args in self._picker_args.values() for arg in args),
             *self._bbr_args,
         )
+
+    def _objectives_flag(self) -> tuple[str, ...]:
+        return ("--inference-objectives", str(self.objectives)) if self.objectives else ()
 
     def _own_servers(self) -> Path:
         """Check the servers, and write the pickers' pod file with those that answer ready."""

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from lwepp import config as picker_config
 from lwepp.assembly import HEALTH_SERVICES, PickerOptions, add_picker_flags, assemble
+from lwepp.flowcontrol import config as flow_config
 from lwepp.leader import LeaderElector, LeaseTimings
 from lwepp.objectives import ObjectiveSource, ObjectiveWatch
 from lwepp.picking import Pool
@@ -161,6 +162,9 @@ def describe(config: picker_config.PickerConfig) -> Iterator[str]:
     needing = [p.name for p in pipeline.plugins if needs_body(p)]
     body = f"held and parsed (needed by {', '.join(needing)})" if needing else "not parsed"
     yield f"  {'body':<17}  {body}"
+    yield ""
+    yield "flow control"
+    yield from flow_config.describe(config.flow)
     if config.warnings:
         yield ""
         yield "warnings"
@@ -355,7 +359,7 @@ def objective_source(args: argparse.Namespace, picking: PickerOptions) -> Object
     """``--inference-objectives``; else, with ``--pool-name``, the pool's InferenceObjectives
     from the Kubernetes API (as the router, which reads none in its standalone and file modes).
     Raises ``ConfigErrors`` for a broken file, ``KubeconfigError`` as ``pod_source``."""
-    found = picking.objective_file(args.pool_name)
+    found = picking.objective_file()
     if found is not None or not args.pool_name:
         return found
     config = load_kubeconfig(args.kubeconfig)

@@ -169,13 +169,12 @@ class PickerOptions:
             return picker_config.load_text(self.config_text)
         return None
 
-    def objective_file(self, pool: str | None = None) -> inference_objectives.ObjectiveFile | None:
-        """``--inference-objectives``, read now, for ``pool`` (None: a picker that does not
-        know its pool's name takes every objective); None without the flag. Raises
+    def objective_file(self) -> inference_objectives.ObjectiveFile | None:
+        """``--inference-objectives``, read now; None without the flag. Raises
         ``lwepp.config.ConfigErrors`` naming the file and line of every problem."""
         if self.objectives is None:
             return None
-        return inference_objectives.load(self.objectives, pool)
+        return inference_objectives.load(self.objectives)
 
 
 @dataclass(frozen=True, slots=True)

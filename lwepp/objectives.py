@@ -34,10 +34,10 @@ whole, so a request reads one snapshot without locks):
   Kubernetes: the same objects as YAML documents (several separated by
   ``---``, or one ``kind: List`` with ``items``), re-read when it changes; a
   broken edit is logged with its line and the last good set kept. The
-  router loads no objectives without Kubernetes; this is Switchyard's. A
-  ``poolRef`` naming another pool is skipped when the picker knows its
-  pool's name (``--pool-name``, the one hop's ``--pool NAME=...``); a picker
-  of a pod file applies every objective in the file.
+  router loads no objectives without Kubernetes; this is Switchyard's. The
+  file is the picker's own: every objective in it applies, whatever its
+  ``poolRef`` names (required all the same, so the file also applies to a
+  cluster as it is).
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ SERVED: Final = "x-gateway-destination-endpoint-served"
 SERVED_REPORT: Final = "x-conformance-test-served-endpoint"
 ECHO_SET_HEADER: Final = "X-Echo-Set-Header"
 
-NO_ENDPOINTS: Final = (("x-llm-d-request-dropped-reason", "rejected-no-endpoints"),)
+GONE: Final = (("x-llm-d-request-dropped-reason", "rejected-no-endpoints"),)
 """What the router adds to its 503 for a pool without endpoints."""
 
 UNCHANGED_RESPONSE_HEADERS: Final = extproc.headers_response("response")
@@ -92,15 +92,15 @@ MODES: Final = (BodyMode.FULL_DUPLEX_STREAMED, BodyMode.NONE)
 
 
 class PickerState(Exchange):
-    """What one stream remembers: the two halves, the candidates (and the subset they are
-    limited to), the choice's followup, and what the request controls let through (when the
-    service runs some)."""
+    """What one stream remembers: the two halves, the request headers message (its metadata
+    names the candidates), the candidates, the choice's followup, and what the request
+    controls let through (when the service runs some)."""
 
-    __slots__ = ("admitted", "allowed", "candidates", "followup")
+    __slots__ = ("admitted", "candidates", "first", "followup")
 
     def __init__(self, limit: int) -> None:
         super().__init__(MODES, limit)
-        self.allowed: list[str] | None = None
+        self.first: ProcessingRequest | None = None
         self.candidates: tuple[Endpoint, ...] = ()
         self.followup: Followup | None = None
         self.admitted: Admitted | None = None
@@ -227,17 +227,18 @@ class EndpointPickerService:
         """Run the request controls on the whole request, before the message that makes it
         whole is answered with the choice (``RequestControl``)."""
         if message.WhichOneof("request") == "request_headers":
-            headers = extproc.header_pairs(message.request_headers)
-            body = None
-            state.allowed = self.allowed_for(message, headers)
+            state.first, headers, body = (
+                message,
+                extproc.header_pairs(message.request_headers),
+                None,
+            )
         else:
             headers, body = state.request.headers, b"".join(state.request.chunks)
             if message.WhichOneof("request") == "request_body":
                 body += message.request_body.body
         await self.run_controls(state, headers, body)
-        # The pool as it is now: the request may have waited (for an endpoint, even), and
-        # the router locates its candidates after admission too.
-        state.candidates = self.candidates_in(state.allowed)
+        if state.first is not None:  # the pool as it is now, as the router: it may have waited
+            state.candidates = self.candidates_for(state.first, headers)
 
     async def run_controls(
         self, state: PickerState, headers: Sequence[tuple[str, str]], body: bytes | None
@@ -256,9 +257,9 @@ class EndpointPickerService:
         """Work out the candidates now; pick now unless the body is coming to us."""
         state.use_modes(message)
         state.request.headers = extproc.header_pairs(message.request_headers)
-        state.allowed = self.allowed_for(message, state.request.headers)
+        state.first = message
         if not self.controls:  # else once they admit it (``admit``)
-            state.candidates = self.candidates_in(state.allowed)
+            state.candidates = self.candidates_for(message, state.request.headers)
         if message.request_headers.end_of_stream or not state.request.streamed:
             return [self.route(state)]
         state.request.held = True
@@ -290,26 +291,15 @@ class EndpointPickerService:
     def candidates_for(
         self, message: ProcessingRequest, headers: Sequence[tuple[str, str]]
     ) -> tuple[Endpoint, ...]:
-        """The endpoints the request may go to now (503 if none)."""
-        return self.candidates_in(self.allowed_for(message, headers))
-
-    def allowed_for(
-        self, message: ProcessingRequest, headers: Sequence[tuple[str, str]]
-    ) -> list[str] | None:
-        """The subset the request is limited to: the gateway's hint, or the test header."""
+        """The endpoints the request may go to now; 503 if none (with the llm-d router's
+        ``x-llm-d-request-dropped-reason`` when the pool has none at all)."""
+        endpoints = self.pool.endpoints
+        if not endpoints:
+            raise Refusal(503, "no ready endpoint in the pool", reason="no_endpoints", headers=GONE)
         test_header = (
             extproc.first_header(headers, TEST_SELECTION_HEADER) if self.test_selection else None
         )
-        return allowed_entries(extproc.filter_metadata(message, SUBSET_NAMESPACE), test_header)
-
-    def candidates_in(self, allowed: list[str] | None) -> tuple[Endpoint, ...]:
-        """The pool's endpoints within ``allowed`` (None: all); 503 if there are none, with
-        the llm-d router's ``x-llm-d-request-dropped-reason``."""
-        endpoints = self.pool.endpoints
-        if not endpoints:
-            raise Refusal(
-                503, "no ready endpoint in the pool", reason="no_endpoints", headers=NO_ENDPOINTS
-            )
+        allowed = allowed_entries(extproc.filter_metadata(message, SUBSET_NAMESPACE), test_header)
         found = candidates(endpoints, allowed)
         if not found:
             raise Refusal(

@@ -104,7 +104,6 @@ def pickers(
             registry,
             name=name,
             max_body_bytes=max_body_bytes,
-            objectives=picking.objective_file(name),
         )
         for model in models:
             if model in by_model:

@@ -74,13 +74,13 @@ ANY_MODEL: Final = "*"
 
 
 class OneHopState(PickerState):
-    """A picker's stream state, plus the headers message and the pool's picker, once chosen."""
+    """A picker's stream state (the headers message among it), plus the pool's picker, once
+    chosen."""
 
-    __slots__ = ("first", "picker")
+    __slots__ = ("picker",)
 
     def __init__(self, limit: int) -> None:
         super().__init__(limit)
-        self.first: ProcessingRequest | None = None
         self.picker: EndpointPickerService | None = None
 
 

@@ -279,3 +279,31 @@ def watching(flow: FlowConfig, running: Sequence[Configured]) -> list[Configured
     if detector is None or any(p.plugin is detector for p in running):
         return []
     return [Configured(detector.name, "", Watching(detector), (), "flowControl")]
+
+
+def describe(flow: FlowConfig) -> list[str]:
+    """The section as ``--check-config`` prints it."""
+    detector = getattr(flow.detector, "name", None)
+    if flow.settings is None:
+        rule = "sheddable requests refused while it reads 1.0" if detector else "nothing refused"
+        return [f"  gate off: {rule}" + (f" (detector {detector})" if detector else "")]
+    s = flow.settings
+    limits = (
+        f"at most {s.max_requests} requests" if s.max_requests else "no request limit",
+        f"{s.max_bytes} bytes" if s.max_bytes else "no byte limit",
+    )
+    budget = f"{s.ttl:g} s ({s.no_endpoint_ttl:g} s with no endpoint)"
+    lines = [
+        f"  gate on: detector {detector}, usage limit {s.usage_limit.name}",
+        f"  in all: {limits[0]}, {limits[1]}; queue-wait budget {budget}",
+    ]
+    for label, band in [
+        *((f"band {b.priority}", b) for b in s.bands),
+        ("other priorities", s.template),
+        *([("other negative", s.negative)] if s.negative is not None else []),
+    ]:
+        lines.append(
+            f"  {label}: {band.max_requests} requests, {band.max_bytes} bytes; "
+            f"{band.fairness.name}, {band.ordering.name}"
+        )
+    return lines

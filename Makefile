@@ -74,7 +74,7 @@ soak: $(STAMP)
 reliability: $(STAMP)
 	rm -f run/reliability-rows.jsonl && mkdir -p run
 	RELIABILITY_TABLE=run/reliability-rows.jsonl $(PY) -m pytest tests/test_bad_input.py \
-	  tests/test_faults.py tests/test_long_answers.py tests/test_soak.py
+	  tests/test_faults.py tests/test_long_answers.py tests/test_soak.py tests/test_overload.py
 	$(PY) -m tests.reliability run/reliability-rows.jsonl docs/reliability.md
 
 ## conformance: GIE's conformance tests through a real Envoy and at the pickers; prints the

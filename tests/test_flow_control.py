@@ -332,8 +332,8 @@ def test_policy_parameters_are_checked(
 
 
 def test_metrics_follow_the_queues_and_the_outcomes() -> None:
-    """``flow_control_queue_size`` counts what waits per flow (its series goes when the flow
-    empties), ``requests_total`` each outcome, ``pool_saturation`` the last reading."""
+    """``flow_control_queue_size`` counts what waits per flow, ``requests_total`` each outcome,
+    ``pool_saturation`` the last reading (per stage: no prefill endpoint, no prefill series)."""
     registry = CollectorRegistry()
     gauge, clock = Gauge(1.0), Clock()
     flow = controller(gauge, clock, band(0, max_requests=1), metrics=FlowMetrics(registry, "a"))
@@ -351,7 +351,7 @@ def test_metrics_follow_the_queues_and_the_outcomes() -> None:
     assert value("requests_total", **rejected) == 1
     gauge.value = 0.25
     flow.dispatch()
-    assert value("queue_size", **queue, **models) is None
+    assert value("queue_size", **queue, **models) == 0
     assert value("pool_saturation", inference_pool="a", stage="effective") == 0.25
     assert value("pool_saturation", inference_pool="a", stage="decode") == 0.25
     assert value("pool_saturation", inference_pool="a", stage="prefill") is None

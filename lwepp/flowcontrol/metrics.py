@@ -27,7 +27,7 @@ router (``docs/metrics.md`` of llm-d-router, ``llm_d_router_metrics.go``):
 The in-flight eviction series (``revocations``...) are not exported: eviction
 is not implemented. Fairness ids are the clients' to choose, so past the
 1,000th distinct one they count as ``other`` (the router caps model names
-so), and a queue's series goes when its flow empties.
+so): a picker exports at most that many series per priority and model.
 """
 
 from __future__ import annotations
@@ -140,8 +140,6 @@ class FlowMetrics:
             mode="livemax",
         )
         self._fairness: set[str] = set()
-        self._held: dict[tuple[str, ...], int] = {}
-        """Requests queued per ``queue_size`` series, to drop a series when it empties."""
 
     def fairness(self, fairness_id: str) -> str:
         """The label for a fairness id: itself, or ``other`` past ``CAP`` distinct ones."""
@@ -162,15 +160,8 @@ class FlowMetrics:
     def queued(self, item: Item, delta: int) -> None:
         """``item`` joined (``delta`` 1) or left (-1) its queue."""
         labels = self.queue_labels(item)
-        held = self._held.get(labels, 0) + delta
-        if held > 0:
-            self._held[labels] = held
-            self.queue_size.labels(*labels).inc(delta)
-            self.queue_bytes.labels(*labels).inc(delta * item.size)
-        else:  # the queue emptied: its series go
-            self._held.pop(labels, None)
-            self.queue_size.remove(*labels)
-            self.queue_bytes.remove(*labels)
+        self.queue_size.labels(*labels).inc(delta)
+        self.queue_bytes.labels(*labels).inc(delta * item.size)
 
     def left(self, item: Item, outcome: Outcome, waited: float) -> None:
         """``item`` left flow control with ``outcome`` after ``waited`` seconds."""

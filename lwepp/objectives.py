@@ -117,7 +117,11 @@ def objective_name(headers: Sequence[tuple[str, str]]) -> str | None:
 
 def priority_of(headers: Sequence[tuple[str, str]], objectives: Objectives) -> int:
     """The request's priority: its objective's, else 0 (no header, an unknown name, none set)."""
-    name = objective_name(headers)
+    return priority_named(objective_name(headers), objectives)
+
+
+def priority_named(name: str | None, objectives: Objectives) -> int:
+    """The priority of the objective ``name`` (the header's value), as ``priority_of``."""
     objective = objectives.get(name) if name else None
     if objective is None or objective.priority is None:
         return DEFAULT_PRIORITY

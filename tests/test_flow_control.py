@@ -339,6 +339,7 @@ def test_metrics_follow_the_queues_and_the_outcomes() -> None:
     flow = controller(gauge, clock, band(0, max_requests=1), metrics=FlowMetrics(registry, "a"))
     flow.submit(item("a", model="m", size=7))
     flow.submit(item("b", model="m"))
+    assert flow.dispatch() is None  # gauges are set at the end of each cycle
 
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(f"llm_d_epp_flow_control_{name}", labels)

@@ -117,6 +117,11 @@ def governed_traffic() -> CollectorRegistry:
             waiting = asyncio.create_task(
                 client.exchange([request_headers(headers), request_body(BODY)])
             )
+            assert governed.controller is not None
+            for _ in range(10_000):  # the first waits, then the next is refused
+                if governed.controller.length:
+                    break
+                await asyncio.sleep(0.001)
             await client.exchange([request_headers(headers), request_body(BODY)])
             for hook in governed.stopping:
                 hook()

@@ -45,12 +45,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Final
+from typing import Final, NamedTuple
 
 from lwepp.flowcontrol.controller import SHUTTING_DOWN, FlowController
-from lwepp.flowcontrol.policies import slo_of
+from lwepp.flowcontrol.policies import SLO_HEADERS, slo_ms
 from lwepp.flowcontrol.queues import Item, Outcome
-from lwepp.objectives import ObjectiveSource, priority_of
+from lwepp.objectives import OBJECTIVE_HEADERS, ObjectiveSource, priority_named
 from lwepp.picking import Admitted
 from wire.exchange import Refusal
 
@@ -93,14 +93,41 @@ def refusal(item: Item) -> Refusal:
     return Refusal(status, message, reason=reason, headers=[(DROPPED_HEADER, reason)])
 
 
-def first_of(headers: Sequence[tuple[str, str]], names: Sequence[str]) -> str | None:
-    """The first value of the first of ``names`` present (names compared in lower case)."""
+READ: Final = frozenset(
+    {*OBJECTIVE_HEADERS, *FAIRNESS_HEADERS, *SLO_HEADERS, MODEL_HEADER, "x-request-id"}
+)
+"""The headers admission reads, each once."""
+
+
+class Read(NamedTuple):
+    """What admission reads of a request's headers (``read``)."""
+
+    objective: str | None
+    fairness_id: str
+    slo: str | None
+    model: str
+    request_id: str
+
+
+def read(headers: Sequence[tuple[str, str]]) -> Read:
+    """The headers admission needs, in one pass: each the first value of its name, names in
+    lower case; of a header and its deprecated alias, the header's."""
     found: dict[str, str] = {}
     for name, value in headers:
         key = name.lower()
-        if key in names and key not in found:
+        if key in READ and key not in found:
             found[key] = value
-    return next((found[n] for n in names if found.get(n)), None)
+
+    def first(names: Sequence[str]) -> str | None:
+        return next((found[n].strip() for n in names if found.get(n)), None)
+
+    return Read(
+        first(OBJECTIVE_HEADERS),
+        first(FAIRNESS_HEADERS) or DEFAULT_FAIRNESS,
+        first(SLO_HEADERS),
+        found.get(MODEL_HEADER, ""),
+        found.get("x-request-id", ""),
+    )
 
 
 class Dispatcher:
@@ -176,8 +203,8 @@ class Admission:
         self._followup = _Woken(dispatcher) if dispatcher is not None else None
 
     async def admit(self, admitted: Admitted) -> Admitted:
-        headers = admitted.request.headers
-        priority = priority_of(headers, self.objectives.objectives)
+        found = read(admitted.request.headers)
+        priority = priority_named(found.objective, self.objectives.objectives)
         controller = self.controller
         if controller is None:
             if priority < 0 and self.saturation is not None and self.saturation() >= 1.0:
@@ -189,13 +216,13 @@ class Admission:
             return admitted
         body = admitted.request.body
         item = Item(
-            first_of(headers, ("x-request-id",)) or "",
-            first_of(headers, FAIRNESS_HEADERS) or DEFAULT_FAIRNESS,
+            found.request_id,
+            found.fairness_id,
             priority,
             size=len(body) if body is not None else 0,
             received=controller.clock(),
-            slo_ms=slo_of(headers),
-            model=first_of(headers, (MODEL_HEADER,)) or "",
+            slo_ms=slo_ms(found.slo),
+            model=found.model,
         )
         await self.wait(controller, item)
         if item.outcome is not Outcome.DISPATCHED:
@@ -206,18 +233,18 @@ class Admission:
     async def wait(self, controller: FlowController, item: Item) -> None:
         """Queue ``item`` and wait until flow control decides; a request the pool has room for
         is dispatched in this call."""
+        controller.submit(item)
+        if item.outcome is None:
+            controller.dispatch()
+        if item.outcome is not None:
+            return  # refused at once, or dispatched at once: no wait, no future
         done = asyncio.get_running_loop().create_future()
 
         def decided(_item: Item) -> None:
             if not done.done():
                 done.set_result(None)
 
-        item.on_done = decided
-        controller.submit(item)
-        if item.outcome is None:
-            controller.dispatch()
-        if item.outcome is not None:
-            return
+        item.on_done = decided  # only now: nothing decides a queued item until this awaits
         assert self.dispatcher is not None
         self.dispatcher.wake()
         try:

@@ -138,6 +138,10 @@ class FlowController:
         """Whether the pool had no endpoint at the last look, and since when."""
         self.closed = False
         self._waiting: collections.deque[Item] = collections.deque()
+        self._changed: set[Band] = set()
+        """The bands whose queues changed since their gauges were last set."""
+        self._stages: set[str] = set()
+        """The stages whose saturation series exist (a pool's endpoints may lose a role)."""
         """Every queued item in the order it joined: the order their budgets run out."""
 
     # --- joining -------------------------------------------------------------------
@@ -179,10 +183,7 @@ class FlowController:
                 outcome = Outcome.REJECTED_NO_ENDPOINTS if self.empty else Outcome.REJECTED_CAPACITY
                 self._finish(item, outcome, now, "queue at capacity")
         if self.metrics is not None:
-            outcome_label = item.outcome.value if item.outcome is not None else "NotYetFinalized"
-            self.metrics.enqueue_duration.labels(
-                self.metrics.fairness(item.fairness_id), str(item.priority), outcome_label
-            ).observe(perf_counter() - started)
+            self.metrics.enqueued(item, perf_counter() - started)  # its gauges: the next cycle
 
     def _fits(self, band: Band, size: int) -> bool:
         """The router's ``hasCapacity``: limits against what is queued, with this one."""
@@ -223,6 +224,7 @@ class FlowController:
         saturation = self.saturation = self._measure(candidates, now)
         chosen = self._choose(saturation, now) if self.length else None
         if self.metrics is not None:
+            self._show()
             self.metrics.cycle_duration.observe(perf_counter() - started)
         return chosen
 
@@ -260,6 +262,7 @@ class FlowController:
             outcome = Outcome.EVICTED_NO_ENDPOINTS if self.empty else Outcome.EVICTED_TTL
             self._remove(item, outcome, now, "request TTL expired")
             evicted += 1
+        self._show()
         return evicted
 
     def next_expiry(self) -> float | None:
@@ -276,6 +279,7 @@ class FlowController:
         """The client went away while ``item`` waited: it leaves at once."""
         if item.outcome is None:
             self._remove(item, Outcome.EVICTED_CONTEXT_CANCELLED, self.clock(), "client gone")
+            self._show()
 
     def close(self) -> None:
         """Refuse everything queued and everything to come: the picker is stopping."""
@@ -285,6 +289,7 @@ class FlowController:
             if item.outcome is None:
                 self._remove(item, Outcome.EVICTED_OTHER, now, SHUTTING_DOWN)
         self._waiting.clear()
+        self._show()
 
     def _remove(self, item: Item, outcome: Outcome, now: float, reason: str) -> None:
         """Take ``item`` out of the middle of its flow, and finish it."""
@@ -328,27 +333,36 @@ class FlowController:
         saturation = -1.0
         for stage, part in (("prefill", prefill), ("decode", decode)):
             if not part:
-                if metrics is not None:  # no such endpoints: no such stage
-                    metrics.saturation.remove(metrics.pool, stage)
+                if metrics is not None and stage in self._stages:  # no such endpoints now
+                    self._stages.discard(stage)
+                    metrics.saturated(stage, None)
                 continue
             value = detector.saturation(part, now)
             if metrics is not None:
-                metrics.saturation.labels(metrics.pool, stage).set(value)
+                self._stages.add(stage)
+                metrics.saturated(stage, value)
             saturation = max(saturation, value)
         if saturation < 0:  # no endpoint at all
             saturation = detector.saturation(candidates, now)
         if metrics is not None:
-            metrics.saturation.labels(metrics.pool, "effective").set(saturation)
-            metrics.stale.labels(detector.name).set(detector.stale)
+            metrics.saturated("effective", saturation)
+            metrics.stale_endpoints(detector.name, detector.stale)
         return saturation
 
     def _capacity_gauges(self, band: Band) -> None:
+        self._changed.add(band)
+
+    def _show(self) -> None:
+        """Set the gauges of what the last operation changed, once (``FlowMetrics.flush``)."""
         metrics, s = self.metrics, self.settings
         if metrics is None:
             return
-        priority = str(band.priority)
-        metrics.band_requests.labels(priority, metrics.pool).set(band.length / band.max_requests)
-        metrics.band_bytes.labels(priority, metrics.pool).set(band.size / band.max_bytes)
+        metrics.flush()
+        if not self._changed:
+            return
+        for band in self._changed:
+            metrics.band(band.priority, band.length / band.max_requests, band.size / band.max_bytes)
+        self._changed.clear()
         if s.max_requests:
             metrics.global_requests.labels(metrics.pool).set(self.length / s.max_requests)
         if s.max_bytes:

@@ -32,6 +32,7 @@ so): a picker exports at most that many series per priority and model.
 
 from __future__ import annotations
 
+import functools
 from typing import Final, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -140,6 +141,21 @@ class FlowMetrics:
             mode="livemax",
         )
         self._fairness: set[str] = set()
+        self._pending: dict[tuple[str, ...], tuple[int, int]] = {}
+        self._shown: dict[tuple[str, ...], float] = {}
+        # Speed, behind names (as the picker's own counters): a series' child is looked up by
+        # its labels on every change, and the lookup costs more than the change; each is
+        # kept once seen. Bounded: fairness ids past CAP are one "other".
+        cached = functools.lru_cache(maxsize=4 * CAP)
+        self._requests = cached(self.requests.labels)
+        self._waited = cached(self.queue_duration.labels)
+        self._enqueued = cached(self.enqueue_duration.labels)
+        self._size = cached(self.queue_size.labels)
+        self._bytes = cached(self.queue_bytes.labels)
+        self._band_requests = cached(self.band_requests.labels)
+        self._band_bytes = cached(self.band_bytes.labels)
+        self._stage = cached(self.saturation.labels)
+        self._stale = cached(self.stale.labels)
 
     def fairness(self, fairness_id: str) -> str:
         """The label for a fairness id: itself, or ``other`` past ``CAP`` distinct ones."""
@@ -148,26 +164,60 @@ class FlowMetrics:
         self._fairness.add(fairness_id)
         return fairness_id
 
-    def queue_labels(self, item: Item) -> tuple[str, ...]:
-        return (
-            self.fairness(item.fairness_id),
-            str(item.priority),
-            self.pool,
-            item.model,
-            item.model,
-        )
-
     def queued(self, item: Item, delta: int) -> None:
-        """``item`` joined (``delta`` 1) or left (-1) its queue."""
-        labels = self.queue_labels(item)
-        self.queue_size.labels(*labels).inc(delta)
-        self.queue_bytes.labels(*labels).inc(delta * item.size)
+        """``item`` joined (``delta`` 1) or left (-1) its queue: counted now, shown at the
+        next ``flush`` (a request that joins and leaves in one cycle changes no gauge)."""
+        labels = (self.fairness(item.fairness_id), str(item.priority), self.pool, item.model)
+        requests, size = self._pending.get(labels, (0, 0))
+        self._pending[labels] = (requests + delta, size + delta * item.size)
+
+    def flush(self) -> None:
+        """Show the queue gauges' changes since the last flush (the end of every operation)."""
+        for labels, (requests, size) in self._pending.items():
+            if requests or size:
+                self._size(*labels, labels[-1]).inc(requests)
+                self._bytes(*labels, labels[-1]).inc(size)
+        self._pending.clear()
 
     def left(self, item: Item, outcome: Outcome, waited: float) -> None:
         """``item`` left flow control with ``outcome`` after ``waited`` seconds."""
         priority = str(item.priority)
-        self.requests.labels(outcome.value, priority, self.pool).inc()
+        self._requests(outcome.value, priority, self.pool).inc()
         fairness = self.fairness(item.fairness_id)
-        self.queue_duration.labels(
-            fairness, priority, outcome.value, self.pool, item.model, item.model
-        ).observe(waited)
+        self._waited(fairness, priority, outcome.value, self.pool, item.model, item.model).observe(
+            waited
+        )
+
+    def enqueued(self, item: Item, seconds: float) -> None:
+        """Enqueueing (or refusing) ``item`` took ``seconds``."""
+        outcome = item.outcome.value if item.outcome is not None else "NotYetFinalized"
+        fairness = self.fairness(item.fairness_id)
+        self._enqueued(fairness, str(item.priority), outcome).observe(seconds)
+
+    def saturated(self, stage: str, value: float | None) -> None:
+        """A stage's reading (None: the pool has no endpoint of that stage: no series)."""
+        if value is None:
+            self.saturation.remove(self.pool, stage)
+            self._stage.cache_clear()
+            self._shown.pop(("stage", stage), None)
+        elif self._changed(("stage", stage), value):
+            self._stage(self.pool, stage).set(value)
+
+    def stale_endpoints(self, detector: str, count: int) -> None:
+        if self._changed(("stale", detector), count):
+            self._stale(detector).set(count)
+
+    def band(self, priority: int, requests: float, size: float) -> None:
+        """A band's queue over its limits."""
+        label = str(priority)
+        if self._changed(("band", label), requests):
+            self._band_requests(label, self.pool).set(requests)
+        if self._changed(("band bytes", label), size):
+            self._band_bytes(label, self.pool).set(size)
+
+    def _changed(self, key: tuple[str, ...], value: float) -> bool:
+        """Whether a gauge's value differs from the one shown (then it is the one shown)."""
+        if self._shown.get(key) == value:
+            return False
+        self._shown[key] = value
+        return True

@@ -194,7 +194,11 @@ def slo_of(headers: Sequence[tuple[str, str]]) -> float | None:
         key = name.lower()
         if key in SLO_HEADERS and key not in found:
             found[key] = value
-    text = next((found[h] for h in SLO_HEADERS if h in found), None)
+    return slo_ms(next((found[h] for h in SLO_HEADERS if h in found), None))
+
+
+def slo_ms(text: str | None) -> float | None:
+    """A TTFT SLO header's value in ms (None: absent, or not a number >= 0)."""
     if text is None:
         return None
     try:

@@ -36,7 +36,9 @@ line, the plugin and the field; every error is reported. A ``type`` with a
 dot is a user's plugin, imported by dotted path (``examples/custom_scorer/``).
 The router's other spellings (sections, feature gates, deprecated names, the
 features Switchyard does not implement) are ``lwepp.router_compat``'s, the
-layer in front of this decoder.
+layer in front of this decoder; the ``flowControl`` section (and the
+deprecated ``saturationDetector``) is ``lwepp.flowcontrol.config``'s, whose
+detector and policies are plugins of this file.
 """
 
 from __future__ import annotations

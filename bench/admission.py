@@ -31,7 +31,7 @@ from types import MappingProxyType
 
 from prometheus_client import CollectorRegistry
 
-from bench.hooks import PODS, Row, _us_per_call
+from bench.hooks import PODS, Row, _us_per_call, interleaved
 from bench.hooks import variants as pick_variants
 from bench.streams import HEADERS
 from lwepp.config import load_text
@@ -112,13 +112,7 @@ def run(budget: float = 0.3, rounds: int = 3) -> list[Row]:
         ("gate on: a request the pool has room for", lambda: per_admit(
             control(True), "interactive", budget)),
     ]  # fmt: skip
-    best: dict[str, float] = {}
-    for _ in range(rounds):
-        for name, measured in variants:
-            us = measured()
-            best[name] = min(us, best.get(name, us))
-    base = best[variants[0][0]]
-    return [Row(name, best[name], base) for name, _ in variants]
+    return interleaved(variants, rounds)
 
 
 def table(rows: list[Row]) -> str:

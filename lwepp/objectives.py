@@ -56,8 +56,8 @@ import yaml
 
 from plugin_api import ConfigError, Params
 from plugin_api.document import ConfigErrors, Document, keys_of
-from pods.file import read_utf8
-from pods.kubeapi import ApiError, Backoff, ClusterConfig, KubeApi, Object, reflect
+from pods.file import WatchedFile, read_utf8
+from pods.kubeapi import ApiError, Backoff, ClusterConfig, Held, KubeApi, Object, reflect
 
 log = structlog.get_logger()
 
@@ -218,7 +218,7 @@ class ObjectiveFile:
     """Objectives from a YAML file, re-read when its modification time or size changes.
 
     A broken file keeps the last good set (``error`` says why, logged once per
-    change), as the pod file source does.
+    change), as the pod file source does (``pods.file.WatchedFile``).
     """
 
     def __init__(
@@ -226,30 +226,21 @@ class ObjectiveFile:
     ) -> None:
         self.path, self.pool, self.interval = Path(path), pool, interval
         self.objectives: Objectives = NONE
-        self.error: str | None = None
-        self._stamp: tuple[int, int] | None = None
+        self._file = WatchedFile(path, "objectives file rejected; keeping the last good set")
+
+    @property
+    def error(self) -> str | None:
+        """Why the file's current version was rejected (None: it was read)."""
+        return self._file.error
 
     def reload(self) -> bool:
         """Read the file again if it changed; True when the set was replaced."""
-        try:
-            stat = self.path.stat()
-            stamp: tuple[int, int] | None = (stat.st_mtime_ns, stat.st_size)
-            if stamp == self._stamp:
-                return False
-            found = parse(read_utf8(self.path), str(self.path), self.pool)
-        except OSError as error:
-            stamp, message = None, f"{self.path}: cannot read: {error.strerror}"
-        except (ValueError, ConfigErrors) as error:  # not UTF-8, or not objectives
-            message = str(error)
-        else:
-            self._stamp, self.error = stamp, None
-            self.objectives = MappingProxyType(found)
-            log.info("objectives loaded", path=str(self.path), objectives=describe(found))
-            return True
-        if message != self.error:
-            log.error("objectives file rejected; keeping the last good set", error=message)
-        self._stamp, self.error = stamp, message
-        return False
+        found = self._file.read(lambda path: parse(read_utf8(path), str(path), self.pool))
+        if found is None:
+            return False
+        self.objectives = MappingProxyType(found)
+        log.info("objectives loaded", path=str(self.path), objectives=describe(found))
+        return True
 
     async def run(self) -> None:
         while True:
@@ -277,26 +268,6 @@ def load(path: str | os.PathLike[str], pool: str | None = None) -> ObjectiveFile
 
 
 # --- from the Kubernetes API -----------------------------------------------------------
-
-
-class _Held:
-    """One group's objective collection, as ``reflect`` keeps it (``pods.kubeapi.Reflector``)."""
-
-    def __init__(self, owner: ObjectiveWatch) -> None:
-        self.owner = owner
-        self.objects: dict[str, Object] = {}
-
-    def replace(self, items: list[Object]) -> None:
-        self.objects = {item["metadata"]["name"]: item for item in items}
-        self.owner.publish(self.objects)
-
-    def apply(self, kind: str, obj: Object) -> None:
-        name = obj["metadata"]["name"]
-        if kind == "DELETED":
-            self.objects.pop(name, None)
-        else:
-            self.objects[name] = obj
-        self.owner.publish(self.objects)
 
 
 class ObjectiveWatch:
@@ -379,6 +350,7 @@ class ObjectiveWatch:
                 )
             elif legacy:
                 log.warning("InferenceObjective: reading the deprecated group", group=LEGACY_GROUP)
+            held = Held(lambda: self.publish(held.objects))
             await reflect(
-                api, self.path(self.group), {}, _Held(self), self._backoff(), self._watch_timeout
+                api, self.path(self.group), {}, held, self._backoff(), self._watch_timeout
             )

@@ -23,9 +23,9 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import structlog
 import yaml
@@ -33,6 +33,8 @@ import yaml
 from pods.model import Pod, is_ip
 
 log = structlog.get_logger()
+
+T = TypeVar("T")
 
 _POD_FIELDS: Final = {"name", "address", "ports", "labels", "ready"}
 _PARENT: Final = re.compile(r"(\.[^.\[]*|\[\d+\])$")
@@ -198,18 +200,59 @@ def load_pods(path: str | os.PathLike[str]) -> tuple[Pod, ...]:
     return parse_pods(text, str(path))
 
 
+class WatchedFile:
+    """A file read again only when its modification time or size changes.
+
+    A version that cannot be read or decoded is reported once per change (its
+    message in ``error``, and logged as ``rejected``); its reader keeps what
+    it had, the last good version. The pod file source and the objectives file
+    (``lwepp.objectives``) are both read so.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], rejected: str) -> None:
+        self.path = Path(path)
+        self.rejected = rejected
+        self.error: str | None = None
+        self._stamp: tuple[int, int] | None = None
+
+    def read(self, load: Callable[[Path], T]) -> T | None:
+        """``load(path)`` when the file changed and its new version loads; None when it did
+        not change, or is broken (``load`` raised ``ValueError``, or it cannot be read)."""
+        try:
+            stat = self.path.stat()
+            stamp: tuple[int, int] | None = (stat.st_mtime_ns, stat.st_size)
+            if stamp == self._stamp:
+                return None
+            value = load(self.path)
+        except OSError as error:
+            stamp, message = None, f"{self.path}: cannot read: {error.strerror}"
+        except ValueError as error:
+            message = str(error)
+        else:
+            self._stamp, self.error = stamp, None
+            return value
+        if message != self.error:
+            log.error(self.rejected, error=message)
+        self._stamp, self.error = stamp, message
+        return None
+
+
 class FileSource:
     """Pods from a YAML file, re-read whenever its modification time or size changes."""
 
     def __init__(self, path: str | os.PathLike[str], interval: float = 1.0) -> None:
         self.path = Path(path)
         self.interval = interval
-        self.error: str | None = None
         self.pods: tuple[Pod, ...] = ()
         """The pods as last read (``PodSource``): replaced whole, never changed in place."""
         self.synced = False
         """True once the pods were read (``PodSource``)."""
-        self._stamp: tuple[int, int] | None = None
+        self._file = WatchedFile(path, "pod file rejected; keeping the last good list")
+
+    @property
+    def error(self) -> str | None:
+        """Why the file's current version was rejected (None: it was read)."""
+        return self._file.error
 
     def reload(self) -> bool:
         """Re-read the file if it changed; True when the pod list was replaced.
@@ -217,27 +260,12 @@ class FileSource:
         On a broken file the previous pods stay, ``error`` holds the message
         and it is logged once per change of the file.
         """
-        try:
-            stat = self.path.stat()
-            stamp = (stat.st_mtime_ns, stat.st_size)
-        except OSError as error:
-            stamp = None
-            message = f"{self.path}: cannot read: {error.strerror}"
-        else:
-            if stamp == self._stamp:
-                return False
-            try:
-                pods = load_pods(self.path)
-            except PodFileError as error:
-                message = str(error)
-            else:
-                self._stamp, self.pods, self.synced, self.error = stamp, pods, True, None
-                log.info("pods loaded", path=str(self.path), pods=len(pods))
-                return True
-        if message != self.error:
-            log.error("pod file rejected; keeping the last good list", error=message)
-        self._stamp, self.error = stamp, message
-        return False
+        pods = self._file.read(load_pods)
+        if pods is None:
+            return False
+        self.pods, self.synced = pods, True
+        log.info("pods loaded", path=str(self.path), pods=len(pods))
+        return True
 
     async def run(self) -> None:
         while True:

@@ -32,6 +32,7 @@ from lwepp.plugins.prometheus import parse
 from pods.file import dump_pods
 from pods.model import Pod
 from tests.test_e2e import Answer, post
+from tests.test_overload import CONFIG as FLOW_CONTROL
 from tests.test_own_servers import servers
 
 pytestmark = pytest.mark.e2e
@@ -215,25 +216,6 @@ def test_check_model_server_reads_the_engine(engines: list[Engine]) -> None:
     assert (signals["queue"], signals["running"], signals["kv_usage"]) == ("ok", "ok", "unknown")
 
 
-FLOW_CONTROL = """\
-apiVersion: llm-d.ai/v1alpha1
-kind: EndpointPickerConfig
-featureGates: [flowControl]
-plugins:
-- {type: concurrency-detector, parameters: {maxConcurrency: 1}}
-- type: active-request-scorer
-schedulingProfiles:
-- name: default
-  plugins: [{pluginRef: active-request-scorer}]
-flowControl:
-  defaultRequestTTL: 60s
-  saturationDetector: {pluginRef: concurrency-detector}
-  priorityBands:
-  - {priority: 10}
-  - {priority: -1, maxRequests: 2}
-"""
-
-
 def test_overloaded_engines_keep_serving_interactive_requests(
     tmp_path: Path, engines: list[Engine], sim_pod: Pod
 ) -> None:
@@ -241,8 +223,8 @@ def test_overloaded_engines_keep_serving_interactive_requests(
     holds the pool at one request per engine; two batch requests wait, the rest are refused
     at once (429 rejected-saturated); an interactive request sent after the burst goes to the
     next free engine ahead of the waiting batch ones, and is served."""
-    config = tmp_path / "flow-control.yaml"
-    config.write_text(FLOW_CONTROL)
+    config = tmp_path / "flow-control.yaml"  # one request per engine; batch: two may wait
+    config.write_text(FLOW_CONTROL.replace("defaultRequestTTL: 3s", "defaultRequestTTL: 60s"))
     batch = {"x-llm-d-inference-objective": "batch"}
     interactive = {"x-llm-d-inference-objective": "interactive"}
 

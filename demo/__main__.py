@@ -102,6 +102,13 @@ def examples(topology: Topology) -> list[str]:
             "the decision comes back in x-switchyard-decision",
             _curl(url, "/v1/completions", ask) + " -H 'x-switchyard-explain: 1'",
             "",
+            "# a request's priority, by InferenceObjective (demo/objectives.yaml): with a "
+            "configuration that governs requests (demo/configs/flow-control.yaml)",
+            _curl(url, "/v1/completions", {**ask, "prompt": "Hi"})
+            + " -H 'x-llm-d-inference-objective: interactive'",
+            _curl(url, "/v1/completions", {**ask, "prompt": "Hi"})
+            + " -H 'x-llm-d-inference-objective: batch'",
+            "",
         ]
     lines += [
         "# the models the gateway serves (OpenAI's list), and one of them",

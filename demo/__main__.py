@@ -115,6 +115,13 @@ def examples(topology: Topology) -> list[str]:
             "the decision comes back in x-switchyard-decision",
             _curl(url, "/v1/completions", ask) + " -H 'x-switchyard-explain: 1'",
             "",
+            "# a request's priority, by InferenceObjective (demo/objectives.yaml): with a "
+            "configuration that governs requests (demo/configs/flow-control.yaml)",
+            _curl(url, "/v1/completions", {**ask, "prompt": "Hi"})
+            + " -H 'x-llm-d-inference-objective: interactive'",
+            _curl(url, "/v1/completions", {**ask, "prompt": "Hi"})
+            + " -H 'x-llm-d-inference-objective: batch'",
+            "",
         ]
     if topology.model_rewrites is not None:
         rewritten = [pool for pool in topology.pools if pool.name in topology.rewritten]

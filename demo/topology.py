@@ -66,6 +66,9 @@ off by default, since it lets a client choose or learn its replica (``docs/secur
 DEMO_BBR_FLAGS: Final = ("--enable-debug-pages",)
 """BBR's ``/debug/runtime``, for the soak run."""
 
+OBJECTIVES: Final = Path(__file__).resolve().parent / "objectives.yaml"
+"""The demo's InferenceObjectives (``interactive``, ``batch``), which every picker reads."""
+
 T = TypeVar("T")
 
 
@@ -376,6 +379,8 @@ class Topology(Processes):
     (named ``onehop``) does BBR's job and every pool's pick, and Envoy calls
     it once per request, in place of BBR and the pickers (it gets the
     pickers' demo flags; ``picker_args`` and ``bbr_args`` go to it too).
+    ``objectives``: the InferenceObjectives file every picker reads
+    (``--inference-objectives``; None: none).
     ``die_with_parent``: every process started goes when this one does, even
     killed outright (``Process``; the ``demo`` command, whose main thread
     starts them all). ``keepalive``: how often Envoy pings the ext_proc
@@ -407,7 +412,9 @@ class Topology(Processes):
         die_with_parent: bool = False,
         keepalive: timedelta = KEEPALIVE,
         model_rewrites: Path | None = None,
+        objectives: Path | None = OBJECTIVES,
     ) -> None:
+        self.objectives = objectives
         self.work_dir = work_dir
         self.keepalive = keepalive
         self.die_with_parent = die_with_parent
@@ -477,6 +484,7 @@ class Topology(Processes):
                 "lwepp",
                 *("--pods", pods, "--selector", f"pool={pool.name}"),
                 *(("--config", str(self.picker_config)) if self.picker_config else ()),
+                *self._objectives_flag(),
                 *(DEMO_PICKER_FLAGS if self._demo_flags else ()),
                 *self._rewrite_flags(pool.name),
                 *self._picker_args.get(pool.name, ()),
@@ -517,6 +525,7 @@ class Topology(Processes):
             pods,
             *(f"--pool={pool.name}={','.join(pool.models)}" for pool in self.pools),
             *(("--config", str(self.picker_config)) if self.picker_config else ()),
+            *self._objectives_flag(),
             *(DEMO_PICKER_FLAGS if self._demo_flags else ()),
             *self._rewrite_flags(None),
             *(arg for args in self._picker_args.values() for arg in args),
@@ -530,6 +539,9 @@ class Topology(Processes):
             return ()
         rewrites = ("--model-rewrites", str(self.model_rewrites))
         return rewrites if pool is None else (*rewrites, "--model-rewrites-pool", pool)
+
+    def _objectives_flag(self) -> tuple[str, ...]:
+        return ("--inference-objectives", str(self.objectives)) if self.objectives else ()
 
     def _own_servers(self) -> Path:
         """Check the servers, and write the pickers' pod file with those that answer ready."""

@@ -24,7 +24,9 @@ from prometheus_client import CollectorRegistry
 
 from lwepp import config as picker_config
 from lwepp.assembly import HEALTH_SERVICES, PickerOptions, add_picker_flags, assemble
+from lwepp.flowcontrol import config as flow_config
 from lwepp.leader import LeaderElector, LeaseTimings
+from lwepp.objectives import ObjectiveSource, ObjectiveWatch
 from lwepp.picking import Pool
 from lwepp.pipeline import ROLES
 from lwepp.rewrite_control import RewriteSource
@@ -163,6 +165,9 @@ def describe(config: picker_config.PickerConfig) -> Iterator[str]:
     needing = [p.name for p in pipeline.plugins if needs_body(p)]
     body = f"held and parsed (needed by {', '.join(needing)})" if needing else "not parsed"
     yield f"  {'body':<17}  {body}"
+    yield ""
+    yield "flow control"
+    yield from flow_config.describe(config.flow)
     if config.warnings:
         yield ""
         yield "warnings"
@@ -286,6 +291,11 @@ def workers_problem(
         return None
     if args.leader_elect:
         return "--workers with --leader-elect: each worker would campaign for the Lease alone"
+    if config is not None and config.flow.gate:
+        return (
+            f"--workers {args.workers} with flow control ({config.path}): each worker would "
+            "queue, and count the pool's load, on its own; run one worker per replica instead"
+        )
     if config is not None and (learning := config.learning):
         return (
             f"--workers {args.workers} with {config.path}: plugin(s) "
@@ -363,6 +373,17 @@ def rewrite_source(
     return RewriteWatch(source.config, source.namespace, args.pool_name, args.pool_group)
 
 
+def objective_source(args: argparse.Namespace, picking: PickerOptions) -> ObjectiveSource | None:
+    """``--inference-objectives``; else, with ``--pool-name``, the pool's InferenceObjectives
+    from the Kubernetes API (as the router, which reads none in its standalone and file modes).
+    Raises ``ConfigErrors`` for a broken file, ``KubeconfigError`` as ``pod_source``."""
+    found = picking.objective_file()
+    if found is not None or not args.pool_name:
+        return found
+    config = load_kubeconfig(args.kubeconfig)
+    return ObjectiveWatch(config, args.pool_name, namespace_of(args, config.namespace))
+
+
 def pool_label(args: argparse.Namespace) -> str:
     """The pool's name in the metrics' ``name`` label."""
     if args.pool_name:
@@ -390,6 +411,7 @@ def picker(
     source: PodSource,
     elector: LeaderElector | None,
     rewrites: RewriteSource | None = None,
+    objectives: ObjectiveSource | None = None,
 ) -> Service:
     """The one pool's picker, as ``serve`` runs it (made inside the event loop)."""
     pool = Pool(source, args.selector)
@@ -411,6 +433,7 @@ def picker(
         namespace=namespace,
         max_body_bytes=options.max_body_bytes,
         rewrites=rewrites,
+        objectives=objectives,
     )
     side = [source.run] if elector is None else [source.run, elector.run]
     return Service(
@@ -424,6 +447,7 @@ def picker(
             "response_headers": built.service.hears_response,
             "response_body": built.service.reads_response_body,
         },
+        stopping=built.stopping,
     )
 
 
@@ -439,6 +463,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem := workers_problem(args, config):
         parser.error(problem)
     try:
+        objectives = objective_source(args, picking)
+    except picker_config.ConfigErrors as error:
+        parser.error(f"argument --inference-objectives:\n{error}")
+    try:
         source, elector = pod_source(args)
         rewrites = rewrite_source(args, picking, source)
     except ConfigErrors as error:
@@ -448,7 +476,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run(
         "lwepp",
         options,
-        functools.partial(picker, args, options, picking, config, source, elector, rewrites),
+        functools.partial(
+            picker, args, options, picking, config, source, elector, rewrites, objectives
+        ),
         argv,
         warnings(args),
     )

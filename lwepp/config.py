@@ -36,7 +36,9 @@ line, the plugin and the field; every error is reported. A ``type`` with a
 dot is a user's plugin, imported by dotted path (``examples/custom_scorer/``).
 The router's other spellings (sections, feature gates, deprecated names, the
 features Switchyard does not implement) are ``lwepp.router_compat``'s, the
-layer in front of this decoder.
+layer in front of this decoder; the ``flowControl`` section (and the
+deprecated ``saturationDetector``) is ``lwepp.flowcontrol.config``'s, whose
+detector and policies are plugins of this file.
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ from pathlib import Path
 from typing import Any, Final
 
 from lwepp import router_compat as compat
+from lwepp.configured import Configured, provides
 from lwepp.contracts import Want
+from lwepp.flowcontrol import config as flow_config
 from lwepp.pipeline import ROLES, Pipeline
 from lwepp.plugins import REGISTRY
 from plugin_api import ConfigError, Factory, Params, Role, build
@@ -69,21 +73,6 @@ LEARNING: Final = frozenset(ROLES[ROLES.index(Role.PICKED) :])
 
 
 @dataclass(frozen=True, slots=True)
-class Configured:
-    """One plugin as the file configures it, the roles it plays, and where (``plugins[i]``)."""
-
-    name: str
-    type: str
-    plugin: Any
-    roles: tuple[Role, ...]
-    path: str
-
-    @property
-    def subject(self) -> str:
-        return f"plugin {self.name!r} ({self.type})"
-
-
-@dataclass(frozen=True, slots=True)
 class PickerConfig:
     """A configuration file, resolved: which plugins run, in which order, with which weights."""
 
@@ -96,6 +85,8 @@ class PickerConfig:
     """The plugins that run, in stage order: the profile's, then the unlisted ones."""
     weights: Mapping[str, float]
     warnings: tuple[str, ...] = ()
+    flow: flow_config.FlowConfig = flow_config.OFF
+    """The ``flowControl`` section: the gate, the saturation detector, the queues' settings."""
 
     def pipeline(self, **options: Any) -> Pipeline:
         """The pipeline this file describes (``options``: ``Pipeline``'s keyword arguments)."""
@@ -145,7 +136,9 @@ class _Decoder:
             kind = doc.get("kind", str, "")
             gates = doc.get("featureGates", list, [])
             entries, profiles = doc.entries("plugins"), doc.entries("schedulingProfiles")
-            sections = {name: doc.get(name, dict, None) for name in compat.SECTIONS}
+            sections = {
+                n: doc.get(n, dict, None) for n in (*compat.SECTIONS, *flow_config.SECTIONS)
+            }
             doc.done()
         except ConfigError as error:
             self.document.error(keys_of(error.field or ""), str(error))
@@ -189,7 +182,10 @@ class _Decoder:
         if profile is None:
             return None
         name, listed, weights = profile
+        flowing = flow_config.decode(self.document, sections, gates, plugins, named, self.registry)
+        self.given |= flowing.uses  # the detector and policies: used, though not in the profile
         running = self.running(plugins, name, listed)
+        running += flow_config.watching(flowing, running)
         self.link(plugins, running, pairs, skipped)
         if (data_layer or {}).get("injectDefaults") is not False:
             self.add_source(plugins, running, pairs)
@@ -203,6 +199,7 @@ class _Decoder:
             tuple(p.plugin for p in running),
             weights,
             tuple(self.document.warnings),
+            flowing,
         )
 
     def plugin(
@@ -268,7 +265,7 @@ class _Decoder:
         by_name = {c.name: c for c in plugins}
         name = want.name
         if name is None:  # the one the data layer pairs with it, or the only one there is
-            providers = [c.name for c in plugins if want.provides in _provides(c.plugin)]
+            providers = [c.name for c in plugins if want.provides in provides(c.plugin)]
             name = pairs.get(p.name) or (providers[0] if len(providers) == 1 else None)
             if name is None:
                 return
@@ -281,12 +278,12 @@ class _Decoder:
         if other is None:
             if name == want.default or name in skipped:
                 return  # left at its default, or ignored or reported already
-            makers = [kind for kind, f in self.registry.items() if want.provides in _provides(f)]
+            makers = [kind for kind, f in self.registry.items() if want.provides in provides(f)]
             raise ConfigError(
                 f"{p.subject}: {want.field}: {name!r} names no {' or '.join(makers)}",
                 f"{p.path}.parameters.{want.field}",
             )
-        if want.provides not in _provides(other.plugin):
+        if want.provides not in provides(other.plugin):
             raise ConfigError(
                 f"{p.subject}: {want.field}: {name!r} is a {other.type}, which provides no "
                 f"{want.provides}",
@@ -404,12 +401,12 @@ class _Decoder:
         for p in plugins:
             if p in running or not p.roles:  # one that only provides runs nowhere
                 continue
-            if PROFILED & {*p.roles}:
+            if not PROFILED & {*p.roles}:
+                running.append(p)
+            elif p.name not in self.given:  # a detector flow control reads is not idle
                 self.document.warn(
                     keys_of(p.path), f"{p.subject}: not in profile {profile!r}: it does not run"
                 )
-            else:
-                running.append(p)
         if len(pickers := [p.name for p in running if Role.PICK in p.roles]) > 1:
             self.document.error(
                 ["schedulingProfiles"],
@@ -435,9 +432,3 @@ class _Decoder:
                     f"{p.subject}: reads {attribute!r}, which no configured "
                     f"data source produces{hint}",
                 )
-
-
-def _provides(plugin: Any) -> frozenset[str]:
-    """What a plugin (or a plugin class) provides to those that name it."""
-    provided: frozenset[str] = getattr(plugin, "provides", frozenset())
-    return provided

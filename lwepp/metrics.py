@@ -17,6 +17,7 @@ DEFAULT_FAIRNESS: Final = "default-flow"
 ERROR_CODES: Final = {
     400: "BadRequest",
     413: "ResourceExhausted",
+    429: "ResourceExhausted",
     431: "BadRequest",
     503: "ServiceUnavailable",
 }

@@ -150,6 +150,7 @@ def one_hop(
             "response_headers": handler.hears_response,
             "response_body": handler.reads_response_body,
         },
+        stopping=[hook for pool_picker in built.values() for hook in pool_picker.stopping],
     )
 
 
@@ -168,6 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"argument --model-rewrites:\n{error}")
     source = FileSource(args.pods, interval=args.pods_interval)
     bbr_registry = CollectorRegistry()
+    try:
+        picking.objective_file()
+    except ConfigErrors as error:
+        parser.error(f"argument --inference-objectives:\n{error}")
     try:  # a bad --plugin, --config or --pool stops here
         router, router_warnings = router_of(args, bbr_registry, options.max_body_bytes)
         picked = pickers(args, picking, source, options.max_body_bytes)

@@ -194,6 +194,8 @@ class FakeKube:
         other group/version is a 404. Not in ``requests``: discovery is open to every user."""
         self.discoveries: list[str] = []
         """The group/versions asked about, in order."""
+        self.uninstalled: set[str] = set()
+        """API groups (``llm-d.ai/v1alpha2``) whose CRDs are not installed: answered 404."""
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -305,6 +307,8 @@ class FakeKube:
             return web.json_response(
                 status(self.failing, "InternalError", "failing"), status=self.failing
             )
+        if match and match["api"].removeprefix("/apis/") in self.uninstalled:
+            return web.json_response(status(404, "NotFound", "no such resource"), status=404)
         if request.method == "POST" and request.path in (TOKEN_REVIEWS, ACCESS_REVIEWS):
             return web.json_response(self._review(request.path, await request.json()), status=201)
         if not match or not match["ns"]:

@@ -24,6 +24,7 @@ from lwepp.assembly import HEALTH_SERVICES as LWEPP_HEALTH
 from lwepp.assembly import PickerOptions
 from lwepp.config import load_config
 from lwepp.leader import LeaderElector
+from lwepp.objectives import ObjectiveWatch
 from lwepp.rewrites import API_VERSIONS
 from pods.kubeapi import ClusterConfig, KubeApi
 from serving.metrics_auth import MetricsAuth
@@ -564,9 +565,13 @@ async def read_rewrites(fake: FakeKube, version: str) -> None:
         await eventually(lambda: fake.watching(watched) == 1, f"a watch of {watched}")
 
 
+def objectives(group: str) -> str:
+    return f"/apis/{group}/v1alpha2/namespaces/models/inferenceobjectives"
+
+
 def used_by_the_code() -> tuple[set[tuple[str, str, str]], set[tuple[str, str, str]]]:
-    """The (group, resource, verb) requests the pod source and the model rewrites, then the
-    elector, really make.
+    """The (group, resource, verb) requests the pod source, the model rewrites and the
+    InferenceObjective watch (of either group), then the elector, really make.
 
     Recorded by the fake API server while each runs through its paths: list,
     watch, resume, relist after 410; the rewrites in either group; acquire,
@@ -586,6 +591,15 @@ def used_by_the_code() -> tuple[set[tuple[str, str, str]], set[tuple[str, str, s
                 await eventually(lambda: len(source.pods) == 1 and source.pods[0].name == "b")
             for version in API_VERSIONS:  # the current group, then the older one alone
                 await read_rewrites(fake, version)
+            for group in ("llm-d.ai", "inference.networking.x-k8s.io"):  # each, on its own
+                fake.uninstalled = {"llm-d.ai/v1alpha2"} if group != "llm-d.ai" else set()
+                watch = ObjectiveWatch(ClusterConfig(fake.url), "llama", "models")
+                task = asyncio.create_task(watch.run())
+                watched = objectives(group)
+                await eventually(lambda: fake.watching(watched) == 1, "watching")  # noqa: B023
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            fake.uninstalled = set()
             source_verbs = fake.verbs()
             fake.requests.clear()
             now = [0.0]

@@ -287,7 +287,8 @@ def assemble(
         registry,
         name,
     )
-    metrics = PickerMetrics(registry, name, namespace)
+    priority = None if objectives is None else functools.partial(priority_by, objectives)
+    metrics = PickerMetrics(registry, name, namespace, priority)
     # The router's order: the model rewrite first, then the objective and admission (flow
     # control), then what observes the request as it is served.
     controls: list[RequestControl] = []
@@ -317,6 +318,13 @@ def assemble(
         functools.partial(refresh_metrics, options.refresh_every, metrics, pool, pipeline),
     ]
     return Assembly(service, jobs, pages, list(governed.stopping))
+
+
+def priority_by(
+    source: inference_objectives.ObjectiveSource, headers: Sequence[tuple[str, str]]
+) -> int:
+    """The priority of the objective ``headers`` name, among the pool's now (metric labels)."""
+    return inference_objectives.priority_of(headers, source.objectives)
 
 
 def known_objective(

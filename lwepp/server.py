@@ -48,7 +48,7 @@ from typing import Final
 
 import structlog
 
-from lwepp.metrics import ERROR_CODES, PickerMetrics
+from lwepp.metrics import ERROR_CODES, MODEL_HEADER, PickerMetrics
 from lwepp.picking import (
     SUBSET_NAMESPACE,
     TEST_SELECTION_HEADER,
@@ -345,7 +345,12 @@ class EndpointPickerService:
         check_headers_fit(
             "request", state.request.headers, routing_headers(endpoint, self.report_served)
         )
-        labels = self.metrics.labels(state.request.headers)
+        target = (
+            None
+            if admitted is None
+            else extproc.first_header(admitted.request.headers, MODEL_HEADER)
+        )
+        labels = self.metrics.labels(state.request.headers, target)
         self.request_counter(*labels).inc()
         self.attempt_counter(
             "success", labels[1], primary.pod, self.metrics.namespace, str(primary.port)

@@ -16,14 +16,14 @@ from conformance.client import HELPERS, Timing
 from conformance.command import FIELDS, SWITCHYARD, PickerCommand, TemplateError
 from conformance.crds import CrdError
 from conformance.run import details, run_suite, table
-from conformance.upstream import RELEASED, UPSTREAMS
+from conformance.upstream import RELEASED, UPSTREAMS, Upstream
 from demo.topology import TopologyError
 
 FOREIGN_REPORTS = Path("conformance-reports")
 """Where the reports of any picker but Switchyard's plain LWEPP go by default."""
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     width = max(len(name) for name in FIELDS) + 6
     fields = "\n".join(
         textwrap.fill(
@@ -146,20 +146,26 @@ def _implementation(args: argparse.Namespace, own_picker: bool) -> report.Implem
     )
 
 
+def upstream_and_timing(args: argparse.Namespace) -> tuple[Upstream, Timing]:
+    """The upstream behaviour asked for, and the waits: its wait after a failed attempt unless
+    ``--delay-after-failure`` names one."""
+    upstream = UPSTREAMS[args.upstream]
+    delay = args.delay_after_failure
+    return upstream, Timing(
+        max_time_to_consistency=args.max_time_to_consistency,
+        delay_after_failure=upstream.delay_after_failure if delay is None else delay,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         picker = PickerCommand.parse(args.picker or SWITCHYARD, args.picker_arg)
     except TemplateError as error:
         parser.error(str(error))
     own_picker = not args.picker  # Switchyard's LWEPP, configured or not
-    upstream = UPSTREAMS[args.upstream]
-    delay = args.delay_after_failure
-    timing = Timing(
-        max_time_to_consistency=args.max_time_to_consistency,
-        delay_after_failure=upstream.delay_after_failure if delay is None else delay,
-    )
+    upstream, timing = upstream_and_timing(args)
     with tempfile.TemporaryDirectory(prefix="conformance-") as scratch:
         work_dir = args.work_dir or Path(scratch)
         print(f"Running GIE's conformance tests (logs in {work_dir}) ...", flush=True)

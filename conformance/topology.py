@@ -48,10 +48,10 @@ import json
 import random
 import socket
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -228,6 +228,31 @@ def _health(address: str, service: str) -> bool | None:
     return True if reply.status == health_pb2.HealthCheckResponse.SERVING else None
 
 
+def cluster_objects(
+    pods: Mapping[str, Sequence[EchoPod]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The InferencePools of ``POOLS`` and the echo pods (by ``app``), as Kubernetes objects."""
+    deployments = {d.app: d for d in DEPLOYMENTS}
+    pools = [
+        pool_object(
+            spec.name,
+            NAMESPACE,
+            spec.app,
+            spec.target_ports,
+            fail_open=spec.fail_open,
+            app_protocol=spec.app_protocol,
+            picker_service=spec.picker_service,
+        )
+        for spec in POOLS
+    ]
+    objects = [
+        pod_object(pod.name, NAMESPACE, pod.ip, {"app": pod.app}, deployments[app].containers)
+        for app, members in pods.items()
+        for pod in members
+    ]
+    return pools, objects
+
+
 class Topology(Processes):
     """Echo pods, pickers and Envoy, as a context manager; ``apply`` sets the routes."""
 
@@ -342,25 +367,7 @@ class Topology(Processes):
         """The API server with base.yaml's pools and pods, before any picker reads it."""
         self.api = ApiServer(NAMESPACE)
         self.api.start()
-        deployments = {d.app: d for d in DEPLOYMENTS}
-        pools = [
-            pool_object(
-                spec.name,
-                NAMESPACE,
-                spec.app,
-                spec.target_ports,
-                fail_open=spec.fail_open,
-                app_protocol=spec.app_protocol,
-                picker_service=spec.picker_service,
-            )
-            for spec in POOLS
-        ]
-        pods = [
-            pod_object(pod.name, NAMESPACE, pod.ip, {"app": pod.app}, deployments[app].containers)
-            for app, pods in self.pods.items()
-            for pod in pods
-        ]
-        self.api.apply(pools, pods)
+        self.api.apply(*cluster_objects(self.pods))
         self.api.kubeconfig(self.work_dir / "kubeconfig")
 
     def picker_file(self, pool: str) -> Path:

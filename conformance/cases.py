@@ -390,9 +390,10 @@ async def _weighted_at_the_pickers(t: Trial, expected: Expected) -> str:
             concurrency=WEIGHTED_CONCURRENCY,
             accept=_within(names),
         )
+    pins = "honours the warm-up's pins to its pods and, " if t.upstream.weighted_warmup else ""
     return (
-        "each picker honours the warm-up's pins to its pods and, given all six pods, stays in "
-        "its pool (140 + 60 picks); the split is the gateway's"
+        f"each picker {pins}given all six pods, stays in its pool (140 + 60 picks); the split "
+        "is the gateway's"
     )
 
 

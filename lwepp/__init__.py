@@ -16,7 +16,8 @@ meant to be imported from outside it:
     The stream handler and what one stream holds. Beside serving a stream
     whole (``__call__``), its steps serve a stream that a composing handler
     reads itself: ``candidates_for`` (the endpoints a request may go to),
-    ``destination`` (the strategy's choice, counted), ``on_response_headers``,
+    ``admit_request`` (the request controls, before the choice: a model
+    rewrite), ``destination`` (the strategy's choice, counted), ``on_response_headers``,
     ``on_response_body`` and ``end_response`` (the response side), and
     ``refuse`` (a refusal counted and answered), with ``hears_response`` and
     ``report_served`` (what the gateway must send it, and what it adds).

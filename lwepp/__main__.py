@@ -27,7 +27,10 @@ from lwepp.assembly import HEALTH_SERVICES, PickerOptions, add_picker_flags, ass
 from lwepp.leader import LeaderElector, LeaseTimings
 from lwepp.picking import Pool
 from lwepp.pipeline import ROLES
+from lwepp.rewrite_control import RewriteSource
+from lwepp.rewrite_sources import RewriteWatch
 from plugin_api import Role, needs_body
+from plugin_api.document import ConfigErrors
 from pods.file import FileSource, PodFileError, load_pods
 from pods.kubeapi import KubeconfigError, load_kubeconfig
 from pods.kubernetes import DEFAULT_GROUP, InferencePoolSource
@@ -345,6 +348,21 @@ def pod_source(args: argparse.Namespace) -> tuple[PodSource, LeaderElector | Non
     return source, LeaderElector(config, namespace, lease, timings=timings)
 
 
+def rewrite_source(
+    args: argparse.Namespace, picking: PickerOptions, source: PodSource
+) -> RewriteSource | None:
+    """The pool's InferenceModelRewrites: a file, the Kubernetes API (the default with
+    ``--pool-name``, as the llm-d router reads them), or none. Raises ``ConfigErrors`` for a
+    broken file and ``ValueError`` for ``api`` without a pool."""
+    if picking.rewrite_path is not None:
+        return picking.rewrite_file(args.pool_name or picking.model_rewrites_pool)
+    if picking.model_rewrites == "off" or (picking.model_rewrites is None and not args.pool_name):
+        return None
+    if not isinstance(source, InferencePoolSource) or not args.pool_name:
+        raise ValueError("--model-rewrites=api needs --pool-name: rewrites name their pool")
+    return RewriteWatch(source.config, source.namespace, args.pool_name, args.pool_group)
+
+
 def pool_label(args: argparse.Namespace) -> str:
     """The pool's name in the metrics' ``name`` label."""
     if args.pool_name:
@@ -371,6 +389,7 @@ def picker(
     config: picker_config.PickerConfig | None,
     source: PodSource,
     elector: LeaderElector | None,
+    rewrites: RewriteSource | None = None,
 ) -> Service:
     """The one pool's picker, as ``serve`` runs it (made inside the event loop)."""
     pool = Pool(source, args.selector)
@@ -391,6 +410,7 @@ def picker(
         name=pool_label(args),
         namespace=namespace,
         max_body_bytes=options.max_body_bytes,
+        rewrites=rewrites,
     )
     side = [source.run] if elector is None else [source.run, elector.run]
     return Service(
@@ -420,12 +440,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(problem)
     try:
         source, elector = pod_source(args)
+        rewrites = rewrite_source(args, picking, source)
+    except ConfigErrors as error:
+        parser.error(f"argument --model-rewrites:\n{error}")
     except (PodFileError, KubeconfigError, ValueError) as error:
         sys.exit(f"lwepp: {error}")
     return run(
         "lwepp",
         options,
-        functools.partial(picker, args, options, picking, config, source, elector),
+        functools.partial(picker, args, options, picking, config, source, elector, rewrites),
         argv,
         warnings(args),
     )

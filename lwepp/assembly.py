@@ -26,8 +26,10 @@ from lwepp import config as picker_config
 from lwepp import request_metrics
 from lwepp.explain import DecisionLog, ExplainMode
 from lwepp.metrics import PickerMetrics
-from lwepp.picking import Pool, RoundRobin, Strategy
+from lwepp.picking import Pool, RequestControl, RoundRobin, Strategy
 from lwepp.pipeline import Pipeline
+from lwepp.rewrite_control import ModelRewriteControl, RewriteMetrics, RewriteSource
+from lwepp.rewrite_sources import RewriteFile, load_rewrites
 from lwepp.server import EndpointPickerService
 from pods.model import Endpoint
 from serving.cli import add_bool, duration
@@ -100,6 +102,21 @@ def add_picker_flags(parser: argparse.ArgumentParser) -> None:
         help="how often the pool gauges (ready endpoints, with --config the pool's averages) "
         "are recomputed (default 5s, as the llm-d router)",
     )
+    rewrites = parser.add_argument_group("model rewrites (InferenceModelRewrite)")
+    rewrites.add_argument(
+        "--model-rewrites",
+        metavar="FILE|api|off",
+        help="where the pool's InferenceModelRewrites come from: a YAML file of them (re-read "
+        "when it changes, keeping the last good set), 'api' (the Kubernetes API, the default "
+        "with --pool-name, as the llm-d router), or 'off' (the default otherwise). With "
+        "rewrites, a request naming no model gets 400, as from the router",
+    )
+    rewrites.add_argument(
+        "--model-rewrites-pool",
+        metavar="NAME",
+        help="with a rewrite file and no --pool-name: apply the file's rewrites whose "
+        "spec.poolRef names this pool (default: every rewrite in the file)",
+    )
     conformance = parser.add_argument_group(
         "GIE's conformance tests (both off: they let a client choose, or learn, its replica)"
     )
@@ -143,6 +160,8 @@ class PickerOptions:
     test_selection: bool = False
     report_served: bool = False
     request_metrics: request_metrics.Level = "request"
+    model_rewrites: str | None = None
+    model_rewrites_pool: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PickerOptions:
@@ -156,6 +175,8 @@ class PickerOptions:
             test_selection=args.test_selection,
             report_served=args.report_served_endpoint,
             request_metrics=args.request_metrics,
+            model_rewrites=args.model_rewrites,
+            model_rewrites_pool=args.model_rewrites_pool,
         )
 
     def load_config(self) -> picker_config.PickerConfig | None:
@@ -166,6 +187,21 @@ class PickerOptions:
         if self.config_text is not None:
             return picker_config.load_text(self.config_text)
         return None
+
+    @property
+    def rewrite_path(self) -> str | None:
+        """The rewrite file ``--model-rewrites`` names, if it names one."""
+        return None if self.model_rewrites in (None, "api", "off") else self.model_rewrites
+
+    def rewrite_file(self, pool: str | None) -> RewriteFile | None:
+        """The rewrite file's source for ``pool`` (its rewrites whose ``poolRef`` names it; None:
+        all), read now; None without a file. Raises ``ConfigErrors`` naming each problem."""
+        if (path := self.rewrite_path) is None:
+            return None
+        load_rewrites(path)  # a broken file stops the start, with its lines
+        source = RewriteFile(path, pool)
+        source.reload()
+        return source
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,12 +223,15 @@ def assemble(
     name: str,
     namespace: str = "",
     max_body_bytes: int,
+    rewrites: RewriteSource | None = None,
 ) -> Assembly:
     """The picker for ``pool``: round-robin, or ``config``'s pipeline (its warnings logged).
 
     ``name`` labels its metrics (``llm_d_epp_*{name}``) and its log lines;
     ``registry`` takes its metrics. The pool's endpoints are read afresh by
-    every background task (``Pool.endpoints``).
+    every background task (``Pool.endpoints``). ``rewrites``: the pool's
+    InferenceModelRewrites, applied first (``lwepp.rewrite_control``), as the
+    router applies them before anything else decides.
     """
     strategy: Strategy = RoundRobin()
     pipeline: Pipeline | None = None
@@ -213,9 +252,15 @@ def assemble(
             pipeline.debug_pages(),
         )
     metrics = PickerMetrics(registry, name, namespace)
-    strategy, controls = request_metrics.install(
+    # The router's order: the model rewrite first, then what observes the request as served.
+    controls: list[RequestControl] = []
+    if rewrites is not None:
+        controls.append(ModelRewriteControl(rewrites, RewriteMetrics(registry)))
+        jobs.append(rewrites.run)
+    strategy, observing = request_metrics.install(
         options.request_metrics, strategy, metrics.labels, registry
     )
+    controls += observing
     service = EndpointPickerService(
         pool,
         strategy,

@@ -228,10 +228,18 @@ class EndpointPickerService:
             headers, body = state.request.headers, b"".join(state.request.chunks)
             if message.WhichOneof("request") == "request_body":
                 body += message.request_body.body
-        admitted = Admitted(RequestInfo(headers, body))
+        await self.admit_request(state, headers, body)
+
+    async def admit_request(
+        self, state: PickerState, headers: Sequence[tuple[str, str]], body: bytes | None
+    ) -> None:
+        """The request controls, in order, on a whole request: what they let through is
+        ``state.admitted``, which the choice then sees (a composing handler calls this too).
+        Let through untouched, the request goes on as with no control: nothing is kept."""
+        asked = admitted = Admitted(RequestInfo(headers, body))
         for control in self.controls:
             admitted = await control.admit(admitted)
-        state.admitted = admitted
+        state.admitted = None if admitted is asked else admitted
 
     def on_request_headers(
         self, message: ProcessingRequest, state: PickerState
@@ -353,7 +361,8 @@ class EndpointPickerService:
         if state.admitted is not None and state.admitted.followups and state.response.streamed:
             body = chunk.body
             for followup in followups(state):
-                body = followup.chunk(body) or body  # a control may rewrite what goes on
+                sent = followup.chunk(body)  # a control may rewrite what goes on, or hold it
+                body = body if sent is None else sent
             if chunk.end_of_stream:
                 self.end_response(state)
             return extproc.streamed_body_responses(

@@ -19,9 +19,10 @@ rather than restating it:
 ``request_body``
     Held (at most ``--max-body-bytes``); at its end BBR's request chain runs
     (``BodyBasedRouter.read_request``: not a JSON object is 400). The model
-    it found names the pool (``--pool NAME=MODEL,...``); that pool's picker
-    (``EndpointPickerService``) chooses among its candidates, given the
-    request's headers as BBR changed them and the body. One answer carries
+    it found names the pool (``--pool NAME=MODEL,...``); that pool's request
+    controls run (``admit``: its model rewrite, which may change the body
+    sent on), then its picker (``EndpointPickerService``) chooses among its
+    candidates, given the request's headers as BBR changed them and the body. One answer carries
     both services' header changes, the ``envoy.lb`` metadata and
     ``clear_route_cache``; in full duplex the body follows it. A model no
     pool serves is answered with BBR's changes alone, so Envoy's routes
@@ -106,6 +107,8 @@ class OneHop:
         """Whether some pool's picker needs the response headers (``EndpointPickerService``'s)."""
         self.reads_response_body = any(p.reads_response_body for p in self.pickers.values())
         """Whether some pool's picker reads the response body (its request controls)."""
+        self.admits = any(picker.controls for picker in self.pickers.values())
+        """Whether some pool's picker runs request controls (``admit``)."""
 
     async def __call__(self, stream: Stream) -> None:
         state = OneHopState(self.max_body_bytes)
@@ -116,10 +119,12 @@ class OneHop:
                     case "request_headers":
                         replies = self.request_headers(message, state)
                     case "request_body":
-                        replies = self.request_body(message.request_body, state)
+                        replies = await self.request_body(message.request_body, state)
                     case "request_trailers":
                         finished = (
-                            self.finish(state, end_of_stream=False) if state.request.held else []
+                            await self.finish(state, end_of_stream=False)
+                            if state.request.held
+                            else []
                         )
                         replies = [*finished, extproc.trailers_response("request")]
                     case "response_headers" if picker is not None:
@@ -163,14 +168,14 @@ class OneHop:
             return []
         return [extproc.headers_response("request")]
 
-    def request_body(self, chunk: Any, state: OneHopState) -> list[ProcessingResponse]:
+    async def request_body(self, chunk: Any, state: OneHopState) -> list[ProcessingResponse]:
         """Hold a chunk; at the end of the body, run BBR's chain and pick."""
         state.request.hold(chunk.body)
         if state.request.streamed and not chunk.end_of_stream:
             return []
-        return self.finish(state, end_of_stream=True)
+        return await self.finish(state, end_of_stream=True)
 
-    def finish(self, state: OneHopState, *, end_of_stream: bool) -> list[ProcessingResponse]:
+    async def finish(self, state: OneHopState, *, end_of_stream: bool) -> list[ProcessingResponse]:
         """BBR's chain on the whole body, then the pick, in one answer (then the body, streamed).
 
         In full duplex the answer is the held headers reply and the body
@@ -181,16 +186,43 @@ class OneHop:
         message = self.router.read_request(state)
         set_headers, remove = message.header_changes()
         check_headers_fit("request", half.headers, set_headers, remove)  # as BBR: 431
+        body, admitted = message.raw, await self.admit(state, set_headers, remove, message.raw)
+        if admitted is not None:  # a request control changed the body: its length goes too
+            body = admitted
+            set_headers = [(n, v) for n, v in set_headers if n.lower() != "content-length"]
+            set_headers.append(("content-length", str(len(body))))
         held, half.held = half.held, False
         if not half.streamed:
-            new_body = message.raw if message.body_mutated else None
-            return [self.route(state, set_headers, remove, message.raw, new_body=new_body)]
-        chunks = extproc.streamed_body_responses(
-            "request", message.raw, end_of_stream=end_of_stream
-        )
+            new_body = body if message.body_mutated or admitted is not None else None
+            return [self.route(state, set_headers, remove, body, new_body=new_body)]
+        chunks = extproc.streamed_body_responses("request", body, end_of_stream=end_of_stream)
         if not held:  # a body without headers before it, which Envoy never sends
             return chunks
-        return [self.route(state, set_headers, remove, message.raw, headers=True), *chunks]
+        return [self.route(state, set_headers, remove, body, headers=True), *chunks]
+
+    async def admit(
+        self,
+        state: OneHopState,
+        set_headers: list[tuple[str, str]],
+        remove: list[str],
+        body: bytes,
+    ) -> bytes | None:
+        """The model's pool's request controls (LWEPP's second seam: its model rewrite), after
+        BBR's chain named the pool and before that pool's choice, as the picker runs them
+        behind two hops; the body they send upstream instead, or None."""
+        if not self.admits:
+            return None
+        headers = with_changes(state.request.headers, set_headers, remove)
+        picker = self.picker_for(headers)
+        if picker is None or not picker.controls:
+            return None
+        await picker.admit_request(state, headers, body)
+        return state.admitted.body if state.admitted is not None else None
+
+    def picker_for(self, headers: Sequence[tuple[str, str]]) -> EndpointPickerService | None:
+        """The picker of the pool serving the model BBR named, or of ``ANY_MODEL``'s, if any."""
+        model = extproc.first_header(headers, MODEL_HEADER) or ANY_MODEL
+        return self.pickers.get(model) or self.pickers.get(ANY_MODEL)
 
     def route(
         self,
@@ -212,8 +244,7 @@ class OneHop:
         """
         half = state.request
         half.headers = with_changes(half.headers, set_headers, remove)
-        model = extproc.first_header(half.headers, MODEL_HEADER) or ANY_MODEL
-        picker = self.pickers.get(model) or self.pickers.get(ANY_MODEL)
+        picker = self.picker_for(half.headers)
         metadata = None
         if picker is not None and state.first is not None:
             state.picker = picker

@@ -20,6 +20,9 @@ from lwepp.metrics import PickerMetrics
 from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, Pool, RequestInfo
 from lwepp.pipeline import Pipeline
 from lwepp.request_metrics import install
+from lwepp.rewrite_control import ModelRewriteControl, RewriteMetrics
+from lwepp.rewrite_sources import FixedRewrites
+from lwepp.rewrites import ModelRewrite, Rule, Target
 from lwepp.server import EndpointPickerService
 from pods.model import Endpoint
 from serving.testing import (
@@ -59,8 +62,10 @@ def exported() -> dict[str, set[str]]:
         pipeline = load_config(CONFIG).pipeline(registry=picker_registry, pool="a")
         pool = Pool(StaticPods(*PODS), {"pool": "a"})
         metrics = PickerMetrics(picker_registry, "a", "ns")
+        canary = FixedRewrites([ModelRewrite("c", "ns", "a", (Rule(("m",), (Target("c"),)),))])
+        rewrite = ModelRewriteControl(canary, RewriteMetrics(picker_registry))
         strategy, controls = install("response", pipeline, metrics.labels, picker_registry)
-        picker = EndpointPickerService(pool, strategy, metrics, controls=controls)
+        picker = EndpointPickerService(pool, strategy, metrics, controls=[rewrite, *controls])
         router = BodyBasedRouter(bbr_registry, DEFAULT_PLUGINS)
         async with running("lwepp", picker) as lwepp, running("bbr", router) as bbr:
             async with ExtProcClient(f"127.0.0.1:{lwepp.grpc}") as client:
@@ -185,6 +190,9 @@ def test_the_picker_exports_the_router_s_families_with_its_labels() -> None:
                 "request_streaming_tpot_seconds",
                 "request_streaming_itl_seconds",
             )
+        },
+        "llm_d_epp_model_rewrite_decisions_total": {
+            *("model_rewrite_name", "model_name", "target_model"),
         },
     }
     for name, labels in expected.items():

@@ -24,11 +24,13 @@ Here this module is that controller, in miniature, for an Envoy:
   (Gateway API ``PathPrefix``: whole path segments) under a virtual host per
   hostname, sending to one pool or splitting by ``weight`` across several.
 
-The filters and clusters are the demo gateway's (``demo.envoy``), minus BBR:
-GIE's conformance tests route by host and path, never by model. As in the
-demo, each pool's picker filter is off on every virtual host and switched on
-by the routes (or, for a weighted rule, the cluster weights) that send to
-its pool.
+The filters and the picker clusters are the demo gateway's (``demo.envoy``),
+minus BBR (GIE's conformance tests route by host and path, never by model),
+plus the check; the pool clusters are this gateway's own: the demo's follow
+the destination header (an ORIGINAL_DST cluster, as GIE's reference Envoy),
+which cannot take a fallback list. As in the demo, each pool's picker filter
+is off on every virtual host and switched on by the routes (or, for a
+weighted rule, the cluster weights) that send to its pool.
 """
 
 from __future__ import annotations

@@ -178,10 +178,10 @@ def _routing(reply: Any) -> str:
         )
     if not reply.request_headers.response.clear_route_cache:
         raise Failed("the routing reply does not clear the route cache")
-    return endpoints(named[0])[0]
+    return named_endpoints(named[0])[0]
 
 
-def endpoints(value: str) -> list[str]:
+def named_endpoints(value: str) -> list[str]:
     """The endpoints of a destination value, in order: ``ip:port``, or a fallback list
     ``ip:port,ip:port`` (spaces around an entry allowed, as Envoy's parser strips them;
     an IPv6 address in brackets). Raise ``Failed`` naming an entry that is not one."""

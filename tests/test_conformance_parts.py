@@ -35,7 +35,7 @@ from conformance.envoy import (
     routes_file,
     write_routes,
 )
-from conformance.picker import PickerTransport, endpoints
+from conformance.picker import PickerTransport, named_endpoints
 from conformance.run import run_suite
 from conformance.topology import EchoPod, Topology, cluster_objects
 from demo import envoy as demo
@@ -295,9 +295,9 @@ def test_a_destination_is_one_endpoint_or_a_fallback_list(
     anything else is a protocol failure naming the entry."""
     if found is None:
         with pytest.raises(Failed, match="is not ip:port"):
-            endpoints(value)
+            named_endpoints(value)
     else:
-        assert endpoints(value) == found
+        assert named_endpoints(value) == found
 
 
 # --- a non-conformant picker is caught ------------------------------------------------

@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from tests.fake_kube import ThreadedFakeKube
+from tests.fake_kube import FakeKube, ThreadedFakeKube
 
 POOL_GROUP: Final = "inference.networking.k8s.io"
 POOL_VERSION: Final = "v1"
@@ -80,9 +80,9 @@ def pod_object(
 ) -> dict[str, Any]:
     """A running, ready pod: ``containers`` lists each container's ports, in order."""
     specs = []
-    for ports in containers:
-        ports = list(ports)
-        suffix = f"-{ports[0]}" if len(ports) == 1 else ""
+    for container in containers:
+        ports = list(container)
+        suffix = f"-{ports[0]}" if len(ports) == 1 else ""  # GIE's: echoserver-3000, ...
         specs.append(
             {
                 "name": f"echoserver{suffix}",
@@ -127,7 +127,7 @@ class ApiServer:
         pod_path = f"/api/v1/namespaces/{self.namespace}/pods"
         objects = [(pool_path, pool) for pool in pools] + [(pod_path, pod) for pod in pods]
 
-        def create(fake: Any) -> None:
+        def create(fake: FakeKube) -> None:
             for path, obj in objects:
                 fake.put(path, obj)
 

@@ -52,7 +52,6 @@ from types import MappingProxyType
 from typing import Any, Final, Protocol
 
 import structlog
-import yaml
 
 from plugin_api import ConfigError, Params
 from plugin_api.document import ConfigErrors, Document, keys_of, read_utf8
@@ -176,19 +175,10 @@ def decode(obj: Any, at: str, pool: str | None, *, strict: bool = True) -> Objec
 def parse(text: str, path: str, pool: str | None = None) -> dict[str, Objective]:
     """The objectives in ``text`` for ``pool`` (None: every one); raises ``ConfigErrors``
     naming the file and line of every problem."""
-    try:
-        nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
-        documents = list(yaml.safe_load_all(text))
-    except yaml.MarkedYAMLError as error:
-        mark = error.problem_mark
-        line = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigErrors([f"{path}{line}: not YAML: {error.problem}"]) from None
     found: dict[str, Objective] = {}
     errors: list[str] = []
-    for node, data in zip(nodes, documents, strict=True):
-        if data is None:
-            continue
-        document = Document(path, data, node)
+    for document in Document.parse_all(text, path):
+        data = document.data
         items = (
             [(f"items[{i}]", item) for i, item in enumerate(data.get("items") or [])]
             if isinstance(data, dict) and data.get("kind", "").endswith("List")

@@ -30,7 +30,6 @@ from typing import Any, Final
 
 import aiohttp
 import structlog
-import yaml
 
 from lwepp.rewrites import (
     API_VERSIONS,
@@ -67,20 +66,10 @@ class FixedRewrites:
 def parse_rewrites(text: str, origin: str) -> tuple[list[ModelRewrite], list[str]]:
     """Every InferenceModelRewrite of a YAML text, and the warnings; raises ``ConfigErrors``
     listing every problem, each at its file and line."""
-    try:
-        nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
-        datas = list(yaml.safe_load_all(text))
-    except yaml.MarkedYAMLError as error:
-        mark = error.problem_mark
-        line = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigErrors([f"{origin}{line}: not YAML: {error.problem}"]) from None
     rewrites: list[ModelRewrite] = []
-    documents: list[Document] = []
-    for node, data in zip(nodes, datas, strict=True):
-        if data is None:
-            continue  # an empty document (a trailing ---)
-        document = Document(origin, data, node)
-        documents.append(document)
+    documents = Document.parse_all(text, origin)  # empty documents (a trailing ---) left out
+    for document in documents:
+        data = document.data
         if isinstance(data, dict) and data.get("kind") in ("List", f"{KIND}List"):
             items = data.get("items") or []
             for i, item in enumerate(items if isinstance(items, list) else []):

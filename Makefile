@@ -10,7 +10,7 @@ ENGINES := $(VENV)/.engines
 KUBECTL := $(VENV)/bin/kubectl
 GRPC_JS := $(VENV)/node/node_modules/@grpc/grpc-js/package.json
 
-.PHONY: demo test lint typecheck stubs unit kubectl fuzz soak reliability bench bench-micro bench-overhead bench-routing bench-live bench-instructions bench-hops bench-floor node-grpc peers engines conformance images images-oci images-test lock clean
+.PHONY: demo test lint typecheck stubs unit kubectl fuzz soak reliability bench bench-micro bench-overhead bench-routing bench-overload bench-live bench-instructions bench-hops bench-floor node-grpc peers engines conformance images images-oci images-test lock clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -74,7 +74,7 @@ soak: $(STAMP)
 reliability: $(STAMP)
 	rm -f run/reliability-rows.jsonl && mkdir -p run
 	RELIABILITY_TABLE=run/reliability-rows.jsonl $(PY) -m pytest tests/test_bad_input.py \
-	  tests/test_faults.py tests/test_long_answers.py tests/test_soak.py
+	  tests/test_faults.py tests/test_long_answers.py tests/test_soak.py tests/test_overload.py
 	$(PY) -m tests.reliability run/reliability-rows.jsonl docs/reliability.md
 
 ## conformance: GIE's conformance tests through a real Envoy and at the pickers; prints the
@@ -85,9 +85,9 @@ reliability: $(STAMP)
 conformance: $(STAMP)
 	$(PY) -m conformance --picker "$$PICKER" $(CONFORMANCE_ARGS)
 
-## bench: every benchmark part (micro, overhead, routing, live), as ratios to baselines
-## measured in the same run; writes $(BENCH_OUT)/results.md, results.json and plots.
-## One part alone: make bench-micro | bench-overhead | bench-routing | bench-live
+## bench: every benchmark part (micro, overhead, routing, overload, live), as ratios to
+## baselines measured in the same run; writes $(BENCH_OUT)/results.md, results.json and plots.
+## One part alone: make bench-micro | bench-overhead | bench-routing | bench-overload | bench-live
 ## The live part's model servers: ENGINE=simulator (default) or ENGINE=llamacpp (real
 ## llama.cpp engines on the CPU: make bench-live ENGINE=llamacpp); make bench-overhead
 ## ENGINE=llamacpp measures the gateway path in front of one llama.cpp engine (TTFT)
@@ -108,6 +108,8 @@ bench-overhead: $(STAMP) $(PEERS) $(ENGINES)
 bench-routing: $(STAMP)
 	$(PY) -m bench routing --seed $(SEED) --out $(BENCH_OUT)
 	$(BOUND_CHECK)
+bench-overload: $(STAMP)
+	$(PY) -m bench overload --seed $(SEED) --out $(BENCH_OUT)
 bench-live: $(STAMP) $(PEERS) $(ENGINES)
 	$(PY) -m bench live --seed $(SEED) --out $(BENCH_OUT) --engine $(ENGINE)
 

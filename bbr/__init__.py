@@ -6,8 +6,9 @@ package's API, the names below; nothing else of ``bbr`` is meant to be
 imported from outside it:
 
 ``add_router_flags``, ``router_of``
-    BBR's flags (``--plugin``, ``--streaming``) and the router they make
-    (``bbr.assembly``).
+    BBR's flags (``--plugin``, ``--streaming``) and the router they make, its
+    plugins fed (``background``: their sources, to run beside it) and the
+    warnings they give at start (``bbr.assembly``).
 ``BodyBasedRouter``
     The stream handler. Beside serving a stream whole (``__call__``), a
     composing handler may use ``read_request`` (the request chain run on a

@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = cli.options_or_exit(p, args)
     registry = CollectorRegistry()
     try:
-        router = router_of(args, registry, options.max_body_bytes)
+        router, warnings = router_of(args, registry, options.max_body_bytes)
     except ConfigError as error:
         if args.config_file is None and args.config_text is None:
             p.error(f"argument --plugin: {error}")
@@ -58,9 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         router,
         Health(list(HEALTH_SERVICES)),
         registry,
+        background=router.background,
         announce={"response": bool(router.response_chain)},
     )
-    return cli.run("bbr", options, lambda: service, argv, cli.ignored_warnings(args, IGNORED))
+    warnings = [*cli.ignored_warnings(args, IGNORED), *warnings]
+    return cli.run("bbr", options, lambda: service, argv, warnings)
 
 
 if __name__ == "__main__":

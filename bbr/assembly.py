@@ -2,7 +2,9 @@
 
 ``python -m bbr`` serves one router; ``python -m onehop`` runs the same
 request chain before its picks. Both take BBR's flags (``add_router_flags``)
-and build the router with ``router_of``.
+and build the router with ``router_of``, which also attaches what feeds its
+plugins (``base-model-to-header``'s ConfigMaps: ``bbr.base_models``) as
+background tasks and collects what they had to say at start.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from bbr import config as router_config
-from bbr.plugins import DEFAULT_PLUGINS, PluginSpec
+from bbr.base_models import KubeAccess, feed
+from bbr.plugins import DEFAULT_PLUGINS, BaseModelToHeader, PluginSpec
 from bbr.server import BodyBasedRouter
 from plugin_api import ConfigError
 from serving.cli import add_bool
@@ -70,8 +73,9 @@ def add_router_flags(parser: Any, *, streaming: bool = False, config: bool = Fal
 
 def router_of(
     args: argparse.Namespace, registry: CollectorRegistry, max_body_bytes: int
-) -> BodyBasedRouter:
-    """The router the flags describe, its metrics in ``registry``. Raises ``ConfigError``
+) -> tuple[BodyBasedRouter, list[str]]:
+    """The router the flags describe, its metrics in ``registry``, its plugins fed (their
+    sources in its ``background``), and the warnings to give at start. Raises ``ConfigError``
     (``ConfigErrors`` listing every problem of a configuration, at its lines)."""
     path, text = getattr(args, "config_file", None), getattr(args, "config_text", None)
     if (path is not None or text is not None) and args.plugins:
@@ -87,6 +91,10 @@ def router_of(
         streaming=args.streaming,
         max_body_bytes=max_body_bytes,
     )
-    for warning in config.warnings if config is not None else ():
-        log.warning("configuration", detail=warning)
-    return router
+    warnings = list(config.warnings) if config is not None else []
+    for plugin in router.plugins:
+        if isinstance(plugin, BaseModelToHeader):
+            job, warning = feed(plugin, KubeAccess(args.kubeconfig))
+            router.background.extend([job] if job is not None else [])
+            warnings.extend([warning] if warning is not None else [])
+    return router, warnings

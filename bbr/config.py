@@ -99,14 +99,22 @@ class PayloadConfig:
         return self.document.warnings
 
     def chains(
-        self, metrics: BBRMetrics, registry: Mapping[str, Factory] = PLUGINS
+        self,
+        metrics: BBRMetrics,
+        made_plugins: list[object] | None = None,
+        registry: Mapping[str, Factory] = PLUGINS,
     ) -> tuple[Chain, Chain]:
-        """Build every plugin once and place it in the chains that reference it; raise
-        ``ConfigErrors`` listing every problem."""
-        request, response = self.document.done(self.build(metrics, registry))
+        """Build every plugin once and place it in the chains that reference it (and, given
+        ``made_plugins``, append it there); raise ``ConfigErrors`` listing every problem."""
+        request, response = self.document.done(self.build(metrics, registry, made_plugins))
         return request, response
 
-    def build(self, metrics: BBRMetrics, registry: Mapping[str, Factory]) -> list[Chain]:
+    def build(
+        self,
+        metrics: BBRMetrics,
+        registry: Mapping[str, Factory],
+        made_plugins: list[object] | None = None,
+    ) -> list[Chain]:
         """The two chains, every problem reported to the document."""
         built: dict[str, tuple[str, Any, tuple[Role, ...]]] = {}
         for name, entry in self.plugins.items():
@@ -119,6 +127,8 @@ class PayloadConfig:
                 except ConfigError as error:
                     raise ConfigError(str(error), entry.path_of(error.field or "type")) from None
                 built[name] = (kind, made.plugin, made.roles)
+                if made_plugins is not None:
+                    made_plugins.append(made.plugin)
         chains = []
         places: tuple[tuple[Role, Phase, list[Ref]], ...] = (
             (Role.REQUEST, "request", self.request),

@@ -11,11 +11,11 @@ factories take a ``Handle`` for the same reason) is its metrics:
 ``params.service(BBRMetrics)``.
 
 Default chain (no ``--plugin``): ``body-field-to-header/model-extractor``
-(body ``model`` → ``X-Gateway-Model-Name``) only. GIE also runs
-``base-model-to-header`` by default, fed by ConfigMaps it watches; without a
-Kubernetes source its only output would be an empty
-``X-Gateway-Base-Model-Name`` on every request, so here it runs only when
-configured, with its mapping given as a parameter.
+(body ``model`` → ``X-Gateway-Model-Name``) only. The payload processor also
+runs ``base-model-to-header`` by default, fed by the ConfigMaps it watches;
+here it runs when configured, fed by a parameter, or by ConfigMaps
+(``bbr.base_models``, which the assembly attaches: the core stays free of
+Kubernetes).
 """
 
 from __future__ import annotations
@@ -279,14 +279,19 @@ DEFAULT_PLUGINS: Final = (
 
 CHAINS: Final = (Role.REQUEST, Role.RESPONSE)
 
-Chains = Callable[[BBRMetrics], tuple[Chain, Chain]]
-"""Makes the two chains, given what BBR hands its plugins (``bbr.config.PayloadConfig.chains``)."""
+Chains = Callable[[BBRMetrics, list[object]], tuple[Chain, Chain]]
+"""Makes the two chains, given what BBR hands its plugins and a list to append each plugin
+made to (``bbr.config.PayloadConfig.chains``)."""
 
 
 def build_chains(
-    specs: Sequence[PluginSpec], metrics: BBRMetrics, registry: Mapping[str, Factory] | None = None
+    specs: Sequence[PluginSpec],
+    metrics: BBRMetrics,
+    registry: Mapping[str, Factory] | None = None,
+    made_plugins: list[object] | None = None,
 ) -> tuple[Chain, Chain]:
-    """Make each configured plugin and place it in the request chain, the response chain, or both.
+    """Make each configured plugin and place it in the request chain, the response chain, or both
+    (and, given ``made_plugins``, append it there).
 
     Raises ``ConfigError`` naming the plugin for an unknown type, a path that
     does not import, bad parameters, or an object that is no plugin.
@@ -294,6 +299,8 @@ def build_chains(
     steps: dict[Role, list[Step]] = {role: [] for role in CHAINS}
     for spec in specs:
         made = build(spec.type, spec.name, spec.parameters, registry or PLUGINS, CHAINS, metrics)
+        if made_plugins is not None:
+            made_plugins.append(made.plugin)
         for role in made.roles:
             point: Phase = "request" if role is Role.REQUEST else "response"
             duration = metrics.plugin_duration.labels(point, spec.type, spec.name)
@@ -400,28 +407,39 @@ class BaseModelToHeader:
     so routes can match the base model exactly. Without ``model`` it does
     nothing.
 
-    Difference from GIE: GIE learns the mapping at run time from ConfigMaps
-    labelled ``inference.networking.k8s.io/bbr-managed: "true"`` (keys
-    ``baseModel`` and ``adapters``). Switchyard has no Kubernetes client, so
-    the mapping is the optional parameter ``baseModels``, fixed at start::
+    The mapping, ``base_of``, is replaced whole when it changes. It is the
+    parameter ``baseModels``, fixed at start::
 
         {"baseModels": {"llama-3": ["llama-3-sql-lora", "llama-3-chat-lora"]}}
+
+    or, as the payload processor learns it, ConfigMaps (keys ``baseModel`` and
+    ``adapters``): those of the parameter ``configMapFile``, re-read when the
+    file changes, or, with neither parameter, those labelled
+    ``inference.llm-d.ai/ipp-managed: "true"`` in the cluster, watched live
+    (``bbr.base_models.feed``).
     """
 
     needs_body = True
 
     def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         self.name = name
-        self.base_of: Final[dict[str, str]] = {}
+        self.config_map_file: Final = params.get("configMapFile", str, "")
+        """The file of ConfigMaps to read the mapping from ("": none)."""
+        self.fixed: Final = "baseModels" in params
+        """Whether the mapping is the ``baseModels`` parameter."""
+        if self.fixed and self.config_map_file:
+            raise params.error("configMapFile", "give baseModels or configMapFile, not both")
+        fixed: dict[str, str] = {}
         for base, adapters in params.get("baseModels", dict, {}).items():
             if not base.strip():
                 raise params.error("baseModels", "has an empty base model")
             if not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters):
                 raise params.error(f"baseModels.{base}", "must be a list of strings")
-            self.base_of.setdefault(base.strip(), base.strip())
+            fixed.setdefault(base.strip(), base.strip())
             for adapter in filter(None, (a.strip() for a in adapters)):
-                if self.base_of.setdefault(adapter, base.strip()) != base.strip():
+                if fixed.setdefault(adapter, base.strip()) != base.strip():
                     raise params.error("baseModels", f"adapter {adapter!r} has two base models")
+        self.base_of: Mapping[str, str] = fixed
 
     def process_request(self, message: Message) -> None:
         if "model" in message.body:

@@ -53,8 +53,8 @@ stream then ends normally.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Final, final
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any, Final, final
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -100,12 +100,16 @@ class BodyBasedRouter:
         """Make the plugins of ``specs``, ``--plugin`` flags or a configuration's ``chains``
         (raises ``ConfigError``); metrics go to ``registry``."""
         self.metrics: Final = BBRMetrics(registry)
+        self.plugins: Final[list[object]] = []
+        """Every plugin made, in configuration order (for what feeds them: ``bbr.assembly``)."""
         if callable(specs):
-            self.request_chain, self.response_chain = specs(self.metrics)
+            self.request_chain, self.response_chain = specs(self.metrics, self.plugins)
         else:
             self.request_chain, self.response_chain = build_chains(
-                specs, self.metrics, plugin_types
+                specs, self.metrics, plugin_types, self.plugins
             )
+        self.background: Final[list[Callable[[], Coroutine[Any, Any, None]]]] = []
+        """What keeps the plugins' data current while BBR serves (added by ``bbr.assembly``)."""
         mode = BodyMode.FULL_DUPLEX_STREAMED if streaming else BodyMode.BUFFERED
         self.modes: Final = (mode, mode)
         self.max_body_bytes: Final = max_body_bytes

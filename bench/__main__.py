@@ -3,6 +3,7 @@
 ``python -m bench [PART ...] [--seed N] [--quick] [--out DIR]``; the parts
 are ``micro`` (codec, plugins, hook pipeline), ``overhead`` (what the
 gateway path adds, through a real Envoy), ``routing`` (what picking buys,
+in virtual time), ``overload`` (flow control governing an overloaded pool,
 in virtual time) and ``live`` (the demo gateway beside peer routers over
 HTTP; ``--engine llamacpp`` runs it on real llama.cpp engines, and the
 overhead part in front of one, as time to first token). With no
@@ -22,7 +23,7 @@ from typing import Final
 
 from bench.report import Options, Section, progress, write
 
-PARTS: Final = ("micro", "overhead", "routing", "live")
+PARTS: Final = ("micro", "overhead", "routing", "overload", "live")
 ENGINES: Final = ("simulator", "llamacpp")
 
 

@@ -23,6 +23,7 @@ prepare/picked hook.
 
 from __future__ import annotations
 
+import functools
 import sys
 import timeit
 from collections.abc import Callable, Sequence
@@ -142,14 +143,22 @@ def _us_per_call(fn: Callable[[], object], budget: float) -> float:
 
 def run(budget: float = 0.3, rounds: int = 3) -> list[Timed]:
     """Per-pick µs of each variant, interleaved ``rounds`` times, best round kept."""
-    measured = [(v.what, v.route()) for v in variants()]
+    routes = [(v.what, v.route()) for v in variants()]
+    return interleaved(
+        [(name, functools.partial(_us_per_call, fn, budget)) for name, fn in routes], rounds
+    )
+
+
+def interleaved(measures: Sequence[tuple[str, Callable[[], float]]], rounds: int) -> list[Timed]:
+    """Each measure (µs) ``rounds`` times, interleaved so that noise hits them alike, the best
+    kept; as rows against the first."""
     best: dict[str, float] = {}
     for _ in range(rounds):
-        for name, fn in measured:
-            us = _us_per_call(fn, budget)
+        for name, timed in measures:
+            us = timed()
             best[name] = min(us, best.get(name, us))
-    base = best[measured[0][0]]
-    return [Timed(name, best[name], base) for name, _ in measured]
+    base = best[measures[0][0]]
+    return [Timed(name, best[name], base) for name, _ in measures]
 
 
 def table(rows: list[Timed]) -> str:

@@ -54,8 +54,8 @@ WIRE: Final = (
 
 
 class WireStream(Stream):
-    """A stream that hands over ``messages`` (``WIRE``) parsed from bytes and serialises every
-    reply."""
+    """A stream that hands over ``messages`` (by default ``WIRE``) parsed from bytes, and
+    serialises every reply."""
 
     __slots__ = ("pending",)
 
@@ -93,13 +93,23 @@ def run_one(what: str, which: str) -> None:
     functools.reduce(lambda _acc, _i: call(), range(n), None)
 
 
+def count(what: str, which: str) -> float:
+    """Instructions per call of one row, from a callgrind run of this module."""
+    module = ("bench.instructions", "--one", what, which)
+    return per_call(module, PICKS if what == "pick" else STREAMS)
+
+
+def per_call(module: Sequence[str], calls: int) -> float:
+    """Instructions per call of ``python -m <module...>``, which makes ``calls`` calls inside
+    ``functools.reduce`` (what callgrind collects), from a callgrind run."""
+    return collected([sys.executable, "-m", *module]) / calls
+
+
 def collected(command: Sequence[str]) -> int:
     """Instructions ``command`` runs inside ``functools.reduce``, counted by callgrind."""
     result = subprocess.run(
         [
-            "valgrind",
-            "--tool=callgrind",
-            "--callgrind-out-file=/dev/null",
+            *("valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"),
             "--toggle-collect=functools_reduce",
             *command,
         ],
@@ -109,12 +119,6 @@ def collected(command: Sequence[str]) -> int:
     )
     lines = [line for line in result.stderr.splitlines() if "Collected :" in line]
     return int(lines[-1].split(":")[-1].strip())
-
-
-def count(what: str, which: str) -> float:
-    """Instructions per call of one row, from a callgrind run of this module."""
-    command = [sys.executable, "-m", "bench.instructions", "--one", what, which]
-    return collected(command) / (PICKS if what == "pick" else STREAMS)
 
 
 def table(rows: list[tuple[str, float]], unit: str) -> str:

@@ -2,12 +2,13 @@
 
 Each is a ratio to a baseline measured in the same run (see each module):
 the xds-protos codec against envoy-data-plane's, every plugin against a
-do-nothing one, the hook pipeline against a bare round-robin pick.
+do-nothing one, the hook pipeline and admission (flow control's request
+control) against a bare round-robin pick.
 """
 
 from __future__ import annotations
 
-from bench import codec, hooks, plugins
+from bench import admission, codec, hooks, plugins
 from bench.report import Options, Section, progress
 
 
@@ -23,6 +24,11 @@ def run(options: Options) -> Section:
     blocks.append(
         "**Hooks: what the pipeline adds per request (do-nothing plugins)**\n\n"
         + hooks.table(hooks.run(budget=0.3 * scale, rounds=1 if options.quick else 3))
+    )
+    progress("micro: admission")
+    blocks.append(
+        "**Admission: what governing a request adds (the request control alone)**\n\n"
+        + admission.table(admission.run(budget=0.3 * scale, rounds=1 if options.quick else 3))
     )
     streams, rounds = (200, 1) if options.quick else (2000, 3)
     blocks.append(hooks.stream_table(hooks.stream_rows(streams=streams, rounds=rounds)))

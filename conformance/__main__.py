@@ -16,14 +16,14 @@ from conformance.client import HELPERS, Timing
 from conformance.command import FIELDS, SWITCHYARD, PickerCommand, TemplateError
 from conformance.crds import CrdError
 from conformance.run import details, run_suite, table
-from conformance.topology import HEALTH_SERVICE
+from conformance.upstream import RELEASED, UPSTREAMS, Upstream
 from demo.topology import TopologyError
 
 FOREIGN_REPORTS = Path("conformance-reports")
 """Where the reports of any picker but Switchyard's plain LWEPP go by default."""
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     width = max(len(name) for name in FIELDS) + 6
     fields = "\n".join(
         textwrap.fill(
@@ -39,7 +39,10 @@ def _parser() -> argparse.ArgumentParser:
         "per InferencePool, a real Envoy with a listener per Gateway. Every test runs twice, "
         "against the pickers alone and through the gateway, with the original's requests and "
         "pass criteria. Prints a table, writes one report per profile in GIE's format and a "
-        "README beside them, and exits 0 only if no test failed."
+        "README beside them, and exits 0 only if no test failed. A picker whose template "
+        "names {kubeconfig} reads its InferencePool and the pods from the harness's "
+        "Kubernetes API server, as in a cluster; one that names {endpoints} or {pods} is "
+        "handed them."
     )
     parser = argparse.ArgumentParser(
         prog="python -m conformance",
@@ -64,11 +67,18 @@ def _parser() -> argparse.ArgumentParser:
         "--picker-arg=--config=demo/configs/prefix-aware.yaml; repeatable",
     )
     add(
-        "--picker-health-service",
-        default=HEALTH_SERVICE,
-        metavar="NAME",
-        help="the gRPC health service that says a picker is ready, on its health port "
-        "(default: %(default)s, what GIE's probes ask; '' for the server as a whole)",
+        "--picker-plaintext",
+        action="store_true",
+        help="dial the pickers' ext_proc port without TLS ({secure_serving} is then false); "
+        "by default the gateway dials TLS, as GIE's gateways dial lwepp",
+    )
+    add(
+        "--upstream",
+        choices=list(UPSTREAMS),
+        default=RELEASED.name,
+        help="released: GIE v1.6.0's tests on Gateway API's helpers v1.6.1 (default); next: "
+        "with the changes pending upstream (GIE PR #3053: no per-pod warm-up in the weighted "
+        "test; Gateway API main: 100 ms after a failed attempt); see docs/conformance.md",
     )
     add(
         "--out",
@@ -95,9 +105,9 @@ def _parser() -> argparse.ArgumentParser:
     add(
         "--delay-after-failure",
         type=float,
-        default=Timing().delay_after_failure,
         metavar="SECONDS",
-        help=f"the wait after a failed attempt of such a check ({HELPERS}: %(default)s)",
+        help=f"the wait after a failed attempt of such a check (default: {HELPERS}'s 1 s; "
+        "--upstream next: Gateway API main's 0.1 s)",
     )
     meta = parser.add_argument_group(
         "the report's implementation block (Gateway API's flags of the same names; default: "
@@ -136,36 +146,57 @@ def _implementation(args: argparse.Namespace, own_picker: bool) -> report.Implem
     )
 
 
+def upstream_and_timing(args: argparse.Namespace) -> tuple[Upstream, Timing]:
+    """The upstream behaviour asked for, and the waits: its wait after a failed attempt unless
+    ``--delay-after-failure`` names one."""
+    upstream = UPSTREAMS[args.upstream]
+    delay = args.delay_after_failure
+    return upstream, Timing(
+        max_time_to_consistency=args.max_time_to_consistency,
+        delay_after_failure=upstream.delay_after_failure if delay is None else delay,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         picker = PickerCommand.parse(args.picker or SWITCHYARD, args.picker_arg)
     except TemplateError as error:
         parser.error(str(error))
     own_picker = not args.picker  # Switchyard's LWEPP, configured or not
-    timing = Timing(
-        max_time_to_consistency=args.max_time_to_consistency,
-        delay_after_failure=args.delay_after_failure,
-    )
+    upstream, timing = upstream_and_timing(args)
     with tempfile.TemporaryDirectory(prefix="conformance-") as scratch:
         work_dir = args.work_dir or Path(scratch)
         print(f"Running GIE's conformance tests (logs in {work_dir}) ...", flush=True)
         print(f"Picker: {picker.template}", flush=True)
         try:
-            suite = asyncio.run(
-                run_suite(work_dir, timing, args.test, picker, args.picker_health_service)
+            run = run_suite(
+                work_dir,
+                timing,
+                args.test,
+                picker,
+                plaintext=args.picker_plaintext,
+                upstream=upstream,
             )
+            suite = asyncio.run(run)
         except (CrdError, TopologyError) as error:
             sys.exit(f"conformance: {error}")
     print(table(suite))
     print()
     print(details(suite))
     print()
+    print("\n".join(suite.conditions()))
     print(f"Topology up in {suite.startup_seconds:.1f} s; whole run {suite.seconds:.1f} s.")
     implementation = _implementation(args, own_picker)
-    # The run docs/conformance records: every test, Switchyard's plain LWEPP.
-    checked_in = own_picker and not args.picker_arg and not args.test
+    # The run docs/conformance records: every test, Switchyard's plain LWEPP, as GIE runs lwepp.
+    checked_in = (
+        own_picker
+        and not args.picker_arg
+        and not args.test
+        and not args.picker_plaintext
+        and upstream is RELEASED
+    )
     out = args.out or (report.default_dir() if checked_in else FOREIGN_REPORTS)
     for path in report.write(suite, out, implementation, args.mode):
         print(f"Wrote {path}")

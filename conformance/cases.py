@@ -44,6 +44,7 @@ from conformance.client import (
 from conformance.envoy import BackendRef, HTTPRoute, Rule
 from conformance.picker import PickerTransport
 from conformance.topology import EchoPod, Topology
+from conformance.upstream import RELEASED, Upstream
 
 PRIMARY: Final = "primary-inference-model-server"
 SECONDARY: Final = "secondary-inference-model-server"
@@ -54,7 +55,21 @@ BODY: Final = """{
             "model": "conformance-fake-model",
             "prompt": "Write as if you were a critic: San Francisco"
         }"""
-"""The request body of most tests (a Go raw string in the originals, indentation included)."""
+"""The request body of GatewayDestinationEndpointServed and GatewayFollowingEPPRouting (and of
+Switchyard's own tests): a Go raw string in the originals, so its indentation is part of it,
+and each test's source indents it its own way (``FAIL_OPEN_BODY``, ``TABBED_BODY``)."""
+
+FAIL_OPEN_BODY: Final = """{
+                "model": "conformance-fake-model",
+                "prompt": "Write as if you were a critic: San Francisco"
+            }"""
+"""EppUnAvailableFailOpen's body: the same JSON, indented four spaces more."""
+
+TABBED_BODY: Final = (
+    '{\n\t\t\t"model": "conformance-fake-model",\n'
+    '\t\t\t"prompt": "Write as if you were a critic: San Francisco"\n\t\t}'
+)
+"""The body of the data-parallel and weighted tests, whose sources indent it with tabs."""
 
 FIVE_XX: Final = (500, 501, 502, 503, 504)
 
@@ -65,7 +80,8 @@ class Skipped(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Trial:
-    """What a test runs with: a transport, the pods, the suite's timing, and the topology.
+    """What a test runs with: a transport, the pods, the suite's timing, the topology, and
+    which upstream behaviour to follow (``conformance.upstream``).
 
     ``topology`` is set only through the gateway: taking a picker down or
     deleting a route is something done to the gateway's world.
@@ -75,6 +91,7 @@ class Trial:
     pods: Mapping[str, tuple[EchoPod, ...]]
     timing: Timing
     topology: Topology | None = None
+    upstream: Upstream = RELEASED
 
     @property
     def through_gateway(self) -> bool:
@@ -128,8 +145,15 @@ def _pool(name: str, weight: int = 1, port: int | None = None) -> BackendRef:
     return BackendRef(name, weight, port)
 
 
-def _post(path: str, host: str, selection: str, *, gateway: str = "conformance-primary") -> Request:
-    return Request(path, host, "POST", {SELECTION_HEADER: selection}, BODY, gateway)
+def _post(
+    path: str,
+    host: str,
+    selection: str,
+    *,
+    gateway: str = "conformance-primary",
+    body: str = BODY,
+) -> Request:
+    return Request(path, host, "POST", {SELECTION_HEADER: selection}, body, gateway)
 
 
 def _within(names: Sequence[str]) -> Callable[[Observation], str | None]:
@@ -162,6 +186,7 @@ async def _fail_open(t: Trial, stopped: str) -> None:
         "secondary.example.com",
         pods[0].ip,
         gateway="conformance-secondary",
+        body=FAIL_OPEN_BODY,
     )
     await t.eventually(Expected(request, backend=pods[0].name))
     if not t.through_gateway:
@@ -255,7 +280,7 @@ async def gateway_following_epp_routing_dp(t: Trial) -> str:
     pods = t.pods[DP]
     path, host = "/primary-gateway-dp-test", "primary.example.com"
     for pod in pods:
-        await t.eventually(Expected(_post(path, host, pod.ip), backend=pod.name))
+        await t.eventually(Expected(_post(path, host, pod.ip, body=TABBED_BODY), backend=pod.name))
     cases: list[dict[EchoPod, frozenset[str]]] = [
         {pods[1]: frozenset()},  # any rank of one pod
         {pods[0]: frozenset(), pods[2]: frozenset({"3002"})},  # one pod pinned to a rank
@@ -264,7 +289,7 @@ async def gateway_following_epp_routing_dp(t: Trial) -> str:
     for allowed in cases:
         by_ip = {pod.ip: ports for pod, ports in allowed.items()}
         by_name = {pod.name: ports or DP_PORTS for pod, ports in allowed.items()}
-        expected = Expected(_post(path, host, dp_header(by_ip)), backend=DP)
+        expected = Expected(_post(path, host, dp_header(by_ip), body=TABBED_BODY), backend=DP)
 
         def accept(
             seen: Observation, by_name: Mapping[str, frozenset[str]] = by_name
@@ -318,12 +343,15 @@ async def gateway_weighted_across_two_pools(t: Trial) -> str:
     path, host = "/weighted-two-pools-test", "primary.example.com"
     primary, secondary = t.pods[PRIMARY], t.pods[SECONDARY]
     everyone = ",".join(pod.ip for pod in (*primary, *secondary))
-    expected = Expected(_post(path, host, everyone))
+    expected = Expected(_post(path, host, everyone, body=TABBED_BODY))
     if not t.through_gateway:
         return await _weighted_at_the_pickers(t, expected)
-    for pod in (*primary, *secondary):
-        # Pinned to one pod: the other pool's picker finds no candidate and
-        # answers 503 until the split sends the request to the right pool.
+    for pod in (*primary, *secondary) if t.upstream.weighted_warmup else ():
+        # Pinned to one pod: the attempt fails whenever the split sends it to the
+        # other pool, whose picker has no candidate (Switchyard's LWEPP answers 503,
+        # the protocol's rule; GIE's lwepp ends the stream with an error, which the
+        # gateway turns into a 5xx, or, the secondary pool being FailOpen, into a
+        # request served by any of its pods), and the check tries again.
         await t.eventually(_weighted_warmup(pod))
     await t.eventually(expected)
     names = {pod.name for pod in (*primary, *secondary)}
@@ -351,7 +379,7 @@ async def _weighted_at_the_pickers(t: Trial, expected: Expected) -> str:
         ("secondary-inference-pool", SECONDARY, 60),
     ):
         picker = _FixedPool(t.transport, pool)
-        for pod in t.pods[app]:
+        for pod in t.pods[app] if t.upstream.weighted_warmup else ():
             await eventually(picker, _weighted_warmup(pod), t.timing)
         names = [pod.name for pod in t.pods[app]]
         await send_many(
@@ -362,9 +390,10 @@ async def _weighted_at_the_pickers(t: Trial, expected: Expected) -> str:
             concurrency=WEIGHTED_CONCURRENCY,
             accept=_within(names),
         )
+    pins = "honours the warm-up's pins to its pods and, " if t.upstream.weighted_warmup else ""
     return (
-        "each picker honours the warm-up's pins to its pods and, given all six pods, stays in "
-        "its pool (140 + 60 picks); the split is the gateway's"
+        f"each picker {pins}given all six pods, stays in its pool (140 + 60 picks); the split "
+        "is the gateway's"
     )
 
 

@@ -5,11 +5,12 @@ GIE's tests call; GIE 84436a96 pins them at ``HELPERS``) rewritten for
 Python, with the same rules:
 
 - ``compare`` is ``CompareRoundTrip``: the status must be one of the expected
-  ones; on a 200 the echo server's JSON must show the same method, path and
-  host, the same request headers (so the test header reached the backend)
-  and the expected namespace; the pod name must *start with* the expected
-  backend; expected response headers are compared after joining repeated
-  values with ``,``.
+  ones, a timeout (408 or 504) counting as any expected timeout; on a 200 (or
+  204) the echo server's JSON must show the same method, path and host, the
+  same request headers (so the test header reached the backend) and the
+  expected namespace; the pod name must *start with* the expected backend;
+  expected response headers are compared after joining repeated values with
+  ``,``.
 - ``eventually`` is ``MakeRequestAndExpectEventuallyConsistentResponse``
   (``AwaitConvergence``): the request is repeated until it passes
   ``compare`` three times in a row. A failed attempt (a wrong answer, no
@@ -23,7 +24,8 @@ Python, with the same rules:
   test at once.
 
 A ``Transport`` carries a request either through the gateway (HTTP to an
-Envoy listener, ``GatewayTransport``) or to an endpoint picker alone
+Envoy listener, ``GatewayTransport``, on a connection of its own as the
+helpers' round tripper opens one per request) or to an endpoint picker alone
 (``conformance.picker``); the judging is the same. The clock and the sleep
 are parameters, so the timing rules are tested without waiting.
 """
@@ -143,7 +145,9 @@ class Observation:
     """What came back: status, response headers (lower-case names), the serving pod and port.
 
     ``echo`` is the backend's view of the request; None when the answer was
-    not an echo (or came from a picker, which has no backend).
+    not an echo (or came from a picker, which has no backend). ``note``: the
+    start of an answer that was not an echo (the gateway's own error text),
+    which a failure shows.
     """
 
     status: int
@@ -151,6 +155,7 @@ class Observation:
     pod: str = ""
     http_port: str = ""
     echo: Echo | None = None
+    note: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,17 +203,28 @@ def _header_mismatch(
     return None
 
 
+TIMEOUTS: Final = frozenset({408, 504})
+"""The helpers' ``IsTimeoutError``: a request timeout from either side of the gateway."""
+
+
 def compare(expected: Expected, seen: Observation, *, check_echo: bool = True) -> str | None:
-    """Why ``seen`` does not meet ``expected`` (Gateway API's ``CompareRoundTrip``), or None."""
+    """Why ``seen`` does not meet ``expected`` (Gateway API's ``CompareRoundTrip``), or None.
+
+    A timeout passes where any timeout is expected (a test that allows 504 also takes a 408:
+    InvalidEPPService's 500-504). On 200 or 204 the echo is checked, as the helpers do.
+    """
+    if seen.status in TIMEOUTS and TIMEOUTS & set(expected.statuses):
+        return None
     if seen.status not in expected.statuses:
-        return f"expected status {list(expected.statuses)}, got {seen.status}"
-    if seen.status != 200:
+        said = f" ({seen.note})" if seen.note else ""
+        return f"expected status {list(expected.statuses)}, got {seen.status}{said}"
+    if seen.status not in (200, 204):
         return None
     request = expected.request
     if check_echo:
         echo = seen.echo
         if echo is None:
-            return "a 200 that is not the echo server's JSON"
+            return f"a {seen.status} that is not the echo server's JSON"
         if request.host is not None and echo.host != request.host:
             return f"expected host {request.host}, got {echo.host}"
         if echo.path != request.path:
@@ -328,13 +344,22 @@ async def send_many(
     return [task.result() for task in tasks]
 
 
+def gateway_session() -> aiohttp.ClientSession:
+    """An HTTP client that opens a connection for every request and closes it after (sending
+    ``Connection: close``), as the helpers' round tripper does: a new Go ``http.Transport``
+    with ``DisableKeepAlives`` for each request (``roundtripper.go``). No request rides on a
+    connection an earlier one opened, so none inherits what Envoy chose for it."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+
+
 class GatewayTransport:
     """Requests through the gateway: HTTP/1.1 to the Envoy listener of ``request.gateway``.
 
     Like the suite's Go client: the ``Host`` header set when the test names a
     host, every test header set once, ``X-Echo-Set-Header`` always sent (empty
     unless a test wants the backend to set response headers), and the body
-    parsed as the echo's JSON only when it says ``application/json``.
+    parsed as the echo's JSON only when it says ``application/json``. The
+    session should be ``gateway_session()``'s, one connection per request.
     """
 
     checks_backend: Final = True
@@ -365,12 +390,14 @@ class GatewayTransport:
                     for name in dict.fromkeys(response.headers.keys())
                 }
                 body = await response.read()
-                echo, pod, port = None, "", ""
+                echo, pod, port, note = None, "", "", ""
                 # As the Go client: the body is the echo's JSON only when it says so, and a
                 # body that says so but does not decode is an error of the round trip.
                 if response.headers.get("Content-Type") == "application/json":
                     echo, pod, port = _read_echo(body)
-                return Observation(response.status, seen, pod, port, echo)
+                else:
+                    note = body[:300].decode(errors="replace").strip()
+                return Observation(response.status, seen, pod, port, echo, note)
         except (aiohttp.ClientError, TimeoutError) as error:
             raise Unreachable(f"{type(error).__name__}: {error}") from None
 

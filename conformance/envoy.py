@@ -8,20 +8,29 @@ Here this module is that controller, in miniature, for an Envoy:
   one HTTP listener each) is an Envoy listener whose routes come from a file
   (RDS over the filesystem), so routes can be applied and deleted while
   Envoy runs, as the suite applies each test's manifests and deletes them;
-- each ``InferencePool`` is a picker cluster (its LWEPP, gRPC health-checked
-  on the ``inference-extension`` service as GIE's probes do), an
-  ORIGINAL_DST cluster that connects wherever the picker points (over
-  HTTP/2 for ``appProtocol: kubernetes.io/h2c``), and, for a FailOpen pool,
-  a static cluster of its endpoints for Envoy's own round-robin;
+- each ``InferencePool`` is a picker cluster (its endpoint picker, dialled
+  over TLS as GIE's gateways dial lwepp, gRPC health-checked on the
+  ``inference-extension`` service as GIE's probes ask) and a cluster of the
+  pool's endpoints that routes on the picker's ``envoy.lb`` metadata, as
+  Istio's gateway does (Envoy's override-host load balancing policy): the
+  first endpoint the picker named, the next of a fallback list on a retry,
+  and Envoy's own round-robin when the picker named none (a FailOpen pool
+  whose picker is down), over HTTP/2 for ``appProtocol: kubernetes.io/h2c``;
+- a check after the pickers (``protocol_check_filter``) refuses a request
+  whose ``x-gateway-destination-endpoint`` header and ``envoy.lb`` metadata
+  differ, so that a picker that sets only one of them, which some gateways
+  route on and others ignore, fails here through the gateway too;
 - each ``HTTPRoute`` rule is an Envoy route matching the rule's path prefix
   (Gateway API ``PathPrefix``: whole path segments) under a virtual host per
   hostname, sending to one pool or splitting by ``weight`` across several.
 
-The filters and clusters are the demo gateway's (``demo.envoy``), minus BBR:
-GIE's conformance tests route by host and path, never by model. As in the
-demo, each pool's picker filter is off on every virtual host and switched on
-by the routes (or, for a weighted rule, the cluster weights) that send to
-its pool.
+The filters and the picker clusters are the demo gateway's (``demo.envoy``),
+minus BBR (GIE's conformance tests route by host and path, never by model),
+plus the check; the pool clusters are this gateway's own: the demo's follow
+the destination header (an ORIGINAL_DST cluster, as GIE's reference Envoy),
+which cannot take a fallback list. As in the demo, each pool's picker filter
+is off on every virtual host and switched on by the routes (or, for a
+weighted rule, the cluster weights) that send to its pool.
 """
 
 from __future__ import annotations
@@ -39,14 +48,25 @@ from envoy_data_plane.envoy.config.cluster import v3 as cluster
 from envoy_data_plane.envoy.config.core import v3 as core
 from envoy_data_plane.envoy.config.listener import v3 as listener
 from envoy_data_plane.envoy.config.route import v3 as route
+from envoy_data_plane.envoy.extensions.filters.http.lua import v3 as lua
 from envoy_data_plane.envoy.extensions.filters.http.router import v3 as router
 from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager import v3 as hcm
+from envoy_data_plane.envoy.extensions.load_balancing_policies.override_host import (
+    v3 as override_host,
+)
+from envoy_data_plane.envoy.extensions.load_balancing_policies.round_robin import (
+    v3 as round_robin,
+)
 from envoy_data_plane.envoy.service.discovery import v3 as discovery
+from envoy_data_plane.envoy.type.metadata import v3 as metadata
 from envoy_data_plane.google.protobuf import Any as AnyMessage
 
 from demo import envoy as demo
 
 ROUTE_TYPE: Final = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+LB_NAMESPACE: Final = "envoy.lb"
+"""The dynamic metadata namespace in which the picker names the endpoint (and Envoy, the one
+that served)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,12 +74,11 @@ class InferencePool:
     """An InferencePool as the gateway needs it.
 
     ``picker``: the address of its endpoint picker (GIE's EPP Service), which
-    serves ext_proc on ``picker_port`` and gRPC health on ``health_port``.
-    ``endpoints``: ``ip:port`` of each ready pod × target port, used only
-    by a FailOpen pool while its picker is down. ``h2c``: ``appProtocol:
-    kubernetes.io/h2c`` (HTTP/2 without TLS to the model servers).
-    ``health_service``: the gRPC health service Envoy asks the picker about
-    (GIE's probes ask about ``inference-extension``).
+    serves ext_proc on ``picker_port`` (over TLS unless ``tls`` is False) and
+    gRPC health on ``health_port``, the ``inference-extension`` service.
+    ``endpoints``: ``ip:port`` of each ready pod × target port, the hosts of
+    the pool's cluster. ``h2c``: ``appProtocol: kubernetes.io/h2c`` (HTTP/2
+    without TLS to the model servers).
     """
 
     name: str
@@ -69,7 +88,7 @@ class InferencePool:
     h2c: bool = False
     picker_port: int = 9002
     health_port: int = 9003
-    health_service: str = demo.HEALTH_SERVICE
+    tls: bool = True
 
     def demo_pool(self) -> demo.GatewayPool:
         """The same pool in the demo gateway's terms, whose building blocks are reused."""
@@ -123,62 +142,121 @@ class Gateway:
 
 
 def clusters(pools: Iterable[InferencePool]) -> list[cluster.Cluster]:
-    """Per pool: its picker, the endpoint it picks, and for FailOpen its replicas."""
+    """Per pool: its picker, and its endpoints as the picker's metadata chooses them."""
     result = []
     for pool in pools:
-        base = pool.demo_pool()
-        picker = demo.grpc_cluster(
-            f"lwepp-{pool.name}", pool.picker, pool.picker_port, pool.health_port
+        result.append(
+            demo.grpc_cluster(
+                f"lwepp-{pool.name}", pool.picker, pool.picker_port, pool.health_port, tls=pool.tls
+            )
         )
-        for check in picker.health_checks:
-            if check.grpc_health_check is not None:
-                check.grpc_health_check.service_name = pool.health_service
-        result.append(picker)
-        picked = [demo.picked_endpoint_cluster(base)]
-        if pool.fail_open:
-            picked.append(demo.fallback_cluster(base))
-        for upstream in picked:
-            if pool.h2c:
-                upstream.typed_extension_protocol_options = demo.http2_upstream()
-            result.append(upstream)
+        result.append(pool_cluster(pool))
     return result
+
+
+def _policy(name: str, config: betterproto2.Message) -> cluster.LoadBalancingPolicy:
+    return cluster.LoadBalancingPolicy(
+        policies=[
+            cluster.LoadBalancingPolicyPolicy(
+                typed_extension_config=core.TypedExtensionConfig(
+                    name=name, typed_config=AnyMessage.pack(config)
+                )
+            )
+        ]
+    )
+
+
+def pool_cluster(pool: InferencePool) -> cluster.Cluster:
+    """The pool's endpoints, the request sent to the one its picker named in ``envoy.lb``.
+
+    Envoy's override-host policy (``envoy.load_balancing_policies.override_host``,
+    written for GIE's protocol) reads ``x-gateway-destination-endpoint`` from
+    the ``envoy.lb`` dynamic metadata the picker returned, as Istio's
+    gateway configures it. The value may be a fallback list
+    (``ip:port,ip:port``, protocol v0.4.0): the first address that is one of
+    the pool's endpoints serves, and a retry takes the next. With no
+    address at all (a FailOpen pool whose picker is down, so nothing ran),
+    the fallback policy, round robin, picks: GIE's FailOpen, "the gateway
+    picks an endpoint itself". The hosts are the pool's endpoints, as a
+    Gateway controller computes them from the InferencePool.
+    """
+    result = demo.fallback_cluster(pool.demo_pool())  # the endpoints, round robin
+    result.name = f"pool-{pool.name}"
+    assert result.load_assignment is not None
+    result.load_assignment.cluster_name = result.name
+    metadata_key = metadata.MetadataKey(
+        key=LB_NAMESPACE, path=[metadata.MetadataKeyPathSegment(key=demo.ENDPOINT_HEADER)]
+    )
+    result.load_balancing_policy = _policy(
+        "envoy.load_balancing_policies.override_host",
+        override_host.OverrideHost(
+            override_host_sources=[
+                override_host.OverrideHostOverrideHostSource(metadata=metadata_key)
+            ],
+            fallback_policy=_policy(
+                "envoy.load_balancing_policies.round_robin", round_robin.RoundRobin()
+            ),
+        ),
+    )
+    if pool.h2c:
+        result.typed_extension_protocol_options = demo.http2_upstream()
+    return result
+
+
+PROTOCOL_CHECK: Final = """
+-- The endpoint-picker protocol names the endpoint twice: in a request header, which some
+-- gateways route on (GIE's reference Envoy, Envoy Gateway), and in envoy.lb dynamic metadata,
+-- which others route on (Istio, and this gateway). Both must say the same.
+function envoy_on_request(request)
+  local header = request:headers():get("x-gateway-destination-endpoint")
+  local lb = request:streamInfo():dynamicMetadata():get("envoy.lb")
+  local named = lb and lb["x-gateway-destination-endpoint"]
+  if header ~= named then
+    request:respond(
+      {[":status"] = "500", ["content-type"] = "text/plain"},
+      "endpoint picker protocol: header x-gateway-destination-endpoint " .. tostring(header) ..
+      ", envoy.lb metadata " .. tostring(named) .. ": they must be the same")
+  end
+end
+"""
+"""The check, in Lua (Envoy's ``envoy.filters.http.lua``): the one thing here no route or
+cluster setting can do is compare two values."""
+
+
+def protocol_check_filter() -> hcm.HttpFilter:
+    """After the pickers: the endpoint named in the header and in ``envoy.lb`` agree.
+
+    A request no picker named an endpoint for (a route with none, a FailOpen
+    pool whose picker is down) has neither, and passes. One that has both, the
+    same, passes. Otherwise the gateway answers 500, saying what it found, so
+    the Gateway profile fails a picker that sets only the header (which a
+    gateway routing on the metadata would not follow) or only the metadata
+    (which a gateway routing on the header would not), not only the EPP one.
+    """
+    config = lua.Lua(default_source_code=core.DataSource(inline_string=PROTOCOL_CHECK))
+    return hcm.HttpFilter(name="picker-protocol-check", typed_config=AnyMessage.pack(config))
 
 
 # --- routes ---------------------------------------------------------------------------
 
 
-def _path_match(prefix: str, headers: list[route.HeaderMatcher]) -> route.RouteMatch:
+def _path_match(prefix: str) -> route.RouteMatch:
     """Gateway API ``PathPrefix``: ``/primary`` matches ``/primary`` and ``/primary/x`` but
     not ``/primary-gateway-test``, which is Envoy's ``path_separated_prefix``."""
     if prefix.rstrip("/") == "":
-        return route.RouteMatch(prefix="/", headers=headers)
-    return route.RouteMatch(path_separated_prefix=prefix.rstrip("/"), headers=headers)
+        return route.RouteMatch(prefix="/")
+    return route.RouteMatch(path_separated_prefix=prefix.rstrip("/"))
 
 
-def _to_pools(
-    name: str,
-    match: route.RouteMatch,
-    rule: Rule,
-    pools: Mapping[str, InferencePool],
-    *,
-    fallback: bool,
-) -> route.Route:
-    """A route that sends to the rule's pool, or splits across its pools by weight.
-
-    With ``fallback`` (the route taken when no picker named an endpoint), a
-    FailOpen pool's share goes to its static cluster of replicas instead.
-    """
-
-    def target(ref: BackendRef) -> str:
-        pool = pools[ref.pool]
-        return f"pool-{pool.name}-fallback" if fallback and pool.fail_open else f"pool-{pool.name}"
-
+def _to_pools(name: str, rule: Rule, pools: Mapping[str, InferencePool]) -> route.Route:
+    """A route that sends to the rule's pool, or splits across its pools by weight."""
+    match = _path_match(rule.path_prefix)
     if len(rule.backends) == 1:
         (ref,) = rule.backends
         return route.Route(
             name=name,
             match=match,
-            route=route.RouteAction(cluster=target(ref), timeout=demo.ROUTE_TIMEOUT),
+            route=route.RouteAction(cluster=f"pool-{ref.pool}", timeout=demo.ROUTE_TIMEOUT),
             typed_per_filter_config=demo.picker_on(pools[ref.pool].demo_pool()),
         )
     # Envoy picks the weighted cluster from the stream's id, so the choice made
@@ -187,7 +265,7 @@ def _to_pools(
     # The cluster weight, not the route, switches that pool's picker on.
     weights = [
         route.WeightedClusterClusterWeight(
-            name=target(ref),
+            name=f"pool-{ref.pool}",
             weight=ref.weight,
             typed_per_filter_config=demo.picker_on(pools[ref.pool].demo_pool()),
         )
@@ -203,31 +281,23 @@ def _to_pools(
 
 
 def envoy_routes(http_route: HTTPRoute, pools: Mapping[str, InferencePool]) -> list[route.Route]:
-    """The Envoy routes of one HTTPRoute, each rule's FailOpen fallback after it."""
-    result = []
-    for i, rule in enumerate(http_route.rules):
-        name, prefix = f"{http_route.name}/rule-{i}", rule.path_prefix
-        if any(pools[ref.pool].fail_open for ref in rule.backends):
-            # As in the demo: the first route requires the picker's header; a
-            # request that comes through without one (picker down, FailOpen)
-            # takes the second, to the replicas Envoy balances itself.
-            has_endpoint = route.HeaderMatcher(name=demo.ENDPOINT_HEADER, present_match=True)
-            picked = _path_match(prefix, [has_endpoint])
-            result.append(_to_pools(f"{name}/picked", picked, rule, pools, fallback=False))
-            anything = _path_match(prefix, [])
-            result.append(_to_pools(f"{name}/fail-open", anything, rule, pools, fallback=True))
-        else:
-            matched = _path_match(prefix, [])
-            result.append(_to_pools(name, matched, rule, pools, fallback=False))
-    return result
+    """The Envoy routes of one HTTPRoute, one per rule.
+
+    A FailOpen pool needs no route of its own for its picker's absence: the
+    pool's cluster balances a request no picker named an endpoint for
+    (``pool_cluster``).
+    """
+    return [
+        _to_pools(f"{http_route.name}/rule-{i}", rule, pools)
+        for i, rule in enumerate(http_route.rules)
+    ]
 
 
-def _precedence(envoy_route: route.Route) -> tuple[int, int]:
-    """Gateway API: longer path prefixes first, then more header matches."""
+def _precedence(envoy_route: route.Route) -> int:
+    """Gateway API: longer path prefixes first."""
     match = envoy_route.match
     assert match is not None
-    path = match.path_separated_prefix or match.prefix or ""
-    return -len(path), -len(match.headers)
+    return -len(match.path_separated_prefix or match.prefix or "")
 
 
 def _not_found() -> route.Route:
@@ -345,6 +415,7 @@ def _listener(
     filters = [
         demo.strip_client_routing_filter(),
         *(demo.picker_filter(pool.demo_pool()) for pool in pools),
+        protocol_check_filter(),
         demo.served_endpoint_filter(),
         hcm.HttpFilter(
             name="envoy.filters.http.router", typed_config=AnyMessage.pack(router.Router())

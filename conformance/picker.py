@@ -7,14 +7,18 @@ modes) is at fault; if it fails here, the picker is.
 
 For each request this transport does what the conformance gateway would:
 find the route (``conformance.envoy.resolve``) and so the pool whose picker
-runs, open that picker's ``Process`` stream, and send the messages Envoy
-1.40 sends in the gateway's processing mode (request headers with
-``protocol_config`` FULL_DUPLEX_STREAMED, the body, then the response headers
-with the served endpoint in ``envoy.lb`` metadata). It checks what the
-protocol requires of the picker on the way:
+runs, open that picker's ``Process`` stream (over TLS, as the gateway dials
+it, unless the run is plaintext), and send the messages Envoy 1.40 sends in
+the gateway's processing mode (request headers with ``protocol_config``
+FULL_DUPLEX_STREAMED, the body, then the response headers with the served
+endpoint in ``envoy.lb`` metadata). It checks what the protocol requires of
+the picker on the way:
 
 - the endpoint is named twice, in the ``x-gateway-destination-endpoint``
-  header and in ``envoy.lb`` dynamic metadata, with the same value;
+  header and in ``envoy.lb`` dynamic metadata, with the same value: one
+  ``ip:port``, or an ordered fallback list ``ip:port,ip:port`` (protocol
+  v0.4.0), whose first entry serves (the gateway takes the next ones only
+  on retries, which GIE's tests never make);
 - in full-duplex mode the body comes back whole (Envoy forwards only what
   the processor returns);
 - the served-endpoint report (``x-conformance-test-served-endpoint``) repeats
@@ -35,6 +39,7 @@ from google.protobuf import json_format
 
 from conformance.client import Failed, Observation, Request, Unreachable
 from conformance.envoy import Gateway, HTTPRoute, resolve
+from pods.model import is_ip
 from serving.testing import (
     ExtProcClient,
     request_body,
@@ -65,10 +70,16 @@ class PickerTransport:
         gateways: Mapping[str, Gateway],
         pickers: Mapping[str, str],
         pods_by_ip: Mapping[str, str],
+        *,
+        tls: bool = False,
     ) -> None:
-        """``pickers``: pool → its ext_proc ``host:port``; ``pods_by_ip``: ip → pod name."""
+        """``pickers``: pool → its ext_proc ``host:port``; ``pods_by_ip``: ip → pod name;
+        ``tls``: dial the pickers over TLS, trusting the certificate each presents, as a
+        gateway that dials GIE's self-signed pickers does."""
         self._gateways = gateways
-        self._clients = {pool: ExtProcClient(target) for pool, target in pickers.items()}
+        self._pickers = pickers
+        self._tls = tls
+        self._clients: dict[str, ExtProcClient] = {}
         self._pods_by_ip = pods_by_ip
         self.routes: Sequence[HTTPRoute] = ()
         """The HTTPRoutes in force, as the runner applies them to the gateway."""
@@ -83,9 +94,16 @@ class PickerTransport:
 
     async def send(self, request: Request, pool: str | None = None) -> Observation:
         """One request to ``pool``'s picker (by default the pool its route names)."""
-        client = self._clients.get(pool or self.pool_for(request))
-        if client is None:
+        pool = pool or self.pool_for(request)
+        target = self._pickers.get(pool)
+        if target is None:
             raise Unreachable(f"pool {pool} has no endpoint picker")
+        client = self._clients.get(pool)
+        if client is None:
+            try:  # with TLS, the picker's certificate is read now, to be trusted
+                client = self._clients[pool] = ExtProcClient(target, tls=self._tls)
+            except OSError as error:
+                raise Unreachable(f"{type(error).__name__}: {error}") from None
         return await self._exchange(client, request)
 
     async def _exchange(self, client: ExtProcClient, request: Request) -> Observation:
@@ -109,7 +127,9 @@ class PickerTransport:
             if first is None:
                 raise Failed("the picker ended the stream without answering the request headers")
             if first.WhichOneof("response") == "immediate_response":
-                return Observation(first.immediate_response.status.code)
+                refused = first.immediate_response
+                note = refused.body[:300].decode(errors="replace").strip()
+                return Observation(refused.status.code, note=note)
             endpoint = _routing(first)
             if body:
                 _check_body(body, await _body_replies(stream))
@@ -130,16 +150,21 @@ class PickerTransport:
             stream.cancel()
             raise Unreachable(f"{type(error).__name__}: {error}") from None
         ip, _, port = endpoint.rpartition(":")
+        ip = ip.strip("[]")
         pod = self._pods_by_ip.get(ip, f"<not a pod: {ip}>")
         return Observation(200, {SERVED_REPORT: report} if report else {}, pod, port)
 
     async def close(self) -> None:
-        for client in self._clients.values():
+        """Close the channels; the next request opens new ones (to a restarted picker, which
+        presents a new certificate)."""
+        clients, self._clients = self._clients, {}
+        for client in clients.values():
             await client.close()
 
 
 def _routing(reply: Any) -> str:
-    """The endpoint a request-headers reply names; it must agree with the metadata."""
+    """The endpoint that serves: the first a request-headers reply names. The header and the
+    metadata must say the same, one ``ip:port`` or a fallback list of them."""
     if reply.WhichOneof("response") != "request_headers":
         raise Failed(f"expected a request_headers reply first, got {reply.WhichOneof('response')}")
     named = [value for name, value in set_headers(reply) if name.lower() == DESTINATION]
@@ -153,7 +178,28 @@ def _routing(reply: Any) -> str:
         )
     if not reply.request_headers.response.clear_route_cache:
         raise Failed("the routing reply does not clear the route cache")
-    return named[0]
+    return named_endpoints(named[0])[0]
+
+
+def named_endpoints(value: str) -> list[str]:
+    """The endpoints of a destination value, in order: ``ip:port``, or a fallback list
+    ``ip:port,ip:port`` (spaces around an entry allowed, as Envoy's parser strips them;
+    an IPv6 address in brackets). Raise ``Failed`` naming an entry that is not one."""
+    entries = [entry.strip() for entry in value.split(",")]
+    for entry in entries:
+        host, colon, port = entry.rpartition(":")
+        bracketed = host.startswith("[") and host.endswith("]")
+        address = host[1:-1] if bracketed else host
+        valid = (
+            colon
+            and port.isdigit()
+            and 0 < int(port) < 65536
+            and is_ip(address)
+            and (":" in address) == bracketed  # IPv6 in brackets, IPv4 without
+        )
+        if not valid:
+            raise Failed(f"{DESTINATION} {value!r}: {entry!r} is not ip:port")
+    return entries
 
 
 async def _body_replies(stream: Any) -> list[Any]:

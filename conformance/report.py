@@ -24,9 +24,11 @@ asks for exactly one profile per file, named
   the setup checks not reproduced, and Switchyard's own tests, which no
   profile counts.
 
-The one departure from GIE's text: the Gateway profile's summary adds a
-sentence saying that its passes were judged by traffic only, so that the
-report read alone does not claim more than was checked.
+The departures from GIE's text: each summary adds a sentence saying how the
+pickers learnt their endpoints (``Discovery``: from their InferencePools, or
+handed them), and the Gateway profile's one saying that its passes were
+judged by traffic only, so that a report read alone does not claim more than
+was checked.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from conformance.cases import SETUP_CHECKS
 from conformance.client import HELPERS
 from conformance.command import SWITCHYARD
 from conformance.run import CaseResult, Result, Suite, table
+from conformance.upstream import RELEASED
 
 GIE_TESTS: Final = "kubernetes-sigs/gateway-api-inference-extension 84436a96"
 """Where the reproduced tests come from (v1.6.0's tests, unchanged on main at that commit)."""
@@ -142,6 +145,7 @@ def profile_report(suite: Suite, name: str) -> dict[str, Any]:
     if failed:
         core["failedTests"] = failed
     summary = _summary(verdict, len(skipped), len(failed))
+    summary += f" Endpoints: {suite.discovery.describe()}."
     if name == "Gateway":
         traffic_only = [
             r.name for r in _gie_tests(suite) if r.status and r.gateway.outcome == "passed"
@@ -209,6 +213,11 @@ def readme(suite: Suite, implementation: Implementation, mode: str, files: Seque
     command = "make conformance"
     if suite.picker != SWITCHYARD:
         command += f" PICKER={shlex.quote(suite.picker)}"
+    arguments = ["--picker-plaintext"] if not suite.tls else []
+    if suite.upstream is not RELEASED:
+        arguments.append(f"--upstream={suite.upstream.name}")
+    if arguments:
+        command += f" CONFORMANCE_ARGS={shlex.quote(' '.join(arguments))}"
     lines += [
         "",
         "## Reproduce",
@@ -220,6 +229,8 @@ def readme(suite: Suite, implementation: Implementation, mode: str, files: Seque
         "```",
         "",
         "## Results",
+        "",
+        *(f"- {line}" for line in suite.conditions()),
         "",
         table(suite, times=False),
         "",

@@ -20,14 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal
 
-import aiohttp
-
 from conformance.cases import CASES, GIE_ORDER, NOT_APPLICABLE, Case, Skipped, Trial
-from conformance.client import Failed, GatewayTransport, Timing, Transport
-from conformance.command import SWITCHYARD, PickerCommand
+from conformance.client import Failed, GatewayTransport, Timing, Transport, gateway_session
+from conformance.command import SWITCHYARD, Discovery, PickerCommand
 from conformance.crds import Versions, installed_versions
 from conformance.picker import NotForPicker, PickerTransport
-from conformance.topology import GATEWAYS, HEALTH_SERVICE, Topology
+from conformance.topology import GATEWAYS, Topology
+from conformance.upstream import RELEASED, Upstream
 
 Outcome = Literal["passed", "failed", "skipped"]
 MODES: Final = ("gateway", "picker")
@@ -67,7 +66,10 @@ class Suite:
     """What a run found; ``results`` in GIE's order, then Switchyard's own tests.
 
     ``picker``: the command template the pickers ran from; ``versions``: what
-    the CRDs of the applied objects say (the report's API versions).
+    the CRDs of the applied objects say (the report's API versions);
+    ``discovery``: how the pickers learnt their endpoints; ``tls``: whether
+    the gateway dialled them over TLS; ``upstream``: the upstream behaviour
+    followed (``conformance.upstream``).
     """
 
     versions: Versions
@@ -75,6 +77,20 @@ class Suite:
     results: list[CaseResult] = field(default_factory=list)
     seconds: float = 0.0
     startup_seconds: float = 0.0
+    discovery: Discovery = Discovery.POOL
+    tls: bool = True
+    upstream: Upstream = RELEASED
+
+    def conditions(self) -> list[str]:
+        """What the run was, in sentences, for the reports and the terminal."""
+        return [
+            f"Endpoints: {self.discovery.describe()}.",
+            "The gateway dialled the pickers over TLS, as GIE's gateways dial lwepp."
+            if self.tls
+            else "The gateway dialled the pickers in plaintext (--picker-plaintext); GIE's "
+            "gateways dial TLS.",
+            f"Upstream: {self.upstream.summary}.",
+        ]
 
     @property
     def passed(self) -> bool:
@@ -101,19 +117,30 @@ async def run_suite(
     timing: Timing | None = None,
     only: Collection[str] = (),
     picker: PickerCommand | None = None,
-    health_service: str = HEALTH_SERVICE,
+    *,
+    plaintext: bool = False,
+    upstream: Upstream = RELEASED,
 ) -> Suite:
     """Start the topology in ``work_dir``, run the tests (all, or those named), stop it.
 
     ``picker`` starts each pool's picker (Switchyard's LWEPP by default), which
-    is ready once its health port reports ``health_service`` SERVING.
+    is ready once its health port reports ``inference-extension`` SERVING;
+    ``plaintext``: the gateway and the picker-alone runs dial the pickers
+    without TLS; ``upstream``: the upstream behaviour to follow (the timing's
+    wait after a failure is the caller's to match).
     """
     timing = timing or Timing()
     picker = picker or PickerCommand.parse(SWITCHYARD)
     cases: Sequence[Case] = [case for case in CASES if not only or case.name in only]
-    suite = Suite(installed_versions(), picker.template)
+    suite = Suite(
+        installed_versions(),
+        picker.template,
+        discovery=picker.discovery,
+        tls=not plaintext,
+        upstream=upstream,
+    )
     began = time.monotonic()
-    with Topology(work_dir, picker=picker, health_service=health_service) as topology:
+    with Topology(work_dir, picker=picker, plaintext=plaintext) as topology:
         suite.startup_seconds = time.monotonic() - began
         pods_by_ip = {pod.ip: pod.name for pods in topology.pods.values() for pod in pods}
         pickers = {
@@ -121,9 +148,10 @@ async def run_suite(
             for name, pool in topology.pools.items()
             if name in topology.services
         }
-        alone = PickerTransport({g.name: g for g in GATEWAYS}, pickers, pods_by_ip)
+        gateways = {g.name: g for g in GATEWAYS}
+        alone = PickerTransport(gateways, pickers, pods_by_ip, tls=not plaintext)
         try:
-            async with aiohttp.ClientSession() as session:
+            async with gateway_session() as session:
                 gateway = GatewayTransport(session, topology.gateways, timing)
                 for case in cases:
                     await asyncio.to_thread(topology.apply, case.routes)
@@ -134,8 +162,9 @@ async def run_suite(
                         ("gateway", gateway, topology),
                     ):
                         via: Transport = transport
-                        trial = Trial(via, topology.pods, timing, owner)
+                        trial = Trial(via, topology.pods, timing, owner, upstream)
                         results[mode] = await _run_one(case, trial)
+                    await alone.close()  # a picker the test restarted has a new certificate
                     suite.results.append(
                         CaseResult(
                             case.name,

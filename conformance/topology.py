@@ -22,14 +22,18 @@ one machine do not collide. One ``python -m simulator`` process serves every
 pod (``--h2c-port 3001`` makes port 3001 speak h2c, as echo-basic does).
 
 Each InferencePool gets its picker at ``127.X.Y.101+`` on GIE's ports (ext_proc
-9002, health 9003), told the pool's view of the world: the ready pods its
-selector matches, each with the pool's target ports (what GIE's lwepp builds
-from the InferencePool and its Pod watch), as a pod file and as a list of
-endpoints. The picker is Switchyard's LWEPP unless a ``PickerCommand``
-names another (``conformance.command``); it is ready once its health port
-reports the health service SERVING. ``pool-with-invalid-epp`` (from
-``InferencePoolInvalidEPPService``) gets an address where nothing listens,
-like an EPP Service that does not exist.
+9002, TLS unless the run is plaintext; health 9003). A picker that reads its
+pool (``Discovery.POOL``, Switchyard's LWEPP by default) is given a
+kubeconfig for the harness's API server (``conformance.cluster``), which
+serves the InferencePools and the pods; one handed its endpoints
+(``Discovery.HANDED``) is given the pool's view of the world, computed here:
+the pods its selector matches, each with the pool's target ports (what GIE's
+lwepp builds from the InferencePool and its Pod watch), as a pod file and as
+a list of endpoints. The picker is whatever ``PickerCommand`` starts
+(``conformance.command``); it is ready once its health port reports
+``inference-extension`` SERVING, the service GIE's probes ask about.
+``pool-with-invalid-epp`` (from ``InferencePoolInvalidEPPService``) gets an
+address where nothing listens, like an EPP Service that does not exist.
 
 Envoy has a listener per Gateway (``conformance-primary``,
 ``conformance-secondary``) on free 127.0.0.1 ports, and reads each one's
@@ -44,15 +48,16 @@ import json
 import random
 import socket
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conformance.command import SWITCHYARD, PickerCommand
+from conformance.cluster import ApiServer, pod_object, pool_object
+from conformance.command import SWITCHYARD, Discovery, PickerCommand
 from conformance.envoy import (
     Gateway,
     HTTPRoute,
@@ -85,50 +90,95 @@ PICKER_PORTS: Final = {"grpc_port": 9002, "health_port": 9003, "metrics_port": 9
 """The ports GIE's base.yaml gives each pool's picker."""
 
 
+H2C: Final = "kubernetes.io/h2c"
+
+
 @dataclass(frozen=True, slots=True)
 class Deployment:
-    """An echo-server Deployment of ``base.yaml``: its ``app`` label and container ports."""
+    """An echo-server Deployment of ``base.yaml``: its ``app`` label and container ports
+    (``container_per_port``: one container per port, as the data-parallel pods run)."""
 
     app: str
     ports: tuple[int, ...]
     h2c_ports: tuple[int, ...] = ()
+    container_per_port: bool = False
 
     @property
     def name(self) -> str:
         return f"{self.app}-deployment"
 
+    @property
+    def containers(self) -> tuple[tuple[int, ...], ...]:
+        """Each container's ports, in order."""
+        return tuple((port,) for port in self.ports) if self.container_per_port else (self.ports,)
+
 
 @dataclass(frozen=True, slots=True)
 class PoolSpec:
     """An InferencePool of the suite: selector (``app``), target ports, failure mode,
-    app protocol, and whether its EPP Service exists."""
+    ``appProtocol`` as the manifest gives it, its EPP Service, and whether that exists."""
 
     name: str
     app: str
     target_ports: tuple[int, ...]
     fail_open: bool = False
-    h2c: bool = False
+    app_protocol: str = ""
     has_picker: bool = True
+    picker_service: str = ""
+
+    @property
+    def h2c(self) -> bool:
+        return self.app_protocol == H2C
 
 
 DEPLOYMENTS: Final = (
     Deployment("primary-inference-model-server", (3000,)),
     Deployment("secondary-inference-model-server", (3000,)),
     Deployment("appprotocol-inference-model-server", (3000, 3001), h2c_ports=(3001,)),
-    Deployment("dp-inference-model-server", (3000, 3002, 3004)),
+    Deployment("dp-inference-model-server", (3000, 3002, 3004), container_per_port=True),
 )
 
 POOLS: Final = (
-    PoolSpec("primary-inference-pool", "primary-inference-model-server", (3000,)),
     PoolSpec(
-        "secondary-inference-pool", "secondary-inference-model-server", (3000,), fail_open=True
+        "primary-inference-pool",
+        "primary-inference-model-server",
+        (3000,),
+        picker_service="primary-endpoint-picker-svc",
     ),
-    PoolSpec("appprotocol-http-inference-pool", "appprotocol-inference-model-server", (3000,)),
     PoolSpec(
-        "appprotocol-h2c-inference-pool", "appprotocol-inference-model-server", (3001,), h2c=True
+        "secondary-inference-pool",
+        "secondary-inference-model-server",
+        (3000,),
+        fail_open=True,
+        picker_service="secondary-endpoint-picker-svc",
     ),
-    PoolSpec("dp-inference-pool", "dp-inference-model-server", (3000, 3002, 3004)),
-    PoolSpec("pool-with-invalid-epp", "primary-inference-model-server", (3000,), has_picker=False),
+    PoolSpec(
+        "appprotocol-http-inference-pool",
+        "appprotocol-inference-model-server",
+        (3000,),
+        app_protocol="http",
+        picker_service="appprotocol-http-endpoint-picker-svc",
+    ),
+    PoolSpec(
+        "appprotocol-h2c-inference-pool",
+        "appprotocol-inference-model-server",
+        (3001,),
+        app_protocol=H2C,
+        picker_service="appprotocol-h2c-endpoint-picker-svc",
+    ),
+    PoolSpec(
+        "dp-inference-pool",
+        "dp-inference-model-server",
+        (3000, 3002, 3004),
+        picker_service="dp-endpoint-picker-svc",
+    ),
+    PoolSpec(
+        "pool-with-invalid-epp",
+        "primary-inference-model-server",
+        (3000,),
+        has_picker=False,
+        picker_service="non-existent-epp-svc",
+    ),
 )
 
 GATEWAYS: Final = (
@@ -178,6 +228,31 @@ def _health(address: str, service: str) -> bool | None:
     return True if reply.status == health_pb2.HealthCheckResponse.SERVING else None
 
 
+def cluster_objects(
+    pods: Mapping[str, Sequence[EchoPod]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The InferencePools of ``POOLS`` and the echo pods (by ``app``), as Kubernetes objects."""
+    deployments = {d.app: d for d in DEPLOYMENTS}
+    pools = [
+        pool_object(
+            spec.name,
+            NAMESPACE,
+            spec.app,
+            spec.target_ports,
+            fail_open=spec.fail_open,
+            app_protocol=spec.app_protocol,
+            picker_service=spec.picker_service,
+        )
+        for spec in POOLS
+    ]
+    objects = [
+        pod_object(pod.name, NAMESPACE, pod.ip, {"app": pod.app}, deployments[app].containers)
+        for app, members in pods.items()
+        for pod in members
+    ]
+    return pools, objects
+
+
 class Topology(Processes):
     """Echo pods, pickers and Envoy, as a context manager; ``apply`` sets the routes."""
 
@@ -186,15 +261,18 @@ class Topology(Processes):
         work_dir: Path,
         startup_timeout: float = 30.0,
         picker: PickerCommand | None = None,
-        health_service: str = HEALTH_SERVICE,
+        *,
+        plaintext: bool = False,
     ) -> None:
         """``picker``: the command of each pool's picker (Switchyard's LWEPP by default);
-        ``health_service``: the gRPC health service that says a picker is ready."""
+        ``plaintext``: Envoy dials the pickers without TLS (GIE's gateways dial TLS)."""
         self.work_dir = work_dir
         self.timeout = startup_timeout
         self.picker = picker or PickerCommand.parse(SWITCHYARD)
-        self.health_service = health_service
+        self.plaintext = plaintext
         self.services: dict[str, Process] = {}
+        self.api: ApiServer | None = None
+        """The Kubernetes API the pickers read their pools from (``Discovery.POOL`` only)."""
         self.prefix = ""
         self.pods: dict[str, tuple[EchoPod, ...]] = {}
         """Pods by ``app`` label, in order (GIE's tests take ``pods[0]``, ``pods[1]``...)."""
@@ -224,7 +302,7 @@ class Topology(Processes):
                 ),
                 fail_open=spec.fail_open,
                 h2c=spec.h2c,
-                health_service=self.health_service,
+                tls=not self.plaintext,
             )
             for j, spec in enumerate(POOLS)
         }
@@ -260,6 +338,8 @@ class Topology(Processes):
     def start(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._layout(pick_subnet(self._wanted()))
+        if self.picker.discovery is Discovery.POOL:
+            self._start_api()
         all_pods = [(pod, pod.ports) for pods in self.pods.values() for pod in pods]
         h2c = [str(port) for d in DEPLOYMENTS for port in d.h2c_ports]
         echo = self._run(
@@ -283,23 +363,37 @@ class Topology(Processes):
                 self._wait_serving(name)
         self._start_envoy()
 
+    def _start_api(self) -> None:
+        """The API server with base.yaml's pools and pods, before any picker reads it."""
+        self.api = ApiServer(NAMESPACE)
+        self.api.start()
+        self.api.apply(*cluster_objects(self.pods))
+        self.api.kubeconfig(self.work_dir / "kubeconfig")
+
     def picker_file(self, pool: str) -> Path:
         """The pool's view of the pods: those its selector matches, with its target ports."""
         spec = next(spec for spec in POOLS if spec.name == pool)
         return self._pod_file(pool, [(pod, spec.target_ports) for pod in self.pods[spec.app]])
 
     def picker_fields(self, pool: str) -> dict[str, str]:
-        """What the picker template's fields stand for, for ``pool`` (``command.FIELDS``)."""
+        """What the picker template's fields stand for, for ``pool`` (``command.FIELDS``): the
+        API server's kubeconfig, or the endpoints the harness computed, as the template asks."""
         spec = next(spec for spec in POOLS if spec.name == pool)
-        return {
+        fields = {
             "python": sys.executable,
             "host": self.pools[pool].picker,
             **{name: str(port) for name, port in PICKER_PORTS.items()},
+            "secure_serving": "false" if self.plaintext else "true",
+            "pool": pool,
+            "namespace": NAMESPACE,
+        }
+        if self.picker.discovery is Discovery.POOL:
+            return {**fields, "kubeconfig": str(self.work_dir / "kubeconfig")}
+        return {
+            **fields,
             "pods": str(self.picker_file(pool)),
             "endpoints": ",".join(self.pools[pool].endpoints),
             "selector": f"app={spec.app}",
-            "pool": pool,
-            "namespace": NAMESPACE,
         }
 
     def start_picker(self, pool: str, *, wait: bool = True) -> None:
@@ -312,8 +406,8 @@ class Topology(Processes):
 
     def _wait_serving(self, pool: str) -> None:
         address = f"{self.pools[pool].picker}:{PICKER_PORTS['health_port']}"
-        probe = functools.partial(_health, address, self.health_service)
-        what = f"SERVING on gRPC health service {self.health_service!r} at {address}"
+        probe = functools.partial(_health, address, HEALTH_SERVICE)
+        what = f"SERVING on gRPC health service {HEALTH_SERVICE!r} at {address}"
         wait_for(self.services[pool], what, probe, self.timeout)
 
     def stop_picker(self, pool: str) -> None:
@@ -378,5 +472,9 @@ class Topology(Processes):
         wait_for(self.services["envoy"], f"seeing {pool} {state}", noticed, self.timeout)
 
     def close(self) -> None:
-        """Stop everything: Envoy first (no new requests), then the rest together."""
+        """Stop everything: Envoy first (no new requests), then the rest together, then the
+        API server the pickers watched."""
         stop_all(list(self.services.values()))
+        if self.api is not None:
+            self.api.stop()
+            self.api = None

@@ -18,6 +18,7 @@ from pods.file import PodFileError
 from pods.model import Pod
 
 DEFAULT_PODS = resources.files("demo") / "pods.yaml"
+DEFAULT_REWRITES = resources.files("demo") / "rewrites.yaml"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,6 +65,18 @@ def _parser() -> argparse.ArgumentParser:
         "response headers (round-robin) is not sent them, one exchange less per request",
     )
     add(
+        "--model-rewrites",
+        type=Path,
+        metavar="FILE",
+        help="InferenceModelRewrites for the pools they name, re-read when the file changes "
+        "(default with the demo's pods: demo/rewrites.yaml, the llama-canary 90/10 split)",
+    )
+    add(
+        "--no-model-rewrites",
+        action="store_true",
+        help="no model rewrites: every model is served as the client names it",
+    )
+    add(
         "--fail-open",
         action="append",
         metavar="POOL",
@@ -101,6 +114,23 @@ def examples(topology: Topology) -> list[str]:
             f"# why did it go there? ({topology.picker_config.name}): "
             "the decision comes back in x-switchyard-decision",
             _curl(url, "/v1/completions", ask) + " -H 'x-switchyard-explain: 1'",
+            "",
+            "# a request's priority, by InferenceObjective (demo/objectives.yaml): with a "
+            "configuration that governs requests (demo/configs/flow-control.yaml)",
+            _curl(url, "/v1/completions", {**ask, "prompt": "Hi"})
+            + " -H 'x-llm-d-inference-objective: interactive'",
+            _curl(url, "/v1/completions", {**ask, "prompt": "Hi"})
+            + " -H 'x-llm-d-inference-objective: batch'",
+            "",
+        ]
+    if topology.model_rewrites is not None:
+        rewritten = [pool for pool in topology.pools if pool.name in topology.rewritten]
+        ask = {"model": rewritten[0].models[0], "prompt": "Say hello", "max_tokens": 8}
+        lines += [
+            f"# model rewrites ({topology.model_rewrites}): x-sim-served-model names the model "
+            "the replica served, the answer's model the one you asked for; edit the weights "
+            "in the file while the gateway runs, and the next requests follow them",
+            _curl(url, "/v1/completions", ask) + " -o /dev/null -D - | grep -i x-sim-served-model",
             "",
         ]
     lines += [
@@ -184,10 +214,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit("demo: --fail-open has no meaning with --one-hop: the one service fails closed")
     if args.one_hop:
         fail_open = []
+    if args.model_rewrites is not None and args.no_model_rewrites:
+        sys.exit("demo: --model-rewrites and --no-model-rewrites: choose one")
     if args.no_simulator and args.pods is None:
         sys.exit("demo: --no-simulator needs --pods: the pod file naming your servers")
-    with resources.as_file(DEFAULT_PODS) as default_pods:
+    with (
+        resources.as_file(DEFAULT_PODS) as default_pods,
+        resources.as_file(DEFAULT_REWRITES) as default_rewrites,
+    ):
         pods = args.pods or default_pods
+        rewrites = args.model_rewrites or (default_rewrites if args.pods is None else None)
         try:
             topology = Topology(
                 args.work_dir,
@@ -199,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 simulator=not args.no_simulator,
                 on_server_change=server_change,
                 one_hop=args.one_hop,
+                model_rewrites=None if args.no_model_rewrites else rewrites,
                 demo_flags=not args.plain,
                 die_with_parent=True,  # killed outright, the demo still takes its services along
             )

@@ -94,6 +94,22 @@ MESSAGE_TIMEOUT: Final = timedelta(seconds=2)
 Envoy does not time the messages of a FULL_DUPLEX_STREAMED body, where the
 processor may hold the headers until the body ends. What is timed here is
 the picker's reply to the response headers; ``KEEPALIVE`` notices a hung service.
+A request without a body would be answered at its headers, a timed message,
+but behind BBR no such request reaches a pool's picker (it names no model).
+"""
+
+STREAM_IDLE_TIMEOUT: Final = timedelta(seconds=300)
+"""How long a request may go without a byte either way: Envoy's default, set here because it
+is the one Envoy timer that runs while a request waits in a picker's flow control.
+
+Measured against this Envoy (a picker holding a request, each timer shortened in turn): the
+picker's held headers reply is not timed (``MESSAGE_TIMEOUT``, full duplex), and the route's
+``timeout`` (``ROUTE_TIMEOUT``) starts only when the picker lets the request go, but a
+request held silent this long is answered 504 ``StreamIdleTimeout`` and its ext_proc streams
+reset (the picker then frees its place: ``rejected-context-cancelled``). A flow-control
+configuration's ``defaultRequestTTL`` and ``noEndpointRequestTTL`` must stay below it
+(``tests/test_envoy_config.py`` checks the demo's), so the picker answers first, with its
+reason.
 """
 
 KEEPALIVE: Final = timedelta(seconds=5)
@@ -892,6 +908,7 @@ def bootstrap(gateway: Gateway) -> dict[str, Any]:
     one_hop = gateway.one_hop_port is not None
     manager = hcm.HttpConnectionManager(
         stat_prefix="gateway",
+        stream_idle_timeout=STREAM_IDLE_TIMEOUT,
         route_config=route_config(gateway.pools, gateway.created, one_hop=one_hop),
         http_filters=http_filters(gateway),
         local_reply_config=local_replies(),

@@ -44,6 +44,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from demo.envoy import KEEPALIVE, Gateway, GatewayPool, write_bootstrap
 from demo.servers import Readiness, ServerCheck, check_servers
+from lwepp.rewrite_sources import load_rewrites
+from plugin_api.document import ConfigErrors
 from pods.file import load_pods
 from pods.model import Pod, endpoints_of
 from serving.workers import die_with_parent as _tie_to_parent
@@ -63,6 +65,9 @@ off by default, since it lets a client choose or learn its replica (``docs/secur
 
 DEMO_BBR_FLAGS: Final = ("--enable-debug-pages",)
 """BBR's ``/debug/runtime``, for the soak run."""
+
+OBJECTIVES: Final = Path(__file__).resolve().parent / "objectives.yaml"
+"""The demo's InferenceObjectives (``interactive``, ``batch``), which every picker reads."""
 
 T = TypeVar("T")
 
@@ -159,6 +164,33 @@ def pools_of(pod_file: Path, fail_open: Collection[str] = ()) -> list[GatewayPoo
         endpoints = tuple(e.hostport for e in endpoints_of(members, {}))
         pools.append(GatewayPool(name, models, 0, None, endpoints, fail_open=name in fail_open))
     return pools
+
+
+def with_rewrites(pools: list[GatewayPool], path: Path) -> tuple[list[GatewayPool], set[str]]:
+    """The pools with the model names their InferenceModelRewrites match added (a client may
+    send them: the gateway must route them to the pool, and ``/v1/models`` list them), and the
+    names of the pools that have rewrites (their pickers get the file)."""
+    try:
+        rewrites, _ = load_rewrites(path)
+    except ConfigErrors as error:
+        raise TopologyError(f"--model-rewrites:\n{error}") from None
+    owner = {model: pool.name for pool in pools for model in pool.models}
+    named = {pool.name for pool in pools}
+    if strangers := sorted({r.pool for r in rewrites} - named):
+        raise TopologyError(f"{path}: rewrite for pool {strangers[0]!r}, which no pod is in")
+    changed = []
+    for pool in pools:
+        aliases = [
+            m for r in rewrites if r.pool == pool.name for rule in r.rules for m in rule.models
+        ]
+        for model in aliases:
+            if owner.setdefault(model, pool.name) != pool.name:
+                raise TopologyError(
+                    f"{path}: pool {pool.name} rewrites {model!r}, which pool {owner[model]} serves"
+                )
+        models = tuple(dict.fromkeys((*pool.models, *aliases)))
+        changed.append(dataclasses.replace(pool, models=models))
+    return changed, {r.pool for r in rewrites}
 
 
 def free_ports(count: int) -> list[int]:
@@ -357,10 +389,15 @@ class Topology(Processes):
     (named ``onehop``) does BBR's job and every pool's pick, and Envoy calls
     it once per request, in place of BBR and the pickers (it gets the
     pickers' demo flags; ``picker_args`` and ``bbr_args`` go to it too).
+    ``objectives``: the InferenceObjectives file every picker reads
+    (``--inference-objectives``; None: none).
     ``die_with_parent``: every process started goes when this one does, even
     killed outright (``Process``; the ``demo`` command, whose main thread
     starts them all). ``keepalive``: how often Envoy pings the ext_proc
-    services (``demo.envoy.KEEPALIVE``; tests shorten it).
+    services (``demo.envoy.KEEPALIVE``; tests shorten it). ``model_rewrites``: a
+    file of InferenceModelRewrites (``lwepp.rewrite_sources``), given to the
+    pickers of the pools it names, which re-read it when it changes; the names
+    its rules match are routed to their pools (``with_rewrites``).
     """
 
     def __init__(
@@ -384,7 +421,10 @@ class Topology(Processes):
         one_hop: bool = False,
         die_with_parent: bool = False,
         keepalive: timedelta = KEEPALIVE,
+        model_rewrites: Path | None = None,
+        objectives: Path | None = OBJECTIVES,
     ) -> None:
+        self.objectives = objectives
         self.work_dir = work_dir
         self.keepalive = keepalive
         self.die_with_parent = die_with_parent
@@ -395,6 +435,11 @@ class Topology(Processes):
         self.picker_config = picker_config.resolve() if picker_config else None
         self.pod_file = pod_file.resolve()
         self.pools = pools_of(self.pod_file, fail_open)
+        self.model_rewrites = model_rewrites.resolve() if model_rewrites else None
+        self.rewritten: set[str] = set()
+        """The pools with rewrites (their pickers read ``model_rewrites``)."""
+        if self.model_rewrites is not None:
+            self.pools, self.rewritten = with_rewrites(self.pools, self.model_rewrites)
         self.port, self.admin_port = port, admin_port
         self.services: dict[str, Process] = {}
         self._simulator_args = list(simulator_args)
@@ -449,7 +494,9 @@ class Topology(Processes):
                 "lwepp",
                 *("--pods", pods, "--selector", self._selector(pool.name)),
                 *(("--config", str(self.picker_config)) if self.picker_config else ()),
+                *self._objectives_flag(),
                 *(DEMO_PICKER_FLAGS if self._demo_flags else ()),
+                *self._rewrite_flags(pool.name),
                 *self._picker_args.get(pool.name, ()),
             )
         if not self.one_hop:
@@ -497,10 +544,23 @@ class Topology(Processes):
             pods,
             *(f"--pool={pool.name}={','.join(pool.models)}" for pool in self.pools),
             *(("--config", str(self.picker_config)) if self.picker_config else ()),
+            *self._objectives_flag(),
             *(DEMO_PICKER_FLAGS if self._demo_flags else ()),
+            *self._rewrite_flags(None),
             *(arg for args in self._picker_args.values() for arg in args),
             *self._bbr_args,
         )
+
+    def _rewrite_flags(self, pool: str | None) -> tuple[str, ...]:
+        """The rewrite file for ``pool``'s picker, if it has rewrites (None: the one hop, which
+        gives each pool its own)."""
+        if self.model_rewrites is None or (pool is not None and pool not in self.rewritten):
+            return ()
+        rewrites = ("--model-rewrites", str(self.model_rewrites))
+        return rewrites if pool is None else (*rewrites, "--model-rewrites-pool", pool)
+
+    def _objectives_flag(self) -> tuple[str, ...]:
+        return ("--inference-objectives", str(self.objectives)) if self.objectives else ()
 
     def _own_servers(self) -> Path:
         """Check the servers, and write the pickers' pod file with those that answer ready."""

@@ -7,7 +7,8 @@ meant to be imported from outside it:
 
 ``add_picker_flags``, ``PickerOptions``, ``assemble``, ``Assembly``
     The picking flags, decoded, and the one function that builds a pool's
-    picker from them (``lwepp.assembly``).
+    picker from them (``lwepp.assembly``), with its request controls
+    (InferenceObjectives, flow control) and what to call when it stops.
 ``HEALTH_SERVICES``
     The gRPC health names a picker reports.
 ``Pool``
@@ -16,6 +17,8 @@ meant to be imported from outside it:
     The stream handler and what one stream holds. Beside serving a stream
     whole (``__call__``), its steps serve a stream that a composing handler
     reads itself: ``candidates_for`` (the endpoints a request may go to),
+    ``admit_request`` (the request controls on the whole request, before the
+    choice: a model rewrite, flow control, which may hold or refuse it here),
     ``destination`` (the strategy's choice, counted), ``on_response_headers``,
     ``on_response_body`` and ``end_response`` (the response side), and
     ``refuse`` (a refusal counted and answered), with ``hears_response`` and

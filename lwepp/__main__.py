@@ -24,11 +24,16 @@ from prometheus_client import CollectorRegistry
 
 from lwepp import config as picker_config
 from lwepp.assembly import HEALTH_SERVICES, PickerOptions, add_picker_flags, assemble
+from lwepp.flowcontrol import config as flow_config
 from lwepp.leader import LeaderElector, LeaseTimings
+from lwepp.objectives import ObjectiveSource, ObjectiveWatch
 from lwepp.picking import Pool
 from lwepp.pipeline import ROLES
 from lwepp.plugins.discovery import POOL_NAME
+from lwepp.rewrite_control import RewriteSource
+from lwepp.rewrite_sources import RewriteWatch
 from plugin_api import Role, needs_body, roles_of
+from plugin_api.document import ConfigErrors
 from pods.file import FileSource, PodFileError, load_pods
 from pods.kubeapi import KubeconfigError, load_kubeconfig
 from pods.kubernetes import DEFAULT_GROUP, InferencePoolSource
@@ -163,6 +168,9 @@ def describe(config: picker_config.PickerConfig) -> Iterator[str]:
     needing = [p.name for p in pipeline.plugins if needs_body(p)]
     body = f"held and parsed (needed by {', '.join(needing)})" if needing else "not parsed"
     yield f"  {'body':<17}  {body}"
+    yield ""
+    yield "flow control"
+    yield from flow_config.describe(config.flow)
     if config.warnings:
         yield ""
         yield "warnings"
@@ -291,6 +299,11 @@ def workers_problem(
         return None
     if args.leader_elect:
         return "--workers with --leader-elect: each worker would campaign for the Lease alone"
+    if config is not None and config.flow.gate:
+        return (
+            f"--workers {args.workers} with flow control ({config.path}): each worker would "
+            "queue, and count the pool's load, on its own; run one worker per replica instead"
+        )
     if config is not None and (learning := config.learning):
         return (
             f"--workers {args.workers} with {config.path}: plugin(s) "
@@ -372,6 +385,32 @@ def pod_source(
     return source, LeaderElector(config, namespace, lease, timings=timings)
 
 
+def rewrite_source(
+    args: argparse.Namespace, picking: PickerOptions, source: PodSource
+) -> RewriteSource | None:
+    """The pool's InferenceModelRewrites: a file, the Kubernetes API (the default with
+    ``--pool-name``, as the llm-d router reads them), or none. Raises ``ConfigErrors`` for a
+    broken file and ``ValueError`` for ``api`` without a pool."""
+    if picking.rewrite_path is not None:
+        return picking.rewrite_file(args.pool_name or picking.model_rewrites_pool)
+    if picking.model_rewrites == "off" or (picking.model_rewrites is None and not args.pool_name):
+        return None
+    if not isinstance(source, InferencePoolSource) or not args.pool_name:
+        raise ValueError("--model-rewrites=api needs --pool-name: rewrites name their pool")
+    return RewriteWatch(source.config, source.namespace, args.pool_name, args.pool_group)
+
+
+def objective_source(args: argparse.Namespace, picking: PickerOptions) -> ObjectiveSource | None:
+    """``--inference-objectives``; else, with ``--pool-name``, the pool's InferenceObjectives
+    from the Kubernetes API (as the router, which reads none in its standalone and file modes).
+    Raises ``ConfigErrors`` for a broken file, ``KubeconfigError`` as ``pod_source``."""
+    found = picking.objective_file()
+    if found is not None or not args.pool_name:
+        return found
+    config = load_kubeconfig(args.kubeconfig)
+    return ObjectiveWatch(config, args.pool_name, namespace_of(args, config.namespace))
+
+
 def pool_label(args: argparse.Namespace) -> str:
     """The pool's name in the metrics' ``name`` label (file discovery: the router's ``epp``)."""
     if args.pool_name:
@@ -400,6 +439,8 @@ def picker(
     config: picker_config.PickerConfig | None,
     source: PodSource,
     elector: LeaderElector | None,
+    rewrites: RewriteSource | None = None,
+    objectives: ObjectiveSource | None = None,
 ) -> Service:
     """The one pool's picker, as ``serve`` runs it (made inside the event loop)."""
     pool = Pool(source, args.selector)
@@ -423,6 +464,8 @@ def picker(
         name=pool_label(args),
         namespace=namespace,
         max_body_bytes=options.max_body_bytes,
+        rewrites=rewrites,
+        objectives=objectives,
     )
     side = [source.run] if elector is None else [source.run, elector.run]
     return Service(
@@ -436,6 +479,7 @@ def picker(
             "response_headers": built.service.hears_response,
             "response_body": built.service.reads_response_body,
         },
+        stopping=built.stopping,
     )
 
 
@@ -451,13 +495,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem := workers_problem(args, config):
         parser.error(problem)
     try:
+        objectives = objective_source(args, picking)
+    except picker_config.ConfigErrors as error:
+        parser.error(f"argument --inference-objectives:\n{error}")
+    try:
         source, elector = pod_source(args, config and config.discovery)
+        rewrites = rewrite_source(args, picking, source)
+    except ConfigErrors as error:
+        parser.error(f"argument --model-rewrites:\n{error}")
     except (PodFileError, KubeconfigError, ValueError) as error:
         sys.exit(f"lwepp: {error}")
     return run(
         "lwepp",
         options,
-        functools.partial(picker, args, options, picking, config, source, elector),
+        functools.partial(
+            picker, args, options, picking, config, source, elector, rewrites, objectives
+        ),
         argv,
         warnings(args),
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, cast
@@ -23,11 +24,17 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from lwepp import config as picker_config
+from lwepp import objectives as inference_objectives
 from lwepp import request_metrics
+from lwepp.contracts import Candidate
 from lwepp.explain import DecisionLog, ExplainMode
+from lwepp.flowcontrol.config import OFF
+from lwepp.flowcontrol.governance import govern
 from lwepp.metrics import PickerMetrics
-from lwepp.picking import Pool, RoundRobin, Strategy
+from lwepp.picking import Pool, RequestControl, RequestInfo, RoundRobin, Strategy
 from lwepp.pipeline import Pipeline
+from lwepp.rewrite_control import ModelRewriteControl, RewriteMetrics, RewriteSource
+from lwepp.rewrite_sources import RewriteFile, load_rewrites
 from lwepp.server import EndpointPickerService
 from pods.model import Endpoint
 from serving.cli import add_bool, duration
@@ -59,6 +66,14 @@ def add_picker_flags(parser: argparse.ArgumentParser) -> None:
         "--config-text",
         metavar="YAML",
         help="the EndpointPickerConfig itself, in lieu of a file",
+    )
+    picking.add_argument(
+        "--inference-objectives",
+        metavar="FILE",
+        help="InferenceObjectives as YAML (the Kubernetes objects, several separated by ---): "
+        "a request naming one in x-llm-d-inference-objective gets its priority; re-read when "
+        "it changes (lwepp/objectives.py). With --pool-name they are read from the Kubernetes "
+        "API instead, unless this is given",
     )
     picking.add_argument(
         "--explain",
@@ -99,6 +114,21 @@ def add_picker_flags(parser: argparse.ArgumentParser) -> None:
         metavar="DURATION",
         help="how often the pool gauges (ready endpoints, with --config the pool's averages) "
         "are recomputed (default 5s, as the llm-d router)",
+    )
+    rewrites = parser.add_argument_group("model rewrites (InferenceModelRewrite)")
+    rewrites.add_argument(
+        "--model-rewrites",
+        metavar="FILE|api|off",
+        help="where the pool's InferenceModelRewrites come from: a YAML file of them (re-read "
+        "when it changes, keeping the last good set), 'api' (the Kubernetes API, the default "
+        "with --pool-name, as the llm-d router), or 'off' (the default otherwise). With "
+        "rewrites, a request naming no model gets 400, as from the router",
+    )
+    rewrites.add_argument(
+        "--model-rewrites-pool",
+        metavar="NAME",
+        help="with a rewrite file and no --pool-name: apply the file's rewrites whose "
+        "spec.poolRef names this pool (default: every rewrite in the file)",
     )
     conformance = parser.add_argument_group(
         "GIE's conformance tests (both off: they let a client choose, or learn, its replica)"
@@ -143,6 +173,9 @@ class PickerOptions:
     test_selection: bool = False
     report_served: bool = False
     request_metrics: request_metrics.Level = "request"
+    model_rewrites: str | None = None
+    model_rewrites_pool: str | None = None
+    objectives: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PickerOptions:
@@ -156,6 +189,9 @@ class PickerOptions:
             test_selection=args.test_selection,
             report_served=args.report_served_endpoint,
             request_metrics=args.request_metrics,
+            model_rewrites=args.model_rewrites,
+            model_rewrites_pool=args.model_rewrites_pool,
+            objectives=args.inference_objectives,
         )
 
     def load_config(self) -> picker_config.PickerConfig | None:
@@ -167,15 +203,39 @@ class PickerOptions:
             return picker_config.load_text(self.config_text)
         return None
 
+    @property
+    def rewrite_path(self) -> str | None:
+        """The rewrite file ``--model-rewrites`` names, if it names one."""
+        return None if self.model_rewrites in (None, "api", "off") else self.model_rewrites
+
+    def rewrite_file(self, pool: str | None) -> RewriteFile | None:
+        """The rewrite file's source for ``pool`` (its rewrites whose ``poolRef`` names it; None:
+        all), read now; None without a file. Raises ``ConfigErrors`` naming each problem."""
+        if (path := self.rewrite_path) is None:
+            return None
+        load_rewrites(path)  # a broken file stops the start, with its lines
+        source = RewriteFile(path, pool)
+        source.reload()
+        return source
+
+    def objective_file(self) -> inference_objectives.ObjectiveFile | None:
+        """``--inference-objectives``, read now; None without the flag. Raises
+        ``lwepp.config.ConfigErrors`` naming the file and line of every problem."""
+        if self.objectives is None:
+            return None
+        return inference_objectives.load(self.objectives)
+
 
 @dataclass(frozen=True, slots=True)
 class Assembly:
     """One pool's picker, ready to serve: its stream handler, what runs beside it (the pool
-    gauges' refresh, the pipeline's data sources) and its debug pages."""
+    gauges' refresh, the pipeline's data sources, flow control's dispatcher), its debug pages,
+    and what to call when it stops (flow control answers what it holds)."""
 
     service: EndpointPickerService
     background: list[Job] = field(default_factory=list)
     debug_pages: dict[str, Callable[[], bytes]] = field(default_factory=dict)
+    stopping: list[Callable[[], None]] = field(default_factory=list)
 
 
 def assemble(
@@ -187,12 +247,18 @@ def assemble(
     name: str,
     namespace: str = "",
     max_body_bytes: int,
+    rewrites: RewriteSource | None = None,
+    objectives: inference_objectives.ObjectiveSource | None = None,
 ) -> Assembly:
-    """The picker for ``pool``: round-robin, or ``config``'s pipeline (its warnings logged).
+    """The picker for ``pool``: round-robin, or ``config``'s pipeline (its warnings logged),
+    with the request controls its ``flowControl`` section asks for (``lwepp.flowcontrol``).
 
     ``name`` labels its metrics (``llm_d_epp_*{name}``) and its log lines;
     ``registry`` takes its metrics. The pool's endpoints are read afresh by
-    every background task (``Pool.endpoints``).
+    every background task (``Pool.endpoints``). ``rewrites``: the pool's
+    InferenceModelRewrites, applied first (``lwepp.rewrite_control``), as the
+    router applies them before anything else decides. ``objectives``: where its
+    InferenceObjectives come from (default: ``--inference-objectives``, if given).
     """
     strategy: Strategy = RoundRobin()
     pipeline: Pipeline | None = None
@@ -212,10 +278,32 @@ def assemble(
             pipeline.background(functools.partial(current_endpoints, pool)),
             pipeline.debug_pages(),
         )
-    metrics = PickerMetrics(registry, name, namespace)
-    strategy, controls = request_metrics.install(
-        options.request_metrics, strategy, metrics.labels, registry
+    objectives = objectives or options.objective_file()
+    governed = govern(
+        config.flow if config is not None else OFF,
+        None if pipeline is None else functools.partial(pool_candidates, pipeline, pool),
+        pipeline.clock if pipeline is not None else time.monotonic,
+        objectives,
+        registry,
+        name,
     )
+    priority = None if objectives is None else functools.partial(priority_by, objectives)
+    metrics = PickerMetrics(registry, name, namespace, priority)
+    # The router's order: the model rewrite first, then the objective and admission (flow
+    # control), then what observes the request as it is served.
+    controls: list[RequestControl] = []
+    if rewrites is not None:
+        controls.append(ModelRewriteControl(rewrites, RewriteMetrics(registry)))
+        jobs.append(rewrites.run)
+    controls += governed.controls
+    strategy, observing = request_metrics.install(
+        options.request_metrics,
+        strategy,
+        metrics.labels,
+        registry,
+        objective_of=functools.partial(known_objective, objectives),
+    )
+    controls += observing
     controls += pipeline.controls if pipeline is not None else ()  # last: just before the pick
     service = EndpointPickerService(
         pool,
@@ -226,13 +314,37 @@ def assemble(
         report_served=options.report_served,
         controls=controls,
     )
-    jobs.append(functools.partial(refresh_metrics, options.refresh_every, metrics, pool, pipeline))
-    return Assembly(service, jobs, pages)
+    jobs += [
+        *governed.jobs,
+        functools.partial(refresh_metrics, options.refresh_every, metrics, pool, pipeline),
+    ]
+    return Assembly(service, jobs, pages, list(governed.stopping))
+
+
+def priority_by(
+    source: inference_objectives.ObjectiveSource, headers: Sequence[tuple[str, str]]
+) -> int:
+    """The priority of the objective ``headers`` name, among the pool's now (metric labels)."""
+    return inference_objectives.priority_of(headers, source.objectives)
+
+
+def known_objective(
+    source: inference_objectives.ObjectiveSource | None, request: RequestInfo
+) -> str:
+    """The InferenceObjective a request names, for metric labels: only one the pool knows (a
+    name a client makes up would grow the series without bound), else empty."""
+    name = inference_objectives.objective_name(request.headers)
+    return name if name is not None and source is not None and name in source.objectives else ""
 
 
 def current_endpoints(pool: Pool) -> Sequence[Endpoint]:
     """The pool's endpoints at this moment (what a pipeline's data sources poll)."""
     return pool.endpoints
+
+
+def pool_candidates(pipeline: Pipeline, pool: Pool) -> Sequence[Candidate]:
+    """The pool's endpoints now, with their attributes (what a saturation detector reads)."""
+    return pipeline.candidates(pool.endpoints).candidates
 
 
 async def refresh_metrics(

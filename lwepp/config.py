@@ -36,7 +36,9 @@ line, the plugin and the field; every error is reported. A ``type`` with a
 dot is a user's plugin, imported by dotted path (``examples/custom_scorer/``).
 The router's other spellings (sections, feature gates, deprecated names, the
 features Switchyard does not implement) are ``lwepp.router_compat``'s, the
-layer in front of this decoder.
+layer in front of this decoder; the ``flowControl`` section (and the
+deprecated ``saturationDetector``) is ``lwepp.flowcontrol.config``'s, whose
+detector and policies are plugins of this file.
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ from pathlib import Path
 from typing import Any, Final
 
 from lwepp import router_compat as compat
-from lwepp.contracts import Want, provides_of
+from lwepp.configured import Configured, provides
+from lwepp.contracts import Want
+from lwepp.flowcontrol import config as flow_config
 from lwepp.pipeline import ROLES, Pipeline
 from lwepp.plugins import REGISTRY
 from plugin_api import ConfigError, Factory, Params, Role, build
@@ -65,21 +69,6 @@ LEARNING: Final = frozenset(ROLES[ROLES.index(Role.PICKED) :])
 
 
 @dataclass(frozen=True, slots=True)
-class Configured:
-    """One plugin as the file configures it, the roles it plays, and where (``plugins[i]``)."""
-
-    name: str
-    type: str
-    plugin: Any
-    roles: tuple[Role, ...]
-    path: str
-
-    @property
-    def subject(self) -> str:
-        return f"plugin {self.name!r} ({self.type})"
-
-
-@dataclass(frozen=True, slots=True)
 class PickerConfig:
     """A configuration file, resolved: which plugins run, in which order, with which weights."""
 
@@ -92,6 +81,8 @@ class PickerConfig:
     """The plugins that run, in stage order: the profile's, then the unlisted ones."""
     weights: Mapping[str, float]
     warnings: tuple[str, ...] = ()
+    flow: flow_config.FlowConfig = flow_config.OFF
+    """The ``flowControl`` section: the gate, the saturation detector, the queues' settings."""
     discovery: Any = None
     """The plugin ``dataLayer.discovery`` names: where the pods come from (``pod_source``)."""
 
@@ -143,7 +134,9 @@ class _Decoder:
             kind = doc.get("kind", str, "")
             gates = doc.get("featureGates", list, [])
             entries, profiles = doc.entries("plugins"), doc.entries("schedulingProfiles")
-            sections = {name: doc.get(name, dict, None) for name in compat.SECTIONS}
+            sections = {
+                n: doc.get(n, dict, None) for n in (*compat.SECTIONS, *flow_config.SECTIONS)
+            }
             doc.done()
         except ConfigError as error:
             self.document.error(keys_of(error.field or ""), str(error))
@@ -178,7 +171,10 @@ class _Decoder:
         if profile is None:
             return None
         name, listed, weights = profile
+        flowing = flow_config.decode(self.document, sections, gates, plugins, named, self.registry)
+        self.given |= flowing.uses  # the detector and policies: used, though not in the profile
         running = self.running(plugins, name, listed)
+        running += flow_config.watching(flowing, running)
         self.link(plugins, running, pairs, skipped)
         if (data_layer or {}).get("injectDefaults") is not False:
             self.add_source(plugins, running, pairs)
@@ -187,9 +183,16 @@ class _Decoder:
         self.unnamed(plugins)
         self.check_attributes(running)
         return PickerConfig(
-            self.document.path, api_version, name, tuple(plugins), tuple(p.plugin for p in running),
-            weights, tuple(self.document.warnings), discovery and discovery.plugin,
-        )  # fmt: skip
+            self.document.path,
+            api_version,
+            name,
+            tuple(plugins),
+            tuple(p.plugin for p in running),
+            weights,
+            tuple(self.document.warnings),
+            flowing,
+            discovery and discovery.plugin,
+        )
 
     def plugin(
         self, entry: Params, named: dict[str, str], needing: dict[str, list[str]]
@@ -261,7 +264,7 @@ class _Decoder:
         by_name = {c.name: c for c in plugins}
         name = want.name
         if name is None:  # the one the data layer pairs with it, or the only one there is
-            providers = [c.name for c in plugins if want.provides in provides_of(c.plugin)]
+            providers = [c.name for c in plugins if want.provides in provides(c.plugin)]
             paired, only = pairs.get(p.name), providers[0] if len(providers) == 1 else None
             name = paired if paired in providers else only or want.default
             if name is None:
@@ -276,12 +279,12 @@ class _Decoder:
         if other is None:
             if name == want.default or name in skipped:
                 return  # left at its default, or ignored or reported already
-            makers = [kind for kind, f in self.registry.items() if want.provides in provides_of(f)]
+            makers = [kind for kind, f in self.registry.items() if want.provides in provides(f)]
             raise ConfigError(
                 f"{p.subject}: {want.field}: {name!r} names no {' or '.join(makers)}",
                 f"{p.path}.parameters.{want.field}",
             )
-        if want.provides not in provides_of(other.plugin):
+        if want.provides not in provides(other.plugin):
             raise ConfigError(
                 f"{p.subject}: {want.field}: {name!r} is a {other.type}, which provides no "
                 f"{want.provides}",
@@ -400,12 +403,12 @@ class _Decoder:
         for p in plugins:
             if p in running or not p.roles:  # one that only provides runs nowhere
                 continue
-            if PROFILED & {*p.roles}:
+            if not PROFILED & {*p.roles}:
+                running.append(p)
+            elif p.name not in self.given:  # a detector flow control reads is not idle
                 self.document.warn(
                     keys_of(p.path), f"{p.subject}: not in profile {profile!r}: it does not run"
                 )
-            else:
-                running.append(p)
         if len(pickers := [p.name for p in running if Role.PICK in p.roles]) > 1:
             self.document.error(
                 ["schedulingProfiles"],

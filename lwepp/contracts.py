@@ -293,12 +293,6 @@ class Want:
     """What the warning about an added plugin says, instead of the parameter that names it."""
 
 
-def provides_of(plugin: Any) -> frozenset[str]:
-    """What a plugin (or a plugin class) provides to those that name it."""
-    provided: frozenset[str] = getattr(plugin, "provides", frozenset())
-    return provided
-
-
 PREFIX_MATCH: Final = "prefix-match"
 """What a prefix producer provides: the index a prefix scorer reads (approximate or precise)."""
 

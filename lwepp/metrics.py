@@ -3,7 +3,7 @@ router's dashboards read Switchyard's pickers unchanged."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -17,6 +17,7 @@ DEFAULT_FAIRNESS: Final = "default-flow"
 ERROR_CODES: Final = {
     400: "BadRequest",
     413: "ResourceExhausted",
+    429: "ResourceExhausted",
     431: "BadRequest",
     503: "ServiceUnavailable",
 }
@@ -31,10 +32,11 @@ class PickerMetrics:
 
     - ``llm_d_epp_request_total{model_name,target_model_name,fairness_id,priority}``:
       requests routed. The model is the request's ``x-gateway-model-name``
-      (BBR's; Switchyard rewrites no model, so both names agree), the fairness
-      id the ``x-llm-d-inference-fairness-id`` header (else ``default-flow``),
-      the priority 0 (no InferenceObjective is read). A model or fairness id
-      past the 1,000th distinct one counts as ``other``, as in the router;
+      (BBR's), the target the model it was sent as (an InferenceModelRewrite's
+      target, else the same), the fairness id the ``x-llm-d-inference-fairness-id``
+      header (else ``default-flow``), the priority its InferenceObjective's
+      (``priority_of``; 0 without objectives). A model or fairness id past the
+      1,000th distinct one counts as ``other``, as in the router;
     - ``llm_d_epp_request_error_total{...,error_code}``: requests refused, by
       the router's code names (``ServiceUnavailable``, ``ResourceExhausted``...);
     - ``llm_d_epp_scheduler_attempts_total{status,target_model_name,endpoint_name,namespace,port}``:
@@ -50,7 +52,13 @@ class PickerMetrics:
 
     CAP: Final = 1000
 
-    def __init__(self, registry: CollectorRegistry, pool: str = "", namespace: str = "") -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        pool: str = "",
+        namespace: str = "",
+        priority_of: Callable[[Sequence[tuple[str, str]]], int] | None = None,
+    ) -> None:
         def counter(name: str, about: str, *labels: str) -> Counter:
             return Counter(f"llm_d_epp_{name}", about, labels, registry=registry)
 
@@ -61,6 +69,7 @@ class PickerMetrics:
 
         request = ("model_name", "target_model_name", "fairness_id", "priority")
         self.namespace = namespace
+        self.priority_of = priority_of
         self.requests = counter("request", "Total number of processed requests.", *request)
         self.errors = counter(
             "request_error", "Total number of request errors.", *request, "error_code"
@@ -82,8 +91,11 @@ class PickerMetrics:
         seen.add(value)
         return value
 
-    def labels(self, headers: Sequence[tuple[str, str]]) -> tuple[str, str, str, str]:
-        """``(model_name, target_model_name, fairness_id, priority)`` of a request.
+    def labels(
+        self, headers: Sequence[tuple[str, str]], target: str | None = None
+    ) -> tuple[str, str, str, str]:
+        """``(model_name, target_model_name, fairness_id, priority)`` of a request with the
+        client's ``headers``, sent as the model ``target`` (None: the model it named).
 
         The first value of each header, names compared case-insensitively (as
         ``extproc.first_header``), found in one pass: this runs on every pick,
@@ -99,9 +111,9 @@ class PickerMetrics:
         bounded_model = self.bounded("model", model or "")
         return (
             bounded_model,
-            bounded_model,
+            bounded_model if target is None else self.bounded("model", target),
             self.bounded("fairness", fairness or DEFAULT_FAIRNESS),
-            "0",
+            "0" if self.priority_of is None else str(self.priority_of(headers)),
         )
 
     def refresh(self, endpoints: Sequence[Endpoint]) -> None:

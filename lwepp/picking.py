@@ -57,7 +57,8 @@ class Followup(Protocol):
 
     def chunk(self, chunk: bytes) -> bytes | None:
         """A piece of the response body; the bytes to send on instead (a request control
-        rewriting the response), or None to send it as it came."""
+        rewriting the response; ``b""`` holds them back for a later chunk), or None to send
+        it as it came."""
         ...
 
     def end(self) -> None: ...

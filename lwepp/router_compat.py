@@ -11,13 +11,15 @@ file carries over or is refused in one line naming what is missing:
   (``IGNORED_TYPES``: nothing they do changes where a request goes here), and
   deprecated names (``ALIASES``, ``DEPRECATED``: they load, with a warning).
 - **Feature gates** (``gate_problems``): the router's gates and their
-  defaults; a gate set away from its default here changes nothing, and says so.
-- **Sections** (``section_problems``): ``dataLayer``, ``flowControl``,
-  ``requestHandler`` and the deprecated ``saturationDetector`` and ``parser``,
-  decoded (their fields checked, every plugin they name must exist) and
-  ignored with a warning, but for what ``dataLayer`` says that Switchyard does:
-  ``injectDefaults``, and ``sources``, which pair extractors with sources
-  (``extractor_pairs``).
+  defaults; a gate set away from its default here changes nothing, and says so
+  (but ``flowControl``, which turns flow control on: ``lwepp.flowcontrol``).
+- **Sections** (``section_problems``): ``dataLayer``, ``requestHandler`` and
+  the deprecated ``parser``, decoded (their fields checked, every plugin they
+  name must exist) and ignored with a warning, but for what ``dataLayer``
+  says that Switchyard does: ``injectDefaults``, and ``sources``, which pair
+  extractors with sources (``extractor_pairs``). ``flowControl`` and the
+  deprecated top-level ``saturationDetector`` are Switchyard's too, decoded
+  by ``lwepp.flowcontrol.config``.
 
 Refusing what changes nothing would stop router files from carrying over;
 dropping it silently would hide that it has no effect here.
@@ -35,15 +37,15 @@ API_VERSIONS: Final = (API_VERSION, "llm-d.ai/v1")
 DEPRECATED_API_VERSION: Final = "inference.networking.x-k8s.io/v1alpha1"
 KIND: Final = "EndpointPickerConfig"
 
-FEATURE_GATES: Final = {
-    "flowControl": (False, "Switchyard has no flow control (requests are never queued or shed)"),
+FEATURE_GATES: Final[Mapping[str, tuple[bool, str | None]]] = {
+    "flowControl": (False, None),  # flow control (lwepp.flowcontrol): honoured
     "haPopulateNonLeaderDatastore": (
         True,
         "a standby picker always watches its pods (--leader-elect), as the gate's default",
     ),
 }
 """The router's registered gates (v0.10): their default, and why a different value changes
-nothing here. Any other name is an error there, and here."""
+nothing here (None: it does change something). Any other name is an error there, and here."""
 
 REMOVED_GATES: Final = {
     "enableLegacyMetrics": "removed from the router before v0.10; legacy metrics are gone",
@@ -59,28 +61,16 @@ SECTIONS: Final = {
         "data sources listed under plugins run without it (sources pair extractors, discovery "
         "names the endpoints file)",
     ),
-    "flowControl": (
-        {
-            "maxBytes", "maxRequests", "defaultRequestTTL", "noEndpointRequestTTL",
-            "defaultPriorityBand", "defaultNegativePriorityBand", "priorityBands",
-            "usageLimitPolicyPluginRef", "saturationDetector", "enableEviction",
-        },
-        "Switchyard has no flow control (requests are never queued or shed)",
-    ),
     "requestHandler": (
         {"parsers", "propagatePriority"},
         "Switchyard parses OpenAI bodies itself (lwepp/body.py)",
-    ),
-    "saturationDetector": (
-        {"pluginRef"},
-        "deprecated, use flowControl.saturationDetector; Switchyard has no saturation detector",
     ),
     "parser": ({"pluginRef"}, "deprecated, use requestHandler.parsers; Switchyard parses OpenAI "
                "bodies itself"),
 }  # fmt: skip
 """Top-level sections decoded and ignored: their fields (v1alpha1's and v1's), and why."""
 
-_FLOW: Final = "Switchyard has no flow control or saturation detection"
+_EVICTION: Final = "in-flight eviction (flowControl.enableEviction) is not implemented"
 _PARSE: Final = "Switchyard parses OpenAI bodies itself (lwepp/body.py)"
 IGNORED_TYPES: Final = {
     "single-profile-handler": "Switchyard runs its one scheduling profile directly",
@@ -97,14 +87,10 @@ IGNORED_TYPES: Final = {
          "sglanghttp-parser", "vertexai-parser", "passthrough-parser"),
         _PARSE,
     ),
-    **dict.fromkeys(
-        ("utilization-detector", "concurrency-detector", "global-strict-fairness-policy",
-         "round-robin-fairness-policy", "program-aware-fairness", "fcfs-ordering-policy",
-         "edf-ordering-policy", "slo-deadline-ordering-policy", "static-usage-limit-policy",
-         "soft-reflective-ceiling-policy", "priority-holdback-policy",
-         "sheddable-eviction-filter", "priority-then-time-eviction-order-policy"),
-        _FLOW,
-    ),
+    "program-aware-fairness":
+        "not implemented: a band naming it uses global-strict-fairness-policy",
+    **dict.fromkeys(("sheddable-eviction-filter", "priority-then-time-eviction-order-policy"),
+                    _EVICTION),
 }  # fmt: skip
 """Router plugin types accepted without effect: none changes where a request goes here."""
 
@@ -277,8 +263,7 @@ def gate_problems(gates: Sequence[Any]) -> Iterator[tuple[Keys, bool, str]]:
                 True,
                 f"featureGates: unknown gate {name!r} (known: {', '.join(FEATURE_GATES)})",
             )
-        elif value != FEATURE_GATES[name][0]:
-            why = FEATURE_GATES[name][1]
+        elif value != FEATURE_GATES[name][0] and (why := FEATURE_GATES[name][1]) is not None:
             yield at, False, f"featureGates: {name}={str(value).lower()}: ignored: {why}"
 
 
@@ -288,7 +273,7 @@ def section_problems(
     """The top-level sections: known fields only; every plugin reference names a plugin of
     ``named``. Yields (where, is it an error, message)."""
     for section, value in sections.items():
-        if value is None:
+        if value is None or section not in SECTIONS:  # None: absent; else decoded elsewhere
             continue
         fields, why = SECTIONS[section]
         for unknown in sorted(set(value) - fields):

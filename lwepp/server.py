@@ -48,7 +48,7 @@ from typing import Final
 
 import structlog
 
-from lwepp.metrics import ERROR_CODES, PickerMetrics
+from lwepp.metrics import ERROR_CODES, MODEL_HEADER, PickerMetrics
 from lwepp.picking import (
     SUBSET_NAMESPACE,
     TEST_SELECTION_HEADER,
@@ -81,6 +81,9 @@ SERVED: Final = "x-gateway-destination-endpoint-served"
 SERVED_REPORT: Final = "x-conformance-test-served-endpoint"
 ECHO_SET_HEADER: Final = "X-Echo-Set-Header"
 
+GONE: Final = (("x-llm-d-request-dropped-reason", "rejected-no-endpoints"),)
+"""What the router adds to its 503 for a pool without endpoints."""
+
 UNCHANGED_RESPONSE_HEADERS: Final = extproc.headers_response("response")
 """The reply to response headers when nothing is reported or added: go on unchanged."""
 
@@ -89,13 +92,15 @@ MODES: Final = (BodyMode.FULL_DUPLEX_STREAMED, BodyMode.NONE)
 
 
 class PickerState(Exchange):
-    """What one stream remembers: the two halves, the candidates, the choice's followup, and
-    what the request controls let through (when the service runs some)."""
+    """What one stream remembers: the two halves, the request headers message (its metadata
+    names the candidates), the candidates, the choice's followup, and what the request
+    controls let through (when the service runs some)."""
 
-    __slots__ = ("admitted", "candidates", "followup")
+    __slots__ = ("admitted", "candidates", "first", "followup")
 
     def __init__(self, limit: int) -> None:
         super().__init__(MODES, limit)
+        self.first: ProcessingRequest | None = None
         self.candidates: tuple[Endpoint, ...] = ()
         self.followup: Followup | None = None
         self.admitted: Admitted | None = None
@@ -222,16 +227,30 @@ class EndpointPickerService:
         """Run the request controls on the whole request, before the message that makes it
         whole is answered with the choice (``RequestControl``)."""
         if message.WhichOneof("request") == "request_headers":
-            headers = extproc.header_pairs(message.request_headers)
-            body = None
+            state.first, headers, body = (
+                message,
+                extproc.header_pairs(message.request_headers),
+                None,
+            )
         else:
             headers, body = state.request.headers, b"".join(state.request.chunks)
             if message.WhichOneof("request") == "request_body":
                 body += message.request_body.body
-        admitted = Admitted(RequestInfo(headers, body))
+        await self.admit_request(state, headers, body)
+        if state.first is not None:  # the pool as it is now, as the router: it may have waited
+            state.candidates = self.candidates_for(state.first, headers)
+
+    async def admit_request(
+        self, state: PickerState, headers: Sequence[tuple[str, str]], body: bytes | None
+    ) -> None:
+        """The request controls, in order, on the whole request (``body`` None: it has none):
+        what they let through is ``state.admitted``, which the choice then sees (a composing
+        handler calls this too, before ``destination``). Let through untouched, the request
+        goes on as with no control: nothing is kept."""
+        asked = admitted = Admitted(RequestInfo(headers, body))
         for control in self.controls:
             admitted = await control.admit(admitted)
-        state.admitted = admitted
+        state.admitted = None if admitted is asked else admitted
 
     def on_request_headers(
         self, message: ProcessingRequest, state: PickerState
@@ -239,7 +258,9 @@ class EndpointPickerService:
         """Work out the candidates now; pick now unless the body is coming to us."""
         state.use_modes(message)
         state.request.headers = extproc.header_pairs(message.request_headers)
-        state.candidates = self.candidates_for(message, state.request.headers)
+        state.first = message
+        if not self.controls:  # else once they admit it (``admit``)
+            state.candidates = self.candidates_for(message, state.request.headers)
         if message.request_headers.end_of_stream or not state.request.streamed:
             return [self.route(state)]
         state.request.held = True
@@ -271,9 +292,11 @@ class EndpointPickerService:
     def candidates_for(
         self, message: ProcessingRequest, headers: Sequence[tuple[str, str]]
     ) -> tuple[Endpoint, ...]:
+        """The endpoints the request may go to now; 503 if none (with the llm-d router's
+        ``x-llm-d-request-dropped-reason`` when the pool has none at all)."""
         endpoints = self.pool.endpoints
         if not endpoints:
-            raise Refusal(503, "no ready endpoint in the pool", reason="no_endpoints")
+            raise Refusal(503, "no ready endpoint in the pool", reason="no_endpoints", headers=GONE)
         test_header = (
             extproc.first_header(headers, TEST_SELECTION_HEADER) if self.test_selection else None
         )
@@ -322,7 +345,12 @@ class EndpointPickerService:
         check_headers_fit(
             "request", state.request.headers, routing_headers(endpoint, self.report_served)
         )
-        labels = self.metrics.labels(state.request.headers)
+        target = (
+            None
+            if admitted is None
+            else extproc.first_header(admitted.request.headers, MODEL_HEADER)
+        )
+        labels = self.metrics.labels(state.request.headers, target)
         self.request_counter(*labels).inc()
         self.attempt_counter(
             "success", labels[1], primary.pod, self.metrics.namespace, str(primary.port)
@@ -353,7 +381,8 @@ class EndpointPickerService:
         if state.admitted is not None and state.admitted.followups and state.response.streamed:
             body = chunk.body
             for followup in followups(state):
-                body = followup.chunk(body) or body  # a control may rewrite what goes on
+                sent = followup.chunk(body)  # a control may rewrite what goes on, or hold it
+                body = body if sent is None else sent
             if chunk.end_of_stream:
                 self.end_response(state)
             return extproc.streamed_body_responses(

@@ -98,7 +98,13 @@ def pickers(
         registries.append(registry)
         pool = Pool(source, {args.pool_label: name})
         built[name] = assemble(
-            pool, picking.load_config(), picking, registry, name=name, max_body_bytes=max_body_bytes
+            pool,
+            picking.load_config(),
+            picking,
+            registry,
+            name=name,
+            max_body_bytes=max_body_bytes,
+            rewrites=picking.rewrite_file(name),  # the file's rewrites whose poolRef names it
         )
         for model in models:
             if model in by_model:
@@ -134,12 +140,17 @@ def one_hop(
         handler,
         Health(HEALTH_SERVICES, ready=lambda: source.synced),
         registry,
-        background=[source.run, *(job for b in built.values() for job in b.background)],
+        background=[
+            source.run,
+            *router.background,
+            *(job for b in built.values() for job in b.background),
+        ],
         debug_pages=pages,
         announce={
             "response_headers": handler.hears_response,
             "response_body": handler.reads_response_body,
         },
+        stopping=[hook for pool_picker in built.values() for hook in pool_picker.stopping],
     )
 
 
@@ -150,10 +161,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     picking = PickerOptions.from_args(args)
     if options.workers > 1 and (picking.config_path or picking.config_text):
         parser.error("--workers with --config: each worker would learn from its share only")
+    if picking.model_rewrites == "api":
+        parser.error("--model-rewrites=api: the one hop reads its pools' rewrites from a file")
+    try:
+        picking.rewrite_file(None)
+    except ConfigErrors as error:
+        parser.error(f"argument --model-rewrites:\n{error}")
     source = FileSource(args.pods, interval=args.pods_interval)
     bbr_registry = CollectorRegistry()
+    try:
+        picking.objective_file()
+    except ConfigErrors as error:
+        parser.error(f"argument --inference-objectives:\n{error}")
     try:  # a bad --plugin, --config or --pool stops here
-        router = router_of(args, bbr_registry, options.max_body_bytes)
+        router, router_warnings = router_of(args, bbr_registry, options.max_body_bytes)
         picked = pickers(args, picking, source, options.max_body_bytes)
     except ConfigErrors as error:
         parser.error(f"argument --config:\n{error}")
@@ -165,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PodFileError as error:
         sys.exit(f"onehop: {error}")
     service = one_hop(args, options, router, bbr_registry, source, picked)
-    warnings = cli.ignored_warnings(args, cli.COMMON_IGNORED)
+    warnings = [*cli.ignored_warnings(args, cli.COMMON_IGNORED), *router_warnings]
     return cli.run("onehop", options, lambda: service, argv, warnings)
 
 

@@ -20,8 +20,10 @@ rather than restating it:
     Held (at most ``--max-body-bytes``); at its end BBR's request chain runs
     (``BodyBasedRouter.read_request``: not a JSON object is 400). The model
     it found names the pool (``--pool NAME=MODEL,...``); that pool's picker
-    (``EndpointPickerService``) chooses among its candidates, given the
-    request's headers as BBR changed them and the body. One answer carries
+    (``EndpointPickerService``) runs its request controls (its model rewrite
+    may change the body sent on; flow control may hold or refuse the request
+    here) and chooses among its candidates, given the request's headers as
+    BBR changed them and the body. One answer carries
     both services' header changes, the ``envoy.lb`` metadata and
     ``clear_route_cache``; in full duplex the body follows it. A model no
     pool serves is answered with BBR's changes alone, so Envoy's routes
@@ -73,13 +75,13 @@ ANY_MODEL: Final = "*"
 
 
 class OneHopState(PickerState):
-    """A picker's stream state, plus the headers message and the pool's picker, once chosen."""
+    """A picker's stream state (the headers message among it), plus the pool's picker, once
+    chosen."""
 
-    __slots__ = ("first", "picker")
+    __slots__ = ("picker",)
 
     def __init__(self, limit: int) -> None:
         super().__init__(limit)
-        self.first: ProcessingRequest | None = None
         self.picker: EndpointPickerService | None = None
 
 
@@ -114,12 +116,14 @@ class OneHop:
             try:
                 match extproc.kind(message):
                     case "request_headers":
-                        replies = self.request_headers(message, state)
+                        replies = await self.request_headers(message, state)
                     case "request_body":
-                        replies = self.request_body(message.request_body, state)
+                        replies = await self.request_body(message.request_body, state)
                     case "request_trailers":
                         finished = (
-                            self.finish(state, end_of_stream=False) if state.request.held else []
+                            await self.finish(state, end_of_stream=False)
+                            if state.request.held
+                            else []
                         )
                         replies = [*finished, extproc.trailers_response("request")]
                     case "response_headers" if picker is not None:
@@ -148,7 +152,7 @@ class OneHop:
             return state.picker.refuse(state, error)
         return self.router.refusal(state, error)
 
-    def request_headers(
+    async def request_headers(
         self, message: ProcessingRequest, state: OneHopState
     ) -> list[ProcessingResponse]:
         """Keep the headers; route now if no body follows, else answer or hold as BBR does."""
@@ -157,25 +161,26 @@ class OneHop:
         state.first = message
         state.request.headers = extproc.header_pairs(message.request_headers)
         if message.request_headers.end_of_stream:
-            return [self.route(state, [], [], None, headers=True)]
+            return [await self.route(state, [], [], None, headers=True)]
         if state.request.streamed:
             state.request.held = True
             return []
         return [extproc.headers_response("request")]
 
-    def request_body(self, chunk: Any, state: OneHopState) -> list[ProcessingResponse]:
+    async def request_body(self, chunk: Any, state: OneHopState) -> list[ProcessingResponse]:
         """Hold a chunk; at the end of the body, run BBR's chain and pick."""
         state.request.hold(chunk.body)
         if state.request.streamed and not chunk.end_of_stream:
             return []
-        return self.finish(state, end_of_stream=True)
+        return await self.finish(state, end_of_stream=True)
 
-    def finish(self, state: OneHopState, *, end_of_stream: bool) -> list[ProcessingResponse]:
+    async def finish(self, state: OneHopState, *, end_of_stream: bool) -> list[ProcessingResponse]:
         """BBR's chain on the whole body, then the pick, in one answer (then the body, streamed).
 
         In full duplex the answer is the held headers reply and the body
         follows it (Envoy forwards only what we send back); with a buffered
-        body it is the body reply, carrying the body only if BBR changed it.
+        body it is the body reply, carrying the body only if BBR (or a
+        request control) changed it.
         """
         half = state.request
         message = self.router.read_request(state)
@@ -184,15 +189,19 @@ class OneHop:
         held, half.held = half.held, False
         if not half.streamed:
             new_body = message.raw if message.body_mutated else None
-            return [self.route(state, set_headers, remove, message.raw, new_body=new_body)]
-        chunks = extproc.streamed_body_responses(
-            "request", message.raw, end_of_stream=end_of_stream
-        )
+            return [await self.route(state, set_headers, remove, message.raw, new_body=new_body)]
         if not held:  # a body without headers before it, which Envoy never sends
-            return chunks
-        return [self.route(state, set_headers, remove, message.raw, headers=True), *chunks]
+            return extproc.streamed_body_responses(
+                "request", message.raw, end_of_stream=end_of_stream
+            )
+        answer = await self.route(state, set_headers, remove, message.raw, headers=True)
+        body = upstream_body(state) or message.raw
+        return [
+            answer,
+            *extproc.streamed_body_responses("request", body, end_of_stream=end_of_stream),
+        ]
 
-    def route(
+    async def route(
         self,
         state: OneHopState,
         set_headers: list[tuple[str, str]],
@@ -204,11 +213,15 @@ class OneHop:
     ) -> ProcessingResponse:
         """Pick in the model's pool, if one serves it; answer with every header change.
 
-        ``body`` is what the strategy sees (None: the request had none). The
-        answer is a ``headers`` reply, or else a body reply replacing the body
-        with ``new_body`` when given. Either way it clears the route cache, so
-        Envoy matches the routes again, by model, and the pool's ORIGINAL_DST
-        cluster follows the destination header.
+        ``body`` is what the pool's request controls and strategy see (None:
+        the request had none). The controls run after BBR's chain named the
+        pool and before its pick (``EndpointPickerService.admit_request``): they
+        may hold the request (flow control), refuse it, or change its body,
+        which then goes upstream with its length. The answer is a ``headers``
+        reply, or else a body reply replacing the body with ``new_body`` when
+        given. Either way it clears the route cache, so Envoy matches the
+        routes again, by model, and the pool's ORIGINAL_DST cluster follows
+        the destination header.
         """
         half = state.request
         half.headers = with_changes(half.headers, set_headers, remove)
@@ -217,9 +230,15 @@ class OneHop:
         metadata = None
         if picker is not None and state.first is not None:
             state.picker = picker
-            state.candidates = picker.candidates_for(state.first, half.headers)
+            if picker.controls:
+                await picker.admit_request(state, half.headers, body)
+            state.candidates = picker.candidates_for(state.first, half.headers)  # then, as it is
             endpoint = picker.destination(state, body)
             set_headers = [*set_headers, *routing_headers(endpoint, picker.report_served)]
+            if (changed := upstream_body(state)) is not None:  # its length replaces BBR's
+                set_headers = [(n, v) for n, v in set_headers if n.lower() != "content-length"]
+                set_headers.append(("content-length", str(len(changed))))
+                new_body = changed if not headers else new_body  # streamed: ``finish`` sends it
             metadata = {extproc.LB_NAMESPACE: {DESTINATION: endpoint}}
         if headers:
             return extproc.headers_response(
@@ -231,6 +250,11 @@ class OneHop:
         if metadata is not None:
             answer.dynamic_metadata.CopyFrom(extproc.struct(metadata))
         return answer
+
+
+def upstream_body(state: OneHopState) -> bytes | None:
+    """The body a request control set to go upstream instead (None: unchanged)."""
+    return state.admitted.body if state.admitted is not None else None
 
 
 def with_changes(

@@ -54,16 +54,20 @@ class Document:
     @classmethod
     def parse(cls, text: str, path: str) -> Document:
         """``text`` as YAML; raises ``ConfigErrors`` (with the line) when it is not."""
-        try:
+        with not_yaml(path):
             node = yaml.compose(text, Loader=yaml.SafeLoader)
             data = yaml.safe_load(text)
-        except yaml.MarkedYAMLError as error:
-            mark = error.problem_mark
-            line = f":{mark.line + 1}" if mark is not None else ""
-            raise ConfigErrors([f"{path}{line}: not YAML: {error.problem}"]) from None
-        except yaml.YAMLError as error:
-            raise ConfigErrors([f"{path}: not YAML: {error}"]) from None
         return cls(path, data, node)
+
+    @classmethod
+    def parse_all(cls, text: str, path: str) -> list[Document]:
+        """Every non-empty document of a multi-document YAML text (``---`` between them, as
+        ``kubectl get -o yaml`` and hand-written manifests put them); raises ``ConfigErrors``
+        (with the line) when the text is not YAML."""
+        with not_yaml(path):
+            nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
+            datas = list(yaml.safe_load_all(text))
+        return [cls(path, d, n) for n, d in zip(nodes, datas, strict=True) if d is not None]
 
     def line(self, keys: Keys) -> int:
         """The line of the deepest of ``keys`` found in the document (1-based; 0 if none)."""
@@ -112,6 +116,19 @@ class Document:
         if self.errors or result is None:
             raise ConfigErrors(self.errors or [f"{self.path}: no configuration"])
         return result
+
+
+@contextlib.contextmanager
+def not_yaml(path: str) -> Iterator[None]:
+    """Turn a YAML syntax error raised inside into ``ConfigErrors`` naming the file and line."""
+    try:
+        yield
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigErrors([f"{path}{line}: not YAML: {error.problem}"]) from None
+    except yaml.YAMLError as error:
+        raise ConfigErrors([f"{path}: not YAML: {error}"]) from None
 
 
 def read_utf8(path: str | os.PathLike[str]) -> str:

@@ -40,9 +40,9 @@ import asyncio
 import ipaddress
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Generic, TypeVar
 
 import structlog
 import yaml
@@ -51,6 +51,7 @@ from plugin_api.document import read_utf8
 from pods.model import Pod, is_ip
 
 log = structlog.get_logger()
+T = TypeVar("T")
 
 _POD_FIELDS: Final = {"name", "address", "ports", "labels", "ready", "namespace"}
 _ENDPOINT_FIELDS: Final = {"name", "namespace", "address", "port", "labels"}
@@ -263,8 +264,15 @@ def load_pods(path: str | os.PathLike[str]) -> tuple[Pod, ...]:
     return parse_pods(text, str(path))
 
 
-class FileSource:
-    """Pods from a YAML file, re-read whenever its modification time or size changes.
+class WatchedFile(Generic[T]):
+    """A file re-read whenever its modification time or size changes, its contents handed on.
+
+    ``load(path)`` reads and decodes it, raising ``ValueError`` (its message
+    naming the file, and the line and field at fault); ``take`` gets each new
+    good result. A broken edit never takes effect: the last good contents stay
+    in force, ``error`` holds the message, and it is logged once per change of
+    the file, as ``rejected`` says (the pod file, the model rewrites and BBR's
+    ConfigMaps are read this way).
 
     Watching by polling the file's ``stat`` every ``interval`` seconds follows
     what the router's ``fsnotify`` watch follows: writes in place, an atomic
@@ -274,43 +282,40 @@ class FileSource:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], interval: float = 1.0, *, watch: bool = True
+        self,
+        path: str | os.PathLike[str],
+        load: Callable[[Path], T],
+        take: Callable[[T], None],
+        rejected: str,
+        interval: float = 1.0,
+        *,
+        watch: bool = True,
     ) -> None:
-        self.path = Path(path)
-        self.interval = interval
-        self.watch = watch
+        self.path, self.interval, self.watch = Path(path), interval, watch
+        self._load, self._take, self._rejected = load, take, rejected
         self.error: str | None = None
-        self.pods: tuple[Pod, ...] = ()
-        """The pods as last read (``PodSource``): replaced whole, never changed in place."""
-        self.synced = False
-        """True once the pods were read (``PodSource``)."""
         self._stamp: tuple[int, int] | None = None
 
     def reload(self) -> bool:
-        """Re-read the file if it changed; True when the pod list was replaced.
-
-        On a broken file the previous pods stay, ``error`` holds the message
-        and it is logged once per change of the file.
-        """
+        """Re-read the file if it changed; True when its contents were taken."""
         try:
             stat = self.path.stat()
-            stamp = (stat.st_mtime_ns, stat.st_size)
+            stamp: tuple[int, int] | None = (stat.st_mtime_ns, stat.st_size)
         except OSError as error:
-            stamp = None
-            message = f"{self.path}: cannot read: {error.strerror}"
+            stamp, message = None, f"{self.path}: cannot read: {error.strerror}"
         else:
             if stamp == self._stamp:
                 return False
             try:
-                pods = load_pods(self.path)
-            except PodFileError as error:
+                loaded = self._load(self.path)
+            except ValueError as error:
                 message = str(error)
             else:
-                self._stamp, self.pods, self.synced, self.error = stamp, pods, True, None
-                log.info("pods loaded", path=str(self.path), pods=len(pods))
+                self._stamp, self.error = stamp, None
+                self._take(loaded)
                 return True
         if message != self.error:
-            log.error("pod file rejected; keeping the last good list", error=message)
+            log.error(self._rejected, error=message)
         self._stamp, self.error = stamp, message
         return False
 
@@ -320,3 +325,37 @@ class FileSource:
             await asyncio.sleep(self.interval)
             self.reload()
         await asyncio.Event().wait()  # read once: nothing more to do until cancelled
+
+
+class FileSource:
+    """Pods from a YAML file, re-read whenever its modification time or size changes."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], interval: float = 1.0, *, watch: bool = True
+    ) -> None:
+        self.path, self.watch = Path(path), watch
+        """``watch``: re-read on change (False: read once, as ``file-discovery`` without
+        ``watchFile``)."""
+        self.pods: tuple[Pod, ...] = ()
+        """The pods as last read (``PodSource``): replaced whole, never changed in place."""
+        self.synced = False
+        """True once the pods were read (``PodSource``)."""
+        rejected = "pod file rejected; keeping the last good list"
+        self._file = WatchedFile(path, load_pods, self._take, rejected, interval, watch=watch)
+
+    @property
+    def error(self) -> str | None:
+        """Why the file as it is now is not in force (None: it is)."""
+        return self._file.error
+
+    def reload(self) -> bool:
+        """Re-read the file if it changed; True when the pod list was replaced (a broken file
+        keeps the previous pods: ``WatchedFile``)."""
+        return self._file.reload()
+
+    def _take(self, pods: tuple[Pod, ...]) -> None:
+        self.pods, self.synced = pods, True
+        log.info("pods loaded", path=str(self.path), pods=len(pods))
+
+    async def run(self) -> None:
+        await self._file.run()

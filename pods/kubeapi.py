@@ -455,6 +455,30 @@ class Reflector(Protocol):
         ...
 
 
+class Held:
+    """A collection as ``reflect`` keeps it (a ``Reflector``): every object by name, and
+    ``changed`` called after each list and each change."""
+
+    def __init__(self, changed: Callable[[], None]) -> None:
+        self.objects: dict[str, Object] = {}
+        self.listed = False
+        """True once a list filled it (a watch alone does not)."""
+        self._changed = changed
+
+    def replace(self, items: list[Object]) -> None:
+        self.objects = {item["metadata"]["name"]: item for item in items}
+        self.listed = True
+        self._changed()
+
+    def apply(self, kind: str, obj: Object) -> None:
+        name = obj["metadata"]["name"]
+        if kind == "DELETED":
+            self.objects.pop(name, None)
+        else:
+            self.objects[name] = obj
+        self._changed()
+
+
 async def reflect(
     api: KubeApi,
     path: str,

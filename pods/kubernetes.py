@@ -38,7 +38,7 @@ from typing import Any, Final
 
 import structlog
 
-from pods.kubeapi import Backoff, ClusterConfig, KubeApi, Object, reflect
+from pods.kubeapi import Backoff, ClusterConfig, Held, KubeApi, Object, reflect
 from pods.model import Pod, is_ip
 from pods.selector import LabelSelector
 
@@ -131,28 +131,6 @@ def to_pod(obj: Mapping[str, Any], spec: PoolSpec) -> Pod | None:
     return Pod(name=name, address=address, ports=ports, labels=labels, namespace=namespace)
 
 
-class _Pods:
-    """The pod collection as a reflector keeps it: every pod the label selector returned."""
-
-    def __init__(self, owner: InferencePoolSource) -> None:
-        self.owner = owner
-        self.objects: dict[str, Object] = {}
-        self.listed = False
-
-    def replace(self, items: list[Object]) -> None:
-        self.objects = {item["metadata"]["name"]: item for item in items}
-        self.listed = True
-        self.owner.publish()
-
-    def apply(self, kind: str, obj: Object) -> None:
-        name = obj["metadata"]["name"]
-        if kind == "DELETED":
-            self.objects.pop(name, None)
-        else:
-            self.objects[name] = obj
-        self.owner.publish()
-
-
 class _Pool:
     """The InferencePool collection, filtered to the one pool by name."""
 
@@ -193,7 +171,7 @@ class InferencePoolSource:
         """The pods as last read (``PodSource``): replaced whole, never changed in place."""
         self.synced = False
         """True once the pods were read (``PodSource``)."""
-        self._held = _Pods(self)
+        self._held = Held(self.publish)
         self._rewatch = asyncio.Event()
         self._fixed = False
 
@@ -276,7 +254,7 @@ class InferencePoolSource:
                 # Pods of the previous selector stay until the new list
                 # replaces them; ``publish`` already hides those that no
                 # longer match.
-                self._held = _Pods(self) if self.spec is None else self._held
+                self._held = Held(self.publish) if self.spec is None else self._held
                 self._held.listed = False
                 if self.spec is not None:
                     selector = str(self.spec.selector)

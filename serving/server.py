@@ -221,7 +221,9 @@ class Service:
     watching, scraping...), cancelled at shutdown. ``debug_pages``: GET paths
     beside ``/metrics``, each answering JSON (served only with
     ``ServingOptions.debug_pages``: they tell whoever reaches the port about
-    the traffic). ``announce``: more fields for the ``listening`` log line,
+    the traffic). ``stopping``: called when the service stops taking new
+    work, before it waits for open streams (a picker's flow control then
+    answers every request it holds). ``announce``: more fields for the ``listening`` log line,
     which is how a gateway that starts the service learns its ports (and
     whether it needs the response: LWEPP's ``response_headers``, BBR's
     ``response``).
@@ -234,6 +236,7 @@ class Service:
     background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = ()
     debug_pages: JsonRoutes = field(default_factory=dict)
     announce: Mapping[str, Any] = field(default_factory=dict)
+    stopping: Sequence[Callable[[], None]] = ()
 
 
 async def serve(
@@ -255,9 +258,10 @@ async def serve(
     SERVING), the ext_proc server keeps accepting streams for
     ``options.drain`` seconds while load balancers take the replica out (the
     llm-d router's ``--drain-timeout``; a second signal, or ``stop`` set
-    again, ends the drain early), then stops accepting new streams and gives
-    in-flight streams ``options.grace`` seconds to finish; then background
-    tasks are cancelled and the side servers close.
+    again, ends the drain early), then calls ``service.stopping``, stops
+    accepting new streams and gives in-flight streams ``options.grace``
+    seconds to finish; then background tasks are cancelled and the side
+    servers close.
     """
     if stop is None:
         stop = asyncio.Event()
@@ -340,6 +344,8 @@ async def _serve(
     finally:
         log.info("stopping", service=service.name, grace_seconds=options.grace)
         await health_state.set_all(False)
+        for hook in service.stopping:
+            hook()
         await server.stop(options.grace)
         for task in tasks:
             task.cancel()

@@ -239,3 +239,12 @@ async def running(
     finally:
         stop.set()
         await task
+
+
+async def exchange_with(
+    name: str, handler: Handler, messages: Iterable[ProcessingRequest]
+) -> list[ProcessingResponse]:
+    """One stream to ``handler``, served on free ports for it alone: every answer to
+    ``messages`` (``ExtProcClient.exchange``)."""
+    async with running(name, handler) as ports, ExtProcClient(f"127.0.0.1:{ports.grpc}") as client:
+        return await client.exchange(messages)

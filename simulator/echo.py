@@ -99,11 +99,15 @@ class EchoBasic:
             "httpPort": str(self.port if http_port is None else http_port),
         }
 
-    def stamp_headers(self, request_headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
-        """The headers every response carries, given the request's: identity, received, echoed
-        (``simulator.server``'s module docstring)."""
+    def stamp_headers(
+        self, request_headers: Iterable[tuple[str, str]], model: str | None = None
+    ) -> list[tuple[str, str]]:
+        """The headers every response carries, given the request's (and the model its body
+        named): identity, the model, received, echoed (``simulator.server``'s module docstring)."""
         request_headers = list(request_headers)
         stamp = [("x-sim-pod", self.pod.name), ("x-sim-endpoint", self.endpoint)]
+        if model is not None:
+            stamp.append(("x-sim-served-model", model))
         stamp += [
             (f"x-sim-received-{name.lower()}", value)
             for name, value in request_headers

@@ -67,6 +67,16 @@ class Request:
         return len(self.tokens)
 
 
+def named_model(raw: bytes) -> str | None:
+    """The ``model`` a body names, if it is a JSON object naming one as a string."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else None
+
+
 def parse(api: Api, raw: bytes, served: Collection[str]) -> Request:
     """Validate a request body in the order vLLM does: JSON, then the model, then the fields.
 

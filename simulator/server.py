@@ -13,6 +13,9 @@ the status line is written) with headers that let an end-to-end test see what
 reached which replica:
 
 - ``x-sim-pod: <pod name>`` and ``x-sim-endpoint: <ip:port>``;
+- ``x-sim-served-model: <model>`` on the OpenAI endpoints' answers: the
+  ``model`` the request body named, as it reached the replica (after any
+  rewrite on the way: a canary's adapter, say);
 - ``x-sim-received-<name>: <value>`` for each request header ``x-gateway-*`` or
   ``x-conformance-*``
   (the model and destination headers a gateway adds);
@@ -52,6 +55,9 @@ from simulator.openai import Api, ApiError
 from simulator.tokenizer import output_token
 
 log = structlog.get_logger()
+
+SERVED_MODEL: Final = web.RequestKey("served_model", str)
+"""Where a request keeps the model its body named, for its response's stamp."""
 
 DEFAULT_MODEL: Final = "sim-model"
 """The model of a pod without a ``model`` label."""
@@ -156,7 +162,8 @@ class Replica:
     async def stamp(self, request: web.Request, response: web.StreamResponse) -> None:
         """Add the replica's identity and the echo headers to every response (module docstring)."""
         seen: set[str] = set()
-        for name, value in self.echo_basic.stamp_headers(request.headers.items()):
+        served = request.get(SERVED_MODEL)
+        for name, value in self.echo_basic.stamp_headers(request.headers.items(), served):
             if name in seen:  # a repeated x-gateway-* request header: keep every value
                 response.headers.add(name, value)
             else:  # otherwise replace what the handler set
@@ -183,11 +190,23 @@ class Replica:
         queued or generated, and faults such as ``--error-rate`` do not apply.
         """
         try:
-            parsed = openai.parse(api, await request.read(), (self.model, *self.adapters))
+            parsed = self._parse(request, api, await request.read())
         except ApiError as error:
             return _error(error)
         prefix = "cmpl" if api == "completions" else "chatcmpl"
         return _json(openai.render(parsed, lambda: f"{prefix}-{uuid.uuid4().hex}"))
+
+    def _parse(self, request: web.Request, api: Api, raw: bytes) -> openai.Request:
+        """The body, parsed; the model it names is noted for the response's stamp, also when
+        the body is refused (a model this replica does not serve)."""
+        try:
+            parsed = openai.parse(api, raw, (self.model, *self.adapters))
+        except ApiError:
+            if (named := openai.named_model(raw)) is not None:
+                request[SERVED_MODEL] = named
+            raise
+        request[SERVED_MODEL] = parsed.model
+        return parsed
 
     @web.middleware
     async def _dead_after_crash(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -207,7 +226,7 @@ class Replica:
 
     async def _generate(self, request: web.Request, api: Api) -> web.StreamResponse:
         try:
-            parsed = openai.parse(api, await request.read(), (self.model, *self.adapters))
+            parsed = self._parse(request, api, await request.read())
             problem = self.engine.validate(parsed.prompt_tokens, parsed.max_tokens)
             if problem is not None:
                 raise openai.bad_request(problem)

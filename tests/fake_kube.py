@@ -23,11 +23,12 @@ which resources the code really uses (``verbs()``), and compare with RBAC.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -43,6 +44,8 @@ _PATH = re.compile(
     r"^(?P<api>/api/v1|/apis/[^/]+/[^/]+)(?:/namespaces/(?P<ns>[^/]+))?/(?P<res>[^/]+)"
     r"(?:/(?P<name>[^/]+))?$"
 )
+
+_DISCOVERY = re.compile(r"^/apis/(?P<gv>[^/]+/[^/]+)$")
 
 TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
 ACCESS_REVIEWS = "/apis/authorization.k8s.io/v1/subjectaccessreviews"
@@ -154,6 +157,17 @@ async def eventually(check: Callable[[], bool], what: str = "condition") -> None
         await asyncio.sleep(0.005)
 
 
+@contextlib.asynccontextmanager
+async def in_background(job: Callable[[], Coroutine[Any, Any, None]]) -> AsyncIterator[None]:
+    """``job()`` running as a task for the block (a source's ``run``), cancelled after it."""
+    task = asyncio.create_task(job())
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 class FakeKube:
     """Start with ``await fake.start()`` (or ``async with FakeKube() as fake``); ``url`` to connect."""
 
@@ -174,6 +188,14 @@ class FakeKube:
         """(user name, non-resource path, verb) a SubjectAccessReview allows; others denied."""
         self.reviews: list[Object] = []
         """The body of every TokenReview and SubjectAccessReview received, in order."""
+        self.served: dict[str, list[str]] = {}
+        """API discovery: group/version (``llm-d.ai/v1alpha2``) → the resources it serves, as
+        ``GET /apis/<group>/<version>`` lists them (a custom resource's CRD installed); any
+        other group/version is a 404. Not in ``requests``: discovery is open to every user."""
+        self.discoveries: list[str] = []
+        """The group/versions asked about, in order."""
+        self.uninstalled: set[str] = set()
+        """API groups (``llm-d.ai/v1alpha2``) whose CRDs are not installed: answered 404."""
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -275,6 +297,8 @@ class FakeKube:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         query = dict(request.query)
+        if request.method == "GET" and (discovery := _DISCOVERY.match(request.path)):
+            return self._discovery(discovery["gv"])
         self.requests.append(
             Recorded(request.method, request.path, query, request.headers.get("Authorization", ""))
         )
@@ -283,6 +307,8 @@ class FakeKube:
             return web.json_response(
                 status(self.failing, "InternalError", "failing"), status=self.failing
             )
+        if match and match["api"].removeprefix("/apis/") in self.uninstalled:
+            return web.json_response(status(404, "NotFound", "no such resource"), status=404)
         if request.method == "POST" and request.path in (TOKEN_REVIEWS, ACCESS_REVIEWS):
             return web.json_response(self._review(request.path, await request.json()), status=201)
         if not match or not match["ns"]:
@@ -327,6 +353,17 @@ class FakeKube:
                 )
             return web.json_response(self.put(collection, body))
         return web.json_response(status(405, "MethodNotAllowed", request.method), status=405)
+
+    def _discovery(self, group_version: str) -> web.Response:
+        self.discoveries.append(group_version)
+        if group_version not in self.served:
+            return web.json_response(
+                status(404, "NotFound", "the server could not find it"), status=404
+            )
+        resources = [{"name": name, "namespaced": True} for name in self.served[group_version]]
+        return web.json_response(
+            {"kind": "APIResourceList", "groupVersion": group_version, "resources": resources}
+        )
 
     def _review(self, path: str, review: Object) -> Object:
         """The API server's answer to a TokenReview or a SubjectAccessReview: the review

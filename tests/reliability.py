@@ -27,6 +27,7 @@ COLUMNS: Final = {
     "Bad input": ("What the client sends", "What it gets back"),
     "Faults": ("What fails", "What clients saw, measured"),
     "Soak": ("Measured", "Result"),
+    "Overload": ("What the picker holds, and what happens", "What clients saw, measured"),
 }
 
 

@@ -86,6 +86,6 @@ def test_command_line_names_parts_and_options() -> None:
     parts, options = parse(["routing", "--seed", "3", "--quick", "--out", "x"])
     assert parts == ["routing"]
     assert options == Options(seed=3, quick=True, out=Path("x"))
-    assert parse([])[0] == ["micro", "overhead", "routing", "live"]
+    assert parse([])[0] == ["micro", "overhead", "routing", "overload", "live"]
     with pytest.raises(SystemExit):
         parse(["nonsense"])

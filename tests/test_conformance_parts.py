@@ -22,6 +22,8 @@ from conformance import cases
 from conformance.cases import Trial, dp_header, weighted_tolerance
 from conformance.client import Echo, Expected, Failed, Observation, Request, Timing, compare
 from conformance.envoy import (
+    LB_NAMESPACE,
+    PROTOCOL_CHECK,
     BackendRef,
     Gateway,
     HTTPRoute,
@@ -33,11 +35,13 @@ from conformance.envoy import (
     routes_file,
     write_routes,
 )
-from conformance.picker import PickerTransport
+from conformance.picker import PickerTransport, named_endpoints
 from conformance.run import run_suite
-from conformance.topology import EchoPod
+from conformance.topology import EchoPod, Topology, cluster_objects
 from demo import envoy as demo
+from pods.kubernetes import pool_spec, to_pod
 from serving.testing import running
+from tests.broken_picker import Picker
 from wire import extproc
 from wire.stream import Stream
 
@@ -109,12 +113,58 @@ def test_a_listener_with_a_hostname_takes_only_its_hosts_routes() -> None:
     assert [r.name for r in hosts["*"]] == ["no-route"]
 
 
-def test_fail_open_rules_get_a_picked_route_and_a_fallback_route() -> None:
-    """FailOpen: with the picker's header → ORIGINAL_DST; without → the pool's replicas."""
-    (picked, fallback, _) = vhosts(PRIMARY, [route("r", PRIMARY, "/f", "b")])["*"]
-    assert picked.match.headers[0].name == "x-gateway-destination-endpoint"
-    assert picked.route.cluster == "pool-b"
-    assert fallback.route.cluster == "pool-b-fallback"
+def bootstrap_clusters(pools: list[InferencePool]) -> dict[str, Any]:
+    """The clusters of a bootstrap, by name, as Envoy reads them."""
+    found = bootstrap([PRIMARY], pools, Path("/unused"))["static_resources"]["clusters"]
+    return {c["name"]: c for c in found}
+
+
+def test_each_pool_routes_on_its_pickers_envoy_lb_metadata_over_its_endpoints() -> None:
+    """The pool's cluster holds its endpoints and routes on envoy.lb's
+    x-gateway-destination-endpoint (override host, as Istio), round robin when no picker named
+    one: a FailOpen rule needs no route of its own for its picker's absence."""
+    (rule, _) = vhosts(PRIMARY, [route("r", PRIMARY, "/f", "b")])["*"]
+    assert rule.route.cluster == "pool-b"
+    by_name = bootstrap_clusters(list(POOLS.values()))
+    pool = by_name["pool-b"]
+    (hosts,) = pool["load_assignment"]["endpoints"]
+    assert [h["endpoint"]["address"]["socket_address"] for h in hosts["lb_endpoints"]] == [
+        {"address": "127.0.0.1", "port_value": 3001}
+    ]
+    (policy,) = pool["load_balancing_policy"]["policies"]
+    override = policy["typed_extension_config"]["typed_config"]
+    assert override["override_host_sources"] == [
+        {"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}}
+    ]
+    (fallback,) = override["fallback_policy"]["policies"]
+    assert fallback["typed_extension_config"]["name"] == "envoy.load_balancing_policies.round_robin"
+    assert "typed_extension_protocol_options" in by_name["pool-h"]  # h2c
+    assert "typed_extension_protocol_options" not in by_name["pool-a"]
+
+
+def test_the_pickers_are_dialled_over_tls_and_checked_on_gies_health_service() -> None:
+    """TLS to each picker's ext_proc port (health checks on its plaintext port), asking about
+    inference-extension; a plaintext pool is dialled without."""
+    plain = InferencePool("p", "127.0.0.1", tls=False)
+    by_name = bootstrap_clusters([POOLS["a"], plain])
+    secure, insecure = by_name["lwepp-a"], by_name["lwepp-p"]
+    assert secure["transport_socket"]["name"] == "envoy.transport_sockets.tls"
+    assert "transport_socket" not in insecure
+    for picker in (secure, insecure):
+        (check,) = picker["health_checks"]
+        assert check["grpc_health_check"]["service_name"] == "inference-extension"
+
+
+def test_the_protocol_check_compares_the_names_the_protocol_uses() -> None:
+    """The Lua check reads the header and the metadata key the pickers set, and sits after the
+    pickers, before the router."""
+    assert PROTOCOL_CHECK.count(f'"{demo.ENDPOINT_HEADER}"') == 2
+    assert f'get("{LB_NAMESPACE}")' in PROTOCOL_CHECK
+    config = bootstrap([PRIMARY], [POOLS["a"]], Path("/tmp"))
+    (listener,) = config["static_resources"]["listeners"]
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    names = [f["name"] for f in manager["http_filters"]]
+    assert names.index("lwepp-a") < names.index("picker-protocol-check") < len(names) - 1
 
 
 def test_weighted_rules_switch_each_pools_picker_on_by_cluster_weight() -> None:
@@ -185,6 +235,69 @@ def test_compare_is_compare_round_trip(seen: Observation, problem: str | None) -
     expected = Expected(REQUEST, headers=headers, backend="pod-a", namespace="ns")
     found = compare(expected, seen)
     assert found == problem if problem is None else problem in (found or "")
+
+
+@pytest.mark.parametrize(
+    ("statuses", "seen", "passes"),
+    [
+        ((500, 501, 502, 503, 504), 408, True),  # InvalidEPPService: a 408 is a timeout too
+        ((408,), 504, True),
+        ((500, 501, 502, 503), 408, False),  # no timeout expected
+        ((200,), 408, False),
+        ((204,), 204, True),  # a 204 is judged as a 200 is: the echo, the pod
+    ],
+    ids=["408-for-504", "504-for-408", "no-timeout-expected", "ok-expected", "204"],
+)
+def test_a_timeout_passes_where_any_timeout_is_expected(
+    statuses: tuple[int, ...], seen: int, passes: bool
+) -> None:
+    """The helpers' IsTimeoutError: 408 and 504 stand for each other in the expected codes."""
+    expected = Expected(REQUEST, statuses=statuses, backend="pod-a", namespace="ns")
+    found = compare(expected, Observation(seen, {}, "pod-a-1", "3000", ECHO))
+    assert (found is None) == passes, found
+
+
+def test_a_204_is_judged_as_a_200_is() -> None:
+    """On a 204, as on a 200, the helpers check the echo (the pod, the request it saw)."""
+    expected = Expected(REQUEST, statuses=(204,), backend="pod-a", namespace="ns")
+    assert compare(expected, Observation(204)) == "a 204 that is not the echo server's JSON"
+
+
+def test_a_wrong_status_says_what_the_gateway_said() -> None:
+    """A failure names the text of an answer that was not an echo (the gateway's own)."""
+    seen = Observation(500, note="endpoint picker protocol: they must be the same")
+    found = compare(Expected(REQUEST), seen)
+    assert (
+        found == "expected status [200], got 500 (endpoint picker protocol: they must be the same)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "found"),
+    [
+        ("10.0.0.1:3000", ["10.0.0.1:3000"]),
+        ("10.0.0.1:3000,10.0.0.2:3002", ["10.0.0.1:3000", "10.0.0.2:3002"]),
+        ("10.0.0.1:3000, [2001:db8::1]:80", ["10.0.0.1:3000", "[2001:db8::1]:80"]),
+        ("10.0.0.1", None),
+        ("10.0.0.1:3000,", None),
+        ("10.0.0.1:99999", None),
+        ("pod-a:3000", None),
+        ("2001:db8::1:80", None),  # IPv6 without brackets
+        ("[10.0.0.1]:80", None),
+    ],
+    ids=["one", "list", "spaces-and-ipv6", "no-port", "empty-entry", "big-port", "name",
+         "bare-ipv6", "bracketed-ipv4"],
+)  # fmt: skip
+def test_a_destination_is_one_endpoint_or_a_fallback_list(
+    value: str, found: list[str] | None
+) -> None:
+    """``ip:port`` or ``ip:port,ip:port`` (protocol v0.4.0), as Envoy's override host reads it;
+    anything else is a protocol failure naming the entry."""
+    if found is None:
+        with pytest.raises(Failed, match="is not ip:port"):
+            named_endpoints(value)
+    else:
+        assert named_endpoints(value) == found
 
 
 # --- a non-conformant picker is caught ------------------------------------------------
@@ -265,6 +378,34 @@ def test_a_picker_whose_header_and_metadata_disagree_breaks_the_protocol() -> No
                 await run_case(target, case("GatewayDestinationEndpointServed"))
 
     asyncio.run(asyncio.wait_for(test(), 30))
+
+
+def test_a_fallback_list_is_followed_at_the_picker_alone() -> None:
+    """A picker that names up to three allowed endpoints, the chosen one first, passes
+    GatewayFollowingEPPRouting at the picker alone: the list is the protocol's, its first
+    entry serves."""
+
+    async def test() -> None:
+        picker = Picker([f"{pod.ip}:3000" for pod in PODS], [], fallbacks=3)
+        async with running("list-picker", picker) as ports:
+            await run_case(f"127.0.0.1:{ports.grpc}", case("GatewayFollowingEPPRouting"))
+
+    asyncio.run(asyncio.wait_for(test(), 60))
+
+
+def test_what_a_picker_reads_from_the_api_is_what_another_is_handed(tmp_path: Path) -> None:
+    """Each InferencePool and the pods the harness serves, read as a picker reads them
+    (LWEPP's reader: the selector, the target ports, ready pods), give the endpoints the
+    harness hands a picker in the other mode."""
+    topology = Topology(tmp_path)
+    topology._layout("127.1.2")
+    pools, pods = cluster_objects(topology.pods)
+    assert {pool["metadata"]["name"] for pool in pools} == set(topology.pools)
+    for pool in pools:
+        spec = pool_spec(pool)
+        read = [to_pod(pod, spec) for pod in pods]
+        found = [f"{p.address}:{port}" for p in read if p is not None for port in p.ports]
+        assert sorted(found) == sorted(topology.pools[pool["metadata"]["name"]].endpoints)
 
 
 # --- a wiring fault is caught through the gateway only --------------------------------

@@ -12,9 +12,17 @@ import yaml
 
 from conformance import report
 from conformance.cases import CASES, GIE_ORDER, NOT_APPLICABLE
-from conformance.command import SWITCHYARD, PickerCommand, TemplateError
+from conformance.command import (
+    ONE_HOP,
+    SWITCHYARD,
+    SWITCHYARD_HANDED,
+    Discovery,
+    PickerCommand,
+    TemplateError,
+)
 from conformance.crds import CRDS, CrdError, Versions, installed_versions
 from conformance.run import CaseResult, Result, Suite
+from conformance.upstream import NEXT
 
 TYPES: dict[str, Any] = yaml.safe_load(
     (Path(__file__).parent / "data" / "conformance" / "report-types.yaml").read_text()
@@ -149,6 +157,27 @@ def test_the_gateway_summary_says_its_passes_were_judged_by_traffic_only() -> No
     assert "Judged by traffic only: the 11 passed tests' status conditions" in summary
 
 
+@pytest.mark.parametrize("discovery", list(Discovery))
+def test_each_report_says_how_the_pickers_learnt_their_endpoints(
+    tmp_path: Path, discovery: Discovery
+) -> None:
+    """Both profiles' summaries and the README say whether the pickers read their pools or were
+    handed the endpoints; the README also says TLS or plaintext, and which upstream ran, and
+    its command reproduces the run."""
+    run = suite()
+    run.discovery, run.tls, run.upstream = discovery, False, NEXT
+    run.picker = SWITCHYARD_HANDED
+    for profile in report.PROFILES:
+        summary = report.profile_report(run, profile)["summary"]
+        assert f"Endpoints: {discovery.describe()}." in summary
+    report.write(run, tmp_path, SWITCHYARD_IMPL, "local", DATE)
+    readme = (tmp_path / "README.md").read_text()
+    assert f"- Endpoints: {discovery.describe()}." in readme
+    assert "in plaintext (--picker-plaintext)" in readme
+    assert "GIE PR #3053" in readme
+    assert "CONFORMANCE_ARGS='--picker-plaintext --upstream=next'" in readme
+
+
 def test_versions_are_read_from_the_crds_of_what_the_harness_applies() -> None:
     """GIE's bundle-version annotation, Gateway API's version and channel annotations."""
     assert installed_versions() == Versions("v1.6.0", "v1.6.1", "standard")
@@ -230,3 +259,31 @@ def test_a_bad_picker_template_is_refused_with_the_reason(template: str, error: 
     """A picker command template with an unknown field, a format spec, bad quoting or nothing in it is refused, saying why."""
     with pytest.raises(TemplateError, match=error):
         PickerCommand.parse(template)
+
+
+@pytest.mark.parametrize(
+    ("template", "discovery"),
+    [
+        (SWITCHYARD, Discovery.POOL),
+        (SWITCHYARD_HANDED, Discovery.HANDED),
+        (ONE_HOP, Discovery.HANDED),
+        ("p --kubeconfig {kubeconfig} --pool {pool}", Discovery.POOL),
+        ("p --endpoints {endpoints}", Discovery.HANDED),
+        ("p --pods {pods} --selector {selector}", Discovery.HANDED),
+        ("p --kubeconfig {kubeconfig} --endpoints {endpoints}", "exclude each other"),
+        ("p --kubeconfig {kubeconfig} --selector {selector}", "exclude each other"),
+        ("p --pool {pool} --selector {selector}", "cannot learn its endpoints"),
+    ],
+    ids=["switchyard", "switchyard-handed", "one-hop", "kubeconfig", "endpoints", "pods",
+         "both", "kubeconfig-and-selector", "neither"],
+)  # fmt: skip
+def test_the_fields_a_template_names_say_how_its_picker_finds_endpoints(
+    template: str, discovery: Discovery | str
+) -> None:
+    """{kubeconfig}: the picker reads its pool from the API server; {endpoints} or {pods}: it
+    is handed them; both, or neither, is refused."""
+    if isinstance(discovery, Discovery):
+        assert PickerCommand.parse(template).discovery is discovery
+    else:
+        with pytest.raises(TemplateError, match=discovery):
+            PickerCommand.parse(template)

@@ -1,15 +1,23 @@
-"""The conformance client's waiting rules, those of Gateway API's helpers v1.6.1, on a fake clock."""
+"""The conformance client's waiting rules, those of Gateway API's helpers v1.6.1, on a fake clock;
+its connections; and the switch to the upstream changes pending (``conformance.upstream``)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from typing import Any, cast
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from conformance import cases
+from conformance.__main__ import build_parser, upstream_and_timing
+from conformance.cases import Trial
 from conformance.client import (
+    NAMESPACE,
+    SELECTION_HEADER,
+    Echo,
     Expected,
     Failed,
     GatewayTransport,
@@ -18,8 +26,11 @@ from conformance.client import (
     Timing,
     Unreachable,
     eventually,
+    gateway_session,
     send_many,
 )
+from conformance.topology import EchoPod
+from conformance.upstream import NEXT, RELEASED, Upstream
 
 REQUEST = Request("/p", "h.example")
 PASS = Observation(200, pod="pod-a-0")
@@ -211,3 +222,103 @@ def test_the_gateway_transport_reports_an_unreadable_echo_as_a_round_trip_error(
             await runner.cleanup()
 
     asyncio.run(asyncio.wait_for(test(), 10))
+
+
+def test_the_gateway_transport_opens_a_connection_per_request() -> None:
+    """As the helpers' round tripper (a new transport with keep-alives off for each request):
+    every request comes on a connection of its own, which it asks to be closed."""
+
+    async def test() -> None:
+        seen: list[tuple[object, str | None]] = []
+
+        async def handler(request: web.Request) -> web.Response:
+            assert request.transport is not None
+            seen.append(
+                (request.transport.get_extra_info("peername"), request.headers.get("Connection"))
+            )
+            return web.json_response(ECHO)
+
+        app = web.Application()
+        app.router.add_get("/p", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        try:
+            async with gateway_session() as session:
+                gateway = {"conformance-primary": f"127.0.0.1:{port}"}
+                transport = GatewayTransport(session, gateway, Timing())
+                for _ in range(3):
+                    await transport.send(REQUEST)
+        finally:
+            await runner.cleanup()
+        assert len({peer for peer, _ in seen}) == 3
+        assert {connection for _, connection in seen} == {"close"}
+
+    asyncio.run(asyncio.wait_for(test(), 10))
+
+
+class WeightedGateway:
+    """A gateway that splits 7/3 across the pools and honours a pin to one pod."""
+
+    checks_backend = True
+
+    def __init__(self, pods: dict[str, tuple[EchoPod, ...]]) -> None:
+        self.pods, self.sent, self.pinned = pods, 0, 0
+
+    async def send(self, request: Request) -> Observation:
+        self.sent += 1
+        selection = request.headers[SELECTION_HEADER]
+        if "," not in selection:  # the warm-up: pinned to one pod's ip:3000
+            self.pinned += 1
+            ip = selection.rpartition(":")[0]
+            pod = next(p for pods in self.pods.values() for p in pods if p.ip == ip)
+        else:
+            app = cases.PRIMARY if self.sent % 10 < 7 else cases.SECONDARY
+            pod = self.pods[app][self.sent % 3]
+        echo = Echo(
+            request.path,
+            request.host or "",
+            request.method,
+            {k.lower(): [v] for k, v in request.headers.items()},
+            NAMESPACE,
+        )
+        return Observation(200, {}, pod.name, "3000", echo)
+
+
+@pytest.mark.parametrize(
+    ("upstream", "pinned"), [(RELEASED, 18), (NEXT, 0)], ids=["released", "next"]
+)
+def test_the_weighted_warm_up_runs_only_as_released(upstream: Upstream, pinned: int) -> None:
+    """GIE v1.6.0 warms each of the six pods up (three passes in a row each); with GIE PR
+    #3053 (--upstream next) the warm-up is gone and the rest of the test is the same."""
+    pods = {
+        app: tuple(
+            EchoPod(f"{app}-deployment-{i}", f"10.0.{k}.{i}", app, (3000,)) for i in range(3)
+        )
+        for k, app in enumerate((cases.PRIMARY, cases.SECONDARY))
+    }
+    gateway = WeightedGateway(pods)
+    trial = Trial(gateway, pods, Timing(), cast(Any, object()), upstream)
+    note = asyncio.run(cases.gateway_weighted_across_two_pools(trial))
+    assert gateway.pinned == pinned
+    assert gateway.sent == pinned + 3 + 200
+    assert note.startswith("primary share 0.70")
+
+
+@pytest.mark.parametrize(
+    ("argv", "delay", "upstream"),
+    [
+        ([], 1.0, RELEASED),
+        (["--upstream", "next"], 0.1, NEXT),
+        (["--upstream", "next", "--delay-after-failure", "2"], 2.0, NEXT),
+    ],
+    ids=["released", "next", "next-with-a-delay"],
+)
+def test_the_upstream_switch_sets_the_wait_after_a_failure(
+    argv: list[str], delay: float, upstream: Upstream
+) -> None:
+    """Gateway API main waits 100 ms after a failed attempt where v1.6.1 waits 1 s;
+    --delay-after-failure still decides when given."""
+    found, timing = upstream_and_timing(build_parser().parse_args(argv))
+    assert (found, timing.delay_after_failure) == (upstream, delay)

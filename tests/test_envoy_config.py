@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from demo.envoy import Gateway, GatewayPool, bootstrap, write_bootstrap
+from demo.envoy import STREAM_IDLE_TIMEOUT, Gateway, GatewayPool, bootstrap, write_bootstrap
 from demo.topology import free_ports, start_envoy, stop_all, wait_envoy_ready
+from lwepp.config import load_config
 
 ENVOY = Path(sys.executable).parent / "envoy"
 
@@ -436,3 +437,17 @@ def test_a_picker_that_needs_no_response_headers_is_not_sent_them() -> None:
     one_hop = dataclasses.replace(GATEWAY, one_hop_port=9100, one_hop_response_headers=False)
     mode = http_filter(bootstrap(one_hop), "onehop")["processing_mode"]
     assert mode["response_header_mode"] == "SKIP"
+
+
+def test_a_request_waiting_in_flow_control_is_answered_by_the_picker_before_envoy_cuts_it(
+    config: dict[str, Any],
+) -> None:
+    """The one Envoy timer running while a picker holds a request is the stream idle timeout
+    (``demo.envoy.STREAM_IDLE_TIMEOUT``, set explicitly); every demo configuration's
+    queue-wait budgets stay below it, so flow control answers first, with its reason."""
+    assert manager(config)["stream_idle_timeout"] == "300s"
+    configs = sorted((Path(__file__).parent.parent / "demo" / "configs").glob("*.yaml"))
+    governed = [load_config(path).flow.settings for path in configs]
+    budgets = [b for s in governed if s is not None for b in (s.ttl, s.no_endpoint_ttl)]
+    assert budgets, "a demo configuration runs flow control"
+    assert max(budgets) < STREAM_IDLE_TIMEOUT.total_seconds()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 
@@ -35,6 +36,7 @@ from lwepp.plugins.tokens import TokenProducer
 from pods.file import dump_pods
 from pods.model import Pod
 from tests.test_e2e import Answer, post
+from tests.test_overload import CONFIG as FLOW_CONTROL
 from tests.test_own_servers import servers
 
 pytestmark = pytest.mark.e2e
@@ -253,3 +255,44 @@ def test_the_token_producer_tokenizes_as_the_engine_does(engines: list[Engine]) 
         assert answer.status == 200, answer.body[:300]
         assert ids is not None
         assert len(ids) == answer.json()["usage"]["prompt_tokens"] > 100
+
+
+def test_overloaded_engines_keep_serving_interactive_requests(
+    tmp_path: Path, engines: list[Engine], sim_pod: Pod
+) -> None:
+    """Both engines (one slot each) busy with a batch tenant's burst: the concurrency detector
+    holds the pool at one request per engine; two batch requests wait, the rest are refused
+    at once (429 rejected-saturated); an interactive request sent after the burst goes to the
+    next free engine ahead of the waiting batch ones, and is served."""
+    config = tmp_path / "flow-control.yaml"  # one request per engine; batch: two may wait
+    config.write_text(FLOW_CONTROL.replace("defaultRequestTTL: 3s", "defaultRequestTTL: 60s"))
+    batch = {"x-llm-d-inference-objective": "batch"}
+    interactive = {"x-llm-d-inference-objective": "interactive"}
+
+    async def scenario(url: str) -> tuple[list[tuple[int, str, float]], tuple[int, str, float]]:
+        async with aiohttp.ClientSession() as session:
+
+            async def ask(headers: dict[str, str], tokens: int) -> tuple[int, str, float]:
+                body = {"model": MODEL_ALIAS, "prompt": "Tell a story:", "max_tokens": tokens}
+                async with session.post(f"{url}/v1/completions", json=body, headers=headers) as r:
+                    await r.read()
+                    reason = r.headers.get("x-llm-d-request-dropped-reason", "")
+                    return r.status, reason, time.monotonic()
+
+            burst = [asyncio.create_task(ask(batch, 48)) for _ in range(8)]
+            await asyncio.sleep(0.5)  # the burst is in: two running, two waiting, four refused
+            first = await ask(interactive, 2)
+            return list(await asyncio.gather(*burst)), first
+
+    with Topology(
+        tmp_path, pod_file(tmp_path / "pods.yaml", engines, sim_pod), simulator=False,
+        picker_config=config,
+    ) as gateway:  # fmt: skip
+        burst, first = asyncio.run(scenario(gateway.url))
+    served = sorted(done for status, _, done in burst if status == 200)
+    refused = [reason for status, reason, _ in burst if status == 429]
+    assert len(served) == 4
+    assert refused == ["rejected-saturated"] * 4
+    assert first[0] == 200
+    # Ahead of both batch requests that were waiting when it came: done before either of them.
+    assert first[2] < served[2]

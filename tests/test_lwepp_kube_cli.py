@@ -145,9 +145,14 @@ def test_picks_among_the_pool_pods_and_follows_changes(tmp_path: Path) -> None:
                 assert {await pick(ports["grpc_port"]) for _ in range(4)} == {"10.1.0.2:8000"}
 
             asyncio.run(scenario())
-        # The namespace came from the kubeconfig context; the token was sent.
+        # The namespace came from the kubeconfig context; the token was sent. Beside the pool
+        # and its pods, the picker reads the pool's InferenceObjectives (each group, listed).
         assert all(r.authorization == "Bearer fake-token" for r in kube.fake.requests)
-        assert {r.path for r in kube.fake.requests} == {PODS, POOLS}
+        objectives = {
+            f"/apis/{group}/v1alpha2/namespaces/{NS}/inferenceobjectives"
+            for group in ("llm-d.ai", "inference.networking.x-k8s.io")
+        }
+        assert {r.path for r in kube.fake.requests} == {PODS, POOLS, *objectives}
 
 
 def test_leader_election_one_replica_ready_and_a_standby_takes_over(tmp_path: Path) -> None:

@@ -24,10 +24,13 @@ from lwepp.assembly import HEALTH_SERVICES as LWEPP_HEALTH
 from lwepp.assembly import PickerOptions
 from lwepp.config import load_config
 from lwepp.leader import LeaderElector
+from lwepp.objectives import ObjectiveWatch
+from lwepp.rewrites import API_VERSIONS
 from pods.kubeapi import ClusterConfig, KubeApi
 from serving.metrics_auth import MetricsAuth
 from tests.fake_kube import FakeKube, eventually
-from tests.test_kubernetes import PODS, POOLS, k8s_pod, k8s_pool, tracking
+from tests.test_kubernetes import NS, PODS, POOLS, k8s_pod, k8s_pool, tracking
+from tests.test_rewrite_sources import watching as watching_rewrites
 
 ROOT = Path(__file__).parent.parent
 MANIFESTS = ROOT / "manifests"
@@ -554,11 +557,25 @@ def granted(docs: list[Doc], service_account: str) -> set[tuple[str, str, str]]:
     return rights
 
 
+async def read_rewrites(fake: FakeKube, version: str) -> None:
+    """The pool's InferenceModelRewrites listed and watched, with only ``version`` served."""
+    fake.served = {version: ["inferencemodelrewrites"]}
+    watched = f"/apis/{version}/namespaces/{NS}/inferencemodelrewrites"
+    async with watching_rewrites(fake):
+        await eventually(lambda: fake.watching(watched) == 1, f"a watch of {watched}")
+
+
+def objectives(group: str) -> str:
+    return f"/apis/{group}/v1alpha2/namespaces/models/inferenceobjectives"
+
+
 def used_by_the_code() -> tuple[set[tuple[str, str, str]], set[tuple[str, str, str]]]:
-    """The (group, resource, verb) requests the pod source, then the elector, really make.
+    """The (group, resource, verb) requests the pod source, the model rewrites and the
+    InferenceObjective watch (of either group), then the elector, really make.
 
     Recorded by the fake API server while each runs through its paths: list,
-    watch, resume, relist after 410; acquire, renew, lose, take over, release.
+    watch, resume, relist after 410; the rewrites in either group; acquire,
+    renew, lose, take over, release.
     """
 
     async def scenario() -> tuple[set[tuple[str, str, str]], set[tuple[str, str, str]]]:
@@ -572,6 +589,17 @@ def used_by_the_code() -> tuple[set[tuple[str, str, str]], set[tuple[str, str, s
                 fake.compact()
                 fake.put(PODS, k8s_pod("b", "10.0.0.2", app="other"))
                 await eventually(lambda: len(source.pods) == 1 and source.pods[0].name == "b")
+            for version in API_VERSIONS:  # the current group, then the older one alone
+                await read_rewrites(fake, version)
+            for group in ("llm-d.ai", "inference.networking.x-k8s.io"):  # each, on its own
+                fake.uninstalled = {"llm-d.ai/v1alpha2"} if group != "llm-d.ai" else set()
+                watch = ObjectiveWatch(ClusterConfig(fake.url), "llama", "models")
+                task = asyncio.create_task(watch.run())
+                watched = objectives(group)
+                await eventually(lambda: fake.watching(watched) == 1, "watching")  # noqa: B023
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            fake.uninstalled = set()
             source_verbs = fake.verbs()
             fake.requests.clear()
             now = [0.0]

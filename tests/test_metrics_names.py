@@ -14,12 +14,16 @@ from prometheus_client import CollectorRegistry
 from bbr.plugins import DEFAULT_PLUGINS
 from bbr.server import BodyBasedRouter
 from demo.dashboard import legend, promql
-from lwepp.config import load_config
+from lwepp.config import load_config, load_text
 from lwepp.contracts import Measurement
+from lwepp.flowcontrol.governance import govern
 from lwepp.metrics import PickerMetrics
 from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, Pool, RequestInfo
 from lwepp.pipeline import Pipeline
 from lwepp.request_metrics import install
+from lwepp.rewrite_control import ModelRewriteControl, RewriteMetrics
+from lwepp.rewrite_sources import FixedRewrites
+from lwepp.rewrites import ModelRewrite, Rule, Target
 from lwepp.server import EndpointPickerService
 from pods.model import Endpoint
 from serving.testing import (
@@ -59,8 +63,10 @@ def exported() -> dict[str, set[str]]:
         pipeline = load_config(CONFIG).pipeline(registry=picker_registry, pool="a")
         pool = Pool(StaticPods(*PODS), {"pool": "a"})
         metrics = PickerMetrics(picker_registry, "a", "ns")
+        canary = FixedRewrites([ModelRewrite("c", "ns", "a", (Rule(("m",), (Target("c"),)),))])
+        rewrite = ModelRewriteControl(canary, RewriteMetrics(picker_registry))
         strategy, controls = install("response", pipeline, metrics.labels, picker_registry)
-        picker = EndpointPickerService(pool, strategy, metrics, controls=controls)
+        picker = EndpointPickerService(pool, strategy, metrics, controls=[rewrite, *controls])
         router = BodyBasedRouter(bbr_registry, DEFAULT_PLUGINS)
         async with running("lwepp", picker) as lwepp, running("bbr", router) as bbr:
             async with ExtProcClient(f"127.0.0.1:{lwepp.grpc}") as client:
@@ -90,12 +96,65 @@ def exported() -> dict[str, set[str]]:
         pipeline.refresh_metrics(pool.endpoints)
 
     asyncio.run(traffic())
+    flow_registry = governed_traffic()
     series: dict[str, set[str]] = {}
-    for registry in (picker_registry, bbr_registry):
+    for registry in (picker_registry, bbr_registry, flow_registry):
         for family in registry.collect():
             for sample in family.samples:
                 series.setdefault(sample.name, set()).update(sample.labels)
     return series
+
+
+FLOW = """\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+featureGates: [flowControl]
+plugins: [{type: queue-scorer}]
+flowControl:
+  priorityBands: [{priority: 0, maxRequests: 1}]
+"""
+
+
+def governed_traffic() -> CollectorRegistry:
+    """A picker with flow control on (the utilization detector, no metrics yet: the pool reads
+    saturated): one request waits, the next is refused for capacity."""
+    registry = CollectorRegistry()
+
+    async def traffic() -> None:
+        config = load_text(FLOW)
+        pipeline = config.pipeline(registry=registry, pool="a")
+        pool = Pool(StaticPods(*PODS), {"pool": "a"})
+        governed = govern(
+            config.flow,
+            lambda: pipeline.candidates(pool.endpoints).candidates,
+            pipeline.clock,
+            None,
+            registry,
+            "a",
+        )
+        picker = EndpointPickerService(
+            pool, pipeline, PickerMetrics(registry, "a", "ns"), controls=governed.controls
+        )
+        async with (
+            running("lwepp", picker, background=governed.jobs) as ports,
+            ExtProcClient(f"127.0.0.1:{ports.grpc}") as client,
+        ):
+            headers = {":path": "/v1/completions", "x-gateway-model-name": "m"}
+            waiting = asyncio.create_task(
+                client.exchange([request_headers(headers), request_body(BODY)])
+            )
+            assert governed.controller is not None
+            for _ in range(10_000):  # the first waits, then the next is refused
+                if governed.controller.length:
+                    break
+                await asyncio.sleep(0.001)
+            await client.exchange([request_headers(headers), request_body(BODY)])
+            for hook in governed.stopping:
+                hook()
+            await waiting
+
+    asyncio.run(traffic())
+    return registry
 
 
 def queries() -> Iterator[str]:
@@ -185,6 +244,9 @@ def test_the_picker_exports_the_router_s_families_with_its_labels() -> None:
                 "request_streaming_tpot_seconds",
                 "request_streaming_itl_seconds",
             )
+        },
+        "llm_d_epp_model_rewrite_decisions_total": {
+            *("model_rewrite_name", "model_name", "target_model"),
         },
     }
     for name, labels in expected.items():

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from bbr.server import BodyBasedRouter
 from lwepp.metrics import PickerMetrics
-from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, Pool, RoundRobin
+from lwepp.picking import SUBSET_KEY, SUBSET_NAMESPACE, Admitted, Pool, RequestInfo, RoundRobin
 from lwepp.server import EndpointPickerService
 from onehop.__main__ import build_parser, main
 from onehop.server import OneHop, Registries, with_changes
@@ -30,6 +30,7 @@ from serving.testing import (
 )
 from tests.fakes import StaticPods, pod
 from tests.processes import start_events
+from wire.exchange import Refusal
 from wire.extproc import BodyMode, ProcessingResponse
 
 PODS = (
@@ -293,3 +294,50 @@ def test_a_pool_no_pod_belongs_to_is_warned_about_at_start(tmp_path: Path) -> No
         ("zzz", "pool=zzz", "warning")
     ]
     assert events[-1]["event"] == "listening"
+
+
+def test_the_pools_request_controls_run_after_bbr_and_before_its_pick() -> None:
+    """The model BBR read names the pool; that pool's controls see the request as BBR changed
+    it, may refuse it (answered and counted by that pool's picker) or change the body that
+    goes upstream (its length with it), and the pick sees what they let through."""
+
+    class Control:
+        hears_response = False
+        reads_response_body = False
+
+        def __init__(self) -> None:
+            self.seen: list[str | None] = []
+
+        async def admit(self, admitted: Admitted) -> Admitted:
+            headers = dict(admitted.request.headers)
+            self.seen.append(headers.get("x-gateway-model-name"))
+            if headers.get("x-refuse"):
+                raise Refusal(429, "queue full", reason="rejected-saturated")
+            changed = (admitted.request.body or b"").replace(b"m-a", b"m-z")
+            return Admitted(RequestInfo(admitted.request.headers, changed), changed)
+
+    control = Control()
+
+    async def scenario() -> tuple[list[ProcessingResponse], list[ProcessingResponse]]:
+        source = StaticPods(*PODS)
+        metrics = PickerMetrics(CollectorRegistry(), "a")
+        picker = EndpointPickerService(
+            Pool(source, {"pool": "a"}), RoundRobin(), metrics, controls=[control]
+        )
+        handler = OneHop(BodyBasedRouter(CollectorRegistry(), streaming=True), {"m-a": picker})
+        async with (
+            running("onehop", handler) as ports,
+            ExtProcClient(f"127.0.0.1:{ports.grpc}") as client,
+        ):
+            served = await client.exchange([request_headers(POST), request_body(body("m-a"))])
+            refused = await client.exchange(
+                [request_headers({**POST, "x-refuse": "1"}), request_body(body("m-a"))]
+            )
+            return served, refused
+
+    served, refused = asyncio.run(scenario())
+    assert control.seen == ["m-a", "m-a"]
+    sent = served[1].request_body.response.body_mutation.streamed_response.body
+    assert sent == body("m-z")
+    assert ("content-length", str(len(sent))) in set_headers(served[0])
+    assert refused[0].immediate_response.status.code == 429

@@ -146,13 +146,11 @@ def test_deprecated_api_version_and_unimplemented_sections_are_warned_about(tmp_
     config = load(
         tmp_path,
         """
-        featureGates: [flowControl, haPopulateNonLeaderDatastore=true]
+        featureGates: [haPopulateNonLeaderDatastore=true]
         plugins:
         - type: fake-source
         - type: single-profile-handler
         - type: openai-parser
-        saturationDetector: {pluginRef: fake-source}
-        flowControl: {maxRequests: "500", usageLimitPolicyPluginRef: fake-source}
         requestHandler: {parsers: [{pluginRef: openai-parser}], propagatePriority: true}
         dataLayer:
           sources: [{pluginRef: fake-source, extractors: []}]
@@ -163,17 +161,14 @@ def test_deprecated_api_version_and_unimplemented_sections_are_warned_about(tmp_
     text = "\n".join(config.warnings)
     for expected in (
         ":1: apiVersion: deprecated: use llm-d.ai/v1",
-        ":4: featureGates: flowControl=true: ignored: Switchyard has no flow control",
         "plugin 'single-profile-handler' (single-profile-handler): ignored",
         ":8: plugin 'openai-parser' (openai-parser): ignored: Switchyard parses OpenAI bodies",
-        ":9: saturationDetector: decoded and ignored: deprecated, use flowControl.saturationDetector",
-        ":10: flowControl: decoded and ignored",
-        ":11: requestHandler: decoded and ignored",
-        ":12: dataLayer: decoded and ignored",
+        ":9: requestHandler: decoded and ignored",
+        ":10: dataLayer: decoded and ignored",
     ):
         assert expected in text
     assert "haPopulateNonLeaderDatastore" not in text  # true is its default: nothing to say
-    assert len(config.warnings) == 8
+    assert len(config.warnings) == 5
 
 
 def test_both_api_versions_of_the_router_load_the_same_file(tmp_path: Path) -> None:

@@ -161,3 +161,39 @@ def test_without_controls_nothing_waits_and_nothing_is_read_of_the_response() ->
     picker = service(RoundRobin())
     assert not picker.hears_response
     assert not picker.reads_response_body
+
+
+class Retargeting:
+    """Sends every request on as model ``target`` (as a model rewrite does)."""
+
+    hears_response = False
+    reads_response_body = False
+
+    async def admit(self, admitted: Admitted) -> Admitted:
+        headers = [(n, v) for n, v in admitted.request.headers if n != "x-gateway-model-name"]
+        headers.append(("x-gateway-model-name", "target"))
+        return Admitted(RequestInfo(headers, admitted.request.body))
+
+
+def test_the_request_counter_names_the_model_sent_the_target_and_the_priority() -> None:
+    """``llm_d_epp_request_total``: ``model_name`` the client's, ``target_model_name`` what
+    the controls sent it as, ``priority`` its objective's (the router's labels)."""
+    registry = CollectorRegistry()
+    pool = Pool(StaticPods(pod("p0", "10.0.0.1", 3000)), {})
+    metrics = PickerMetrics(registry, "a", priority_of=lambda headers: 10)
+    picker = EndpointPickerService(pool, RoundRobin(), metrics, controls=[Retargeting()])
+
+    async def go() -> None:
+        async with (
+            running("lwepp", picker) as ports,
+            ExtProcClient(f"127.0.0.1:{ports.grpc}") as client,
+        ):
+            headers = {**POST, "x-gateway-model-name": "alias"}
+            await client.exchange([request_headers(headers, end_of_stream=True)])
+
+    asyncio.run(go())
+    labels = {"model_name": "alias", "target_model_name": "target", "priority": "10"}
+    value = registry.get_sample_value(
+        "llm_d_epp_request_total", {**labels, "fairness_id": "default-flow"}
+    )
+    assert value == 1.0

@@ -777,6 +777,8 @@ def test_every_response_names_the_replica_and_what_it_received(
         assert got["x-sim-received-x-gateway-model-name"] == "sim-model"
         assert got["x-sim-received-x-gateway-destination-endpoint"] == "10.0.0.1:8000"
         assert not any(name.lower().endswith("x-other") for name in got)
+        named = body.get("model") if isinstance(body, dict) else None
+        assert got.get("x-sim-served-model") == named  # the OpenAI endpoints: the body's model
 
     run(test)
 

@@ -243,11 +243,26 @@ def test_every_manifest_s_picker_command_runs(tmp_path: Path) -> None:
 
 
 def test_every_chart_s_bbr_command_runs(tmp_path: Path) -> None:
-    """BBR starts with the payload processor's and GIE's chart args, TLS on (their default)."""
-    env = {k: v for k, v in os.environ.items() if k != "NAMESPACE"} | {"NAMESPACE": "llm-d"}
-    for entry, spec in BBRS.items():
-        with started("bbr", runnable(spec["args"], tmp_path), env) as process:
-            seen = events(process, until="listening")
-            assert seen[-1]["event"] == "listening", (entry, seen)
-            assert seen[-1]["tls"] is True
-            assert not [e for e in seen if e["event"] == "flag"]
+    """BBR starts with the payload processor's and GIE's chart args, TLS on (their default), in
+    a cluster (a fake API server), where base-model-to-header reads its ConfigMaps; outside
+    one, it starts and warns that the base-model header will be empty, naming what is missing."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "NAMESPACE"))}
+    with ThreadedFakeKube() as kube:
+        kubeconfig = kube.kubeconfig(tmp_path / "kubeconfig")
+        in_cluster = env | {"NAMESPACE": "llm-d", "KUBECONFIG": str(kubeconfig)}
+        for number, (entry, spec) in enumerate(BBRS.items(), start=1):
+            with started("bbr", runnable(spec["args"], tmp_path), in_cluster) as process:
+                seen = events(process, until="listening")
+                assert seen[-1]["event"] == "listening", (entry, seen)
+                assert seen[-1]["tls"] is True
+                assert not [e for e in seen if e["event"] == "flag"]
+                deadline = time.monotonic() + 10  # the ConfigMaps are listed in the background
+                while kube.do(lambda f: f.count("list", "configmaps")) < number:
+                    assert time.monotonic() < deadline, f"{entry}: ConfigMaps never listed"
+                    time.sleep(0.01)
+    entry, spec = next(iter(BBRS.items()))
+    with started("bbr", runnable(spec["args"], tmp_path), env) as process:
+        seen = events(process, until="listening")
+    [warning] = [e["detail"] for e in seen if e["event"] == "flag"]
+    assert "base-model-to-header" in warning
+    assert "inference.llm-d.ai/ipp-managed" in warning

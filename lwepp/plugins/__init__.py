@@ -18,6 +18,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final
 
+from lwepp.flowcontrol.policies import (
+    EdfOrdering,
+    FcfsOrdering,
+    GlobalStrictFairness,
+    PriorityHoldback,
+    RoundRobinFairness,
+    SloDeadlineOrdering,
+    SoftReflectiveCeiling,
+    StaticUsageLimit,
+)
 from lwepp.plugins.affinity import PrefixCacheAffinityFilter
 from lwepp.plugins.approx_prefix import ApproxPrefixCacheProducer
 from lwepp.plugins.discovery import EndpointNotificationSource, FileDiscovery
@@ -34,6 +44,7 @@ from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
 from lwepp.plugins.prefix import PrecisePrefixCacheScorer, PrefixCacheScorer
 from lwepp.plugins.queue_scorer import QueueScorer
 from lwepp.plugins.role_filters import ByLabelFilter, DecodeFilter, EncodeFilter, PrefillFilter
+from lwepp.plugins.saturation import ConcurrencyDetector, UtilizationDetector
 from lwepp.plugins.session_affinity import (
     SessionAffinityFilter,
     SessionAffinityScorer,
@@ -80,4 +91,16 @@ REGISTRY: Final[Mapping[str, Factory]] = {
     "max-score-picker": MaxScorePicker,
     "random-picker": RandomPicker,
     "weighted-random-picker": WeightedRandomPicker,
+    # saturation detectors: filters in a profile, and what flow control reads (flowControl)
+    "utilization-detector": UtilizationDetector,
+    "concurrency-detector": ConcurrencyDetector,
+    # flow control's policies, named by the flowControl section (lwepp.flowcontrol.policies)
+    "global-strict-fairness-policy": GlobalStrictFairness,
+    "round-robin-fairness-policy": RoundRobinFairness,
+    "fcfs-ordering-policy": FcfsOrdering,
+    "edf-ordering-policy": EdfOrdering,
+    "slo-deadline-ordering-policy": SloDeadlineOrdering,
+    "static-usage-limit-policy": StaticUsageLimit,
+    "priority-holdback-policy": PriorityHoldback,
+    "soft-reflective-ceiling-policy": SoftReflectiveCeiling,
 }

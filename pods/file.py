@@ -142,15 +142,7 @@ def _decode(document: Any) -> tuple[Pod, ...]:
 
 
 def _pod(entry: Any, where: str) -> Pod:
-    if not isinstance(entry, Mapping):
-        raise _Invalid(where, "expected a mapping")
-    unknown = set(entry) - _POD_FIELDS
-    if unknown:
-        field = sorted(unknown)[0]
-        raise _Invalid(f"{where}.{field}", f"unknown field {field!r}")
-    for required in ("name", "address", "ports"):
-        if required not in entry:
-            raise _Invalid(f"{where}.{required}", "required")
+    _fields(entry, where, _POD_FIELDS, ("name", "address", "ports"))
     name, address, ports = entry["name"], entry["address"], entry["ports"]
     if not isinstance(name, str) or not name:
         raise _Invalid(f"{where}.name", "expected a non-empty string")
@@ -178,6 +170,17 @@ def _pod(entry: Any, where: str) -> Pod:
     )
 
 
+def _fields(entry: Any, where: str, known: set[str], required: tuple[str, ...]) -> None:
+    """An entry of either list is a mapping of ``known`` fields with the ``required`` ones."""
+    if not isinstance(entry, Mapping):
+        raise _Invalid(where, "expected a mapping")
+    if unknown := sorted(set(entry) - known):
+        raise _Invalid(f"{where}.{unknown[0]}", f"unknown field {unknown[0]!r}")
+    for field in required:
+        if field not in entry:
+            raise _Invalid(f"{where}.{field}", "required")
+
+
 def _labels(entry: Mapping[str, Any], where: str) -> dict[str, str]:
     labels = entry.get("labels") or {}
     if not isinstance(labels, Mapping) or not all(
@@ -202,13 +205,7 @@ def _endpoints(entries: Any) -> tuple[Pod, ...]:
     where_of: dict[tuple[str, int], str] = {}
     for i, entry in enumerate(entries):
         where = f"endpoints[{i}]"
-        if not isinstance(entry, Mapping):
-            raise _Invalid(where, "expected a mapping")
-        if unknown := sorted(set(entry) - _ENDPOINT_FIELDS):
-            raise _Invalid(f"{where}.{unknown[0]}", f"unknown field {unknown[0]!r}")
-        for required in ("name", "address", "port"):
-            if required not in entry:
-                raise _Invalid(f"{where}.{required}", "required")
+        _fields(entry, where, _ENDPOINT_FIELDS, ("name", "address", "port"))
         name, address, port = entry["name"], entry["address"], entry["port"]
         if not isinstance(name, str) or not name:
             raise _Invalid(f"{where}.name", "expected a non-empty string")

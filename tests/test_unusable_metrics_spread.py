@@ -23,8 +23,8 @@ from pods.model import Endpoint
 from simulator import metrics
 from simulator.engine import Engine
 
-SHARED_SYSTEM_PROMPT = MultiTurn(
-    sessions=80,
+SHARED_SYSTEM_PROMPT = MultiTurn(  # enough load that an idle engine would be a loss
+    sessions=200,
     turns=3,
     session_rate=4.0,
     system_tokens=512,

@@ -199,6 +199,7 @@ def test_llm_d_s_optimized_baseline_runs_as_written() -> None:
     ids=["threshold", "exploration", "penalty", "predictor", "source", "peak", "tokens"],
 )
 def test_bad_parameters_are_refused_naming_the_field(parameters: str, message: str) -> None:
+    """Each bad parameter is refused at load, naming the field (the predictor: the feature)."""
     with pytest.raises(ConfigErrors, match=message):
         load_text(
             "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n"

@@ -188,6 +188,8 @@ def test_mutual_tls_to_the_engines(tmp_path: Path) -> None:
     ids=["ca", "half-pair", "port", "interval"],
 )
 def test_bad_tls_and_port_parameters_are_refused(parameters: str, message: str) -> None:
+    """A missing CA file, half a client pair, a port out of range or a zero interval is refused
+    at load, naming the field."""
     with pytest.raises(ConfigErrors, match=message):
         load_text(
             "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n"

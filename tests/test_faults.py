@@ -762,7 +762,9 @@ def test_a_hung_or_garbled_metrics_endpoint_does_not_delay_picks(tmp_path: Path)
     assert ratio["garbage"] < 5, (ratio, typical, worst)
     assert min(worst.values()) < 1.0, worst  # picks at all, not all stuck behind a timeout
     noticed = [
-        e for e in log_records(tmp_path / "lwepp.log") if e["event"] == "metrics scrape failed"
+        e
+        for e in log_records(tmp_path / "lwepp.log")
+        if e["event"] == "metrics scrape reads nothing usable"
     ]
     assert {e["endpoint"] for e in noticed} == {f"127.0.0.1:{metric_ports[0]}"}
     assert error_lines(tmp_path / "lwepp.log") == []

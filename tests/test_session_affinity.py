@@ -110,6 +110,7 @@ def test_session_ids_from_the_producer_s_attribute_or_a_cookie() -> None:
     ids=["strategy", "profile", "source", "ttl"],
 )
 def test_bad_parameters_name_the_field(parameters: str, message: str) -> None:
+    """Each bad parameter is refused at load, naming the field (profileName: the feature)."""
     with pytest.raises(ConfigErrors, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_text(
             "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n"

@@ -61,7 +61,10 @@ def test_a_local_tokenizer_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("parameters", "message"),
     [
-        ("{udsTokenizerConfig: {socketFile: /tmp/t.sock}}", "udsTokenizerConfig: the router's"),
+        (
+            "{udsTokenizerConfig: {socketFile: /tmp/t.sock}}",
+            "does not implement: the router's tokenizer sidecar",
+        ),
         ("{vllm: {url: http://x}}", "modelName: required with vllm"),
         ("{modelName: m, vllm: {}, llamacpp: {}}", "one backend only: vllm and llamacpp"),
         ("{modelName: m, vllm: {timeout: soon}}", "vllm.timeout"),
@@ -70,6 +73,7 @@ def test_a_local_tokenizer_file(tmp_path: Path) -> None:
     ids=["uds", "no-model", "two-backends", "timeout", "missing-file"],
 )
 def test_bad_parameters_name_the_field(parameters: str, message: str) -> None:
+    """Each bad parameter is refused at load, naming the field (the sidecar: the feature)."""
     with pytest.raises(ConfigErrors, match=message):
         load_text(HEAD + f"plugins:\n- type: token-producer\n  parameters: {parameters}\n")
 

@@ -163,7 +163,7 @@ def test_a_worker_that_dies_stops_the_others(
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--config", "{dir}/prefix.yaml"], "prefix-cache-scorer learn from the requests served"),
+        (["--config", "{dir}/prefix.yaml"], "approx-prefix-cache-producer learn from the requests"),
         (["--trace-messages", "{dir}/trace"], "trace one process"),
         (["--workers", "0"], "at least 1"),
     ],

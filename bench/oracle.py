@@ -133,7 +133,7 @@ class Oracle:
 
     def estimate(self, index: int, own: int) -> float:
         """Seconds until a prompt with ``own`` tokens to prefill gets a first token there."""
-        profile = self.profile
+        profile = self.engines[index].profile  # a mixed pool's engines differ
         work = self.ahead[index] + own
         seqs = self.seqs[index]
         budget = max(1, profile.max_num_batched_tokens - seqs)
@@ -147,7 +147,8 @@ class Oracle:
 
     def cost(self, index: int, own: int) -> float:
         """The estimate plus the prefill this choice adds there (module docstring)."""
-        return self.estimate(index, own) + self.work_weight * own * self.profile.prefill_per_token
+        per_token = self.engines[index].profile.prefill_per_token
+        return self.estimate(index, own) + self.work_weight * own * per_token
 
     def choose(self, request: Request) -> int:
         """The engine for ``request``; its prompt counts as pending there until ``prefilled``."""

@@ -88,6 +88,7 @@ from lwepp.picking import Followup, RequestInfo
 from lwepp.pipeline import Pipeline
 from lwepp.plugins.metrics_source import MetricsDataSource
 from lwepp.plugins.pickers import RandomPicker
+from lwepp.plugins.predicted_latency import PredictedLatencyProducer, SloHeadroomTierFilter
 from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
 from lwepp.plugins.prefix import PrecisePrefixCacheScorer
 from pods.model import Endpoint
@@ -121,6 +122,7 @@ PICKERS: Final = (
     "prefix-aware",
     "recommended",
     "precise",
+    "predicted-latency",
 )
 """The strategies users run: the oracle envelope must not be beaten by any of them."""
 ORACLES: Final = ("oracle-lookahead", "oracle-estimate")
@@ -135,7 +137,11 @@ CONFIG_FILES: Final = {
     "prefix-aware": PREFIX_AWARE,
     "recommended": RECOMMENDED,
     "precise": CONFIGS / "precise.yaml",
+    "predicted-latency": CONFIGS / "predicted-latency.yaml",
 }
+MIXED: Final = ("llama-3.1-8b-h100",) * (ENGINES // 2) + ("llama-3.1-8b-l4",) * (ENGINES // 2)
+"""The mixed pool: half the engines on H100s, half on L4s (``simulator.profiles``), the same
+model, so one request costs about nine times longer to prefill on an L4."""
 
 
 # --- routers -------------------------------------------------------------------------
@@ -339,6 +345,12 @@ def router(
             producer = source if isinstance(source, PrecisePrefixCacheProducer) else source.source
             producer.clock = clock  # speculative entries age in virtual time
             subscribe(producer, engines, pool)
+    for hook in pipeline.picked:
+        if isinstance(hook, PredictedLatencyProducer):
+            hook.clock = clock  # observed latencies in virtual time
+    for step in pipeline.filters:
+        if isinstance(step, SloHeadroomTierFilter):
+            step.rng = random.Random(seed)
     return PipelineRouter(strategy, pipeline, pipeline.sources, pool)
 
 
@@ -538,15 +550,20 @@ def simulate(
     rate: float | None = None,
     config: Path | None = None,
     scheduling: Scheduling = DEFAULT_SCHEDULING,
+    profiles: Sequence[Profile] = (),
 ) -> Outcome:
     """Replay ``arrivals`` on fresh engines routed by ``strategy``; account for every request.
 
     ``config`` replaces the strategy's configuration file (to try a variant);
-    ``scheduling`` the engines' scheduler switches (current vLLM's by default).
+    ``scheduling`` the engines' scheduler switches (current vLLM's by default);
+    ``profiles``, one per engine, a mixed pool (``profile`` for every engine otherwise).
     """
     started = time.perf_counter()
     loop = VirtualLoop()
-    fleet = [Engine(profile, seed=seed * 1000 + i, scheduling=scheduling) for i in range(engines)]
+    kinds = list(profiles) or [profile] * engines
+    fleet = [
+        Engine(kinds[i], seed=seed * 1000 + i, scheduling=scheduling) for i in range(engines)
+    ]
     pool = endpoints(engines)
     chosen = router(strategy, fleet, profile, lambda: loop.now, seed, config, arrivals)
     run = _Run(arrivals, chosen, loop, fleet, pool, warm=int(len(arrivals) * WARMUP))

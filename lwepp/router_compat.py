@@ -115,9 +115,8 @@ UNSUPPORTED: Final = {
         "endpoint-attribute-scorer", "utilization-filter",
     ),
     "admission control (requests refused under saturation or for their SLO)": (
-        "probabilistic-admitter", "latency-slo-admitter", "slo-headroom-tier-filter",
+        "probabilistic-admitter", "latency-slo-admitter",
     ),
-    "predicted-latency routing": ("predicted-latency-producer", "latency-scorer"),
     "session affinity by header filter": (
         "session-affinity-filter", "session-id-producer", "prefix-cache-affinity-filter",
     ),

@@ -38,6 +38,11 @@ from lwepp.plugins.models_source import ModelsDataSource
 from lwepp.plugins.no_hit_lru import NoHitLRUScorer
 from lwepp.plugins.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
 from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
+from lwepp.plugins.predicted_latency import (
+    LatencyScorer,
+    PredictedLatencyProducer,
+    SloHeadroomTierFilter,
+)
 from lwepp.plugins.prefix import (
     ApproxPrefixCacheProducer,
     PrecisePrefixCacheScorer,
@@ -59,12 +64,14 @@ REGISTRY: Final[Mapping[str, Factory]] = {
     "approx-prefix-cache-producer": ApproxPrefixCacheProducer,
     "precise-prefix-cache-producer": PrecisePrefixCacheProducer,
     "core-metrics-extractor": CoreMetricsExtractor,
+    "predicted-latency-producer": PredictedLatencyProducer,
     # filters
     "label-selector-filter": LabelSelectorFilter,
     "decode-filter": DecodeFilter,
     "prefill-filter": PrefillFilter,
     "encode-filter": EncodeFilter,
     "by-label": ByLabelFilter,
+    "slo-headroom-tier-filter": SloHeadroomTierFilter,
     # scorers
     "queue-scorer": QueueScorer,
     "kv-cache-utilization-scorer": KVCacheUtilizationScorer,
@@ -76,6 +83,7 @@ REGISTRY: Final[Mapping[str, Factory]] = {
     "token-load-scorer": TokenLoadScorer,
     "load-aware-scorer": LoadAwareScorer,
     "no-hit-lru-scorer": NoHitLRUScorer,
+    "latency-scorer": LatencyScorer,
     # pickers
     "max-score-picker": MaxScorePicker,
     "random-picker": RandomPicker,

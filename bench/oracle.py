@@ -199,6 +199,42 @@ class Oracle:
             self.context[index] -= length
 
 
+class RequestPathOracle(Oracle):
+    """The oracle-estimate's algorithm fed only what a picker sees on the request path: the
+    measured bound for any such picker (``bench.routing``'s ``request-path-bound``).
+
+    It keeps ``Oracle``'s step model with the engines' true constants (a picker can at best
+    learn them), its counts of what it sent where, and its pending-prefill bookkeeping, all of
+    which the request path knows; but where ``Oracle`` reads each engine's cache, this one
+    knows only the blocks it sent each engine, as many as that engine's cache holds, the
+    least recently sent forgotten first (evictions it cannot see are not modelled)."""
+
+    def __init__(self, engines: Sequence[Engine], profile: Profile) -> None:
+        super().__init__(engines, profile)
+        self.held: list[dict[int, None]] = [{} for _ in engines]
+        """Per engine: the block hashes sent there, least recently sent first."""
+
+    def hit(self, index: int, request: Request, hashes: Sequence[int]) -> int:
+        held, pending = self.held[index], self._pending[index]
+        blocks = 0
+        for block in hashes:
+            if block not in held and block not in pending:
+                break
+            blocks += 1
+        return blocks * self.engines[index].profile.block_size
+
+    def choose(self, request: Request) -> int:
+        best = super().choose(request)
+        held = self.held[best]
+        for block in self._sent[request.id][1]:
+            held.pop(block, None)
+            held[block] = None
+        capacity = self.engines[best].profile.num_blocks
+        while len(held) > capacity:
+            del held[next(iter(held))]
+        return best
+
+
 # --- the look-ahead oracle -----------------------------------------------------------
 
 

@@ -49,13 +49,13 @@ from pathlib import Path
 from typing import Final
 
 from bench import workloads
-from bench.routing import ENGINES, FULL, ORACLES, Outcome, envelope, profile_for, simulate
+from bench.routing import BOUND, ENGINES, FULL, ORACLES, Outcome, envelope, profile_for, simulate
 from bench.workloads import BAILIAN, Arrival, Replay
 from serving.logs import configure_logging
 
 WORKLOAD = "replay"
 """The workload name every run of a replay carries."""
-PICKERS = ("round-robin", "recommended", "precise", "prefix-aware")
+PICKERS = ("round-robin", "recommended", "precise", "prefix-aware", "predicted-latency")
 """What runs unless ``--picker`` names others; the oracles always run, for the envelope."""
 
 
@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--picker",
         action="append",
-        choices=PICKERS,
+        choices=(*PICKERS, BOUND),
         help=f"a shipped picker to run, repeatable (default: {', '.join(PICKERS)})",
     )
     add(
@@ -221,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     runs: list[tuple[str, str, Path | None]] = [(p, p, None) for p in pickers]
     runs += [(path.name, "recommended", path) for path in args.config]
     runs += [(oracle, oracle, None) for oracle in ORACLES]
+    runs += [(BOUND, BOUND, None)]  # what a request-path picker can reach
     run = partial(simulate, WORKLOAD, replayed, engines=args.engines, seed=args.seed)
     outcomes = [run(strategy, profile, config=config) for _, strategy, config in runs]
     last = args.start + len(replayed) - 1

@@ -78,7 +78,7 @@ from typing import Any, Final, Protocol
 import orjson
 
 from bench import workloads
-from bench.oracle import Lookahead, Oracle, floor_ttfts, partition
+from bench.oracle import Lookahead, Oracle, RequestPathOracle, floor_ttfts, partition
 from bench.report import Options, Plot, Section, Series, Table, Target, percentile, progress
 from bench.workloads import Arrival, MultiTurn, Replay, SharedPrefix
 from lwepp.attributes import AttributeStore
@@ -88,8 +88,8 @@ from lwepp.picking import Followup, RequestInfo
 from lwepp.pipeline import Pipeline
 from lwepp.plugins.metrics_source import MetricsDataSource
 from lwepp.plugins.pickers import RandomPicker
-from lwepp.plugins.predicted_latency import PredictedLatencyProducer, SloHeadroomTierFilter
 from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
+from lwepp.plugins.predicted_latency import PredictedLatencyProducer, SloHeadroomTierFilter
 from lwepp.plugins.prefix import PrecisePrefixCacheScorer
 from pods.model import Endpoint
 from simulator import metrics
@@ -127,6 +127,9 @@ PICKERS: Final = (
 """The strategies users run: the oracle envelope must not be beaten by any of them."""
 ORACLES: Final = ("oracle-lookahead", "oracle-estimate")
 """The two online references whose better p90, per run, is the oracle envelope."""
+BOUND: Final = "request-path-bound"
+"""``bench.oracle.RequestPathOracle``: the envelope's algorithm fed only request-path knowledge,
+the measured bound for a picker that sees only the request path."""
 OFFLINE: Final = "offline-partition"
 """The offline reference, for workloads whose requests come in groups (shared prefix)."""
 STRATEGIES: Final = (*PICKERS, *ORACLES)
@@ -329,6 +332,10 @@ def router(
     """
     if strategy == "oracle-estimate":
         return OracleRouter(engines, profile)
+    if strategy == BOUND:
+        bound = OracleRouter(engines, profile)
+        bound.name, bound.oracle = BOUND, RequestPathOracle(engines, profile)
+        return bound
     if strategy == "oracle-lookahead":
         return LookaheadRouter(engines)
     if strategy == OFFLINE:
@@ -561,9 +568,7 @@ def simulate(
     started = time.perf_counter()
     loop = VirtualLoop()
     kinds = list(profiles) or [profile] * engines
-    fleet = [
-        Engine(kinds[i], seed=seed * 1000 + i, scheduling=scheduling) for i in range(engines)
-    ]
+    fleet = [Engine(kinds[i], seed=seed * 1000 + i, scheduling=scheduling) for i in range(engines)]
     pool = endpoints(engines)
     chosen = router(strategy, fleet, profile, lambda: loop.now, seed, config, arrivals)
     run = _Run(arrivals, chosen, loop, fleet, pool, warm=int(len(arrivals) * WARMUP))
@@ -722,6 +727,8 @@ class Sizes:
     azure_start: int
     azure_count: int
     azure_replay: Replay
+    mixed: MultiTurn
+    """The mixed pool's workload (``MIXED``): multi-turn chat, busier."""
 
 
 FULL: Final = Sizes(
@@ -748,6 +755,15 @@ FULL: Final = Sizes(
     azure_start=0,
     azure_count=1500,
     azure_replay=Replay(length_scale=1 / 16, output_scale=1.0, time_scale=0.1, max_output=256),
+    mixed=MultiTurn(
+        sessions=300,
+        turns=6,
+        session_rate=4.0,
+        system_tokens=256,
+        user_tokens=96,
+        max_tokens=64,
+        think_seconds=10.0,
+    ),
 )
 QUICK: Final = Sizes(
     kv_blocks=256,
@@ -763,6 +779,7 @@ QUICK: Final = Sizes(
     azure_start=0,
     azure_count=40,
     azure_replay=Replay(length_scale=0.05, output_scale=0.5, time_scale=0.5, max_output=16),
+    mixed=MultiTurn(sessions=8, turns=3, session_rate=8.0, think_seconds=2.0, max_tokens=8),
 )
 
 VARIANTS: Final = (
@@ -784,6 +801,16 @@ def profile_for(sizes: Sizes) -> Profile:
     """The engines' profile: ``PROFILE`` as published (its KV cache cut for a smoke run)."""
     profile = PROFILES[PROFILE]
     return profile if sizes.kv_blocks is None else profile.replace(num_blocks=sizes.kv_blocks)
+
+
+def mixed_pool(sizes: Sizes) -> list[Profile]:
+    """The mixed pool's engines, one profile each (``MIXED``; KV cut as ``profile_for``)."""
+    return [
+        PROFILES[name]
+        if sizes.kv_blocks is None
+        else PROFILES[name].replace(num_blocks=sizes.kv_blocks)
+        for name in MIXED
+    ]
 
 
 def floor_p90(arrivals: Sequence[Arrival], profile: Profile, scheduling: Scheduling) -> float:
@@ -818,10 +845,14 @@ def run(options: Options) -> Section:
         arrivals: Sequence[Arrival],
         rate: float | None = None,
         strategies: Sequence[str] = STRATEGIES,
+        profiles: Sequence[Profile] = (),
     ) -> None:
-        floor = floor_p90(arrivals, profile, DEFAULT_SCHEDULING)
-        for strategy in strategies:
-            outcome = simulate(workload, arrivals, strategy, profile, seed=seed, rate=rate)
+        fastest = min(profiles or [profile], key=lambda p: p.prefill_per_token)
+        floor = floor_p90(arrivals, fastest, DEFAULT_SCHEDULING)
+        for strategy in (*strategies, BOUND):
+            outcome = simulate(
+                workload, arrivals, strategy, profile, seed=seed, rate=rate, profiles=profiles
+            )
             outcomes.append(replace(outcome, floor_p90=floor))
             progress(
                 f"routing: {workload}{'' if rate is None else f' at {rate:g}/s'} {strategy}: "
@@ -847,6 +878,7 @@ def run(options: Options) -> Section:
         )
         rows = workloads.read_azure(traces[1], sizes.azure_start, sizes.azure_count)
         measure("azure-code", workloads.azure(rows, sizes.azure_replay, seed))
+    measure("mixed-pool", workloads.multi_turn(sizes.mixed, seed), profiles=mixed_pool(sizes))
     variants: list[Variant] = []
     runs: list[tuple[str, float | None, Sequence[Arrival], Sequence[tuple[str, Scheduling]]]]
     runs = [
@@ -947,6 +979,7 @@ def section(
             *targets(shared, sizes.target_rate),
             *recommended_targets(by_workload, sizes.target_rate),
             *precise_targets(by_workload, sizes.target_rate),
+            *latency_targets(by_workload, sizes.target_rate),
             bound_target(outcomes),
         ],
         data={
@@ -1334,6 +1367,37 @@ def precise_targets(by_workload: Mapping[str, Sequence[Outcome]], rate: float) -
     return found
 
 
+def latency_targets(by_workload: Mapping[str, Sequence[Outcome]], rate: float) -> list[Target]:
+    """Issue 34's targets for ``predicted-latency`` on every workload (shared prefix at
+    ``rate``): TTFT p90 at most 1.06× the oracle envelope's and the request-path bound's
+    (``BOUND``, what any picker that sees only the request path reached), never above
+    round-robin's; nothing-shared traffic (azure-code) at most 0.95× round-robin's; the mixed
+    pool at most 0.8× the recommended configuration's."""
+    found = []
+
+    def add(what: str, a: Outcome | None, b: Outcome | None, limit: float) -> None:
+        ratio = versus(a, b, _p90)
+        if a is not None and b is not None:
+            found.append(Target(what, ratio if isinstance(ratio, float) else math.nan, limit))
+
+    for workload, outcomes in by_workload.items():
+        at = rate if any(o.rate is not None for o in outcomes) else None
+        where = workload if at is None else f"{workload} at {at:g} requests/s"
+        mine = _find(outcomes, "predicted-latency", at)
+        rr = _find(outcomes, "round-robin", at)
+        add(f"predicted-latency TTFT p90 / oracle envelope's, {where}", mine,
+            envelope(outcomes, workload, at), 1.06)  # fmt: skip
+        add(f"predicted-latency TTFT p90 / request-path bound's, {where}", mine,
+            _find(outcomes, BOUND, at), 1.06)  # fmt: skip
+        add(f"predicted-latency TTFT p90 / round-robin's, {where}", mine, rr, 1.0)
+        if workload == "azure-code":
+            add(f"predicted-latency TTFT p90 / round-robin's, {where}", mine, rr, 0.95)
+        if workload == "mixed-pool":
+            rec = _find(outcomes, "recommended", at)
+            add(f"predicted-latency TTFT p90 / recommended's, {where}", mine, rec, 0.8)
+    return found
+
+
 def workload_notes(sizes: Sizes) -> dict[str, str]:
     """Each workload table's note: its shape and every scaling factor."""
     sp, chat, mc, az = sizes.shared, sizes.chat, sizes.mooncake_replay, sizes.azure_replay
@@ -1355,6 +1419,11 @@ def workload_notes(sizes: Sizes) -> dict[str, str]:
             "512-token blocks → "
             f"{sizes.mooncake_block_tokens} tokens (lengths × {mc.length_scale:g}), outputs × "
             f"{mc.output_scale:g} (at most {mc.max_output}), time × {mc.time_scale:g}."
+        ),
+        "mixed-pool": (
+            f"Mixed pool ({ENGINES // 2} engines on H100s, {ENGINES // 2} on L4s, one model): "
+            f"multi-turn chat, {sizes.mixed.sessions} sessions × {sizes.mixed.turns} turns "
+            f"starting at {sizes.mixed.session_rate:g}/s, otherwise as multi-turn."
         ),
         "azure-code": (
             f"Azure LLM inference trace (code), rows {sizes.azure_start}–"

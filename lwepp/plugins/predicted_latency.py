@@ -282,7 +282,7 @@ class PredictedLatencyProducer:
         requests, tokens = load.requests, load.tokens
         own = _prompt_tokens(request)
         match: PrefixMatch | None = request.state.get(self._match)
-        models, pool = self.models, self.pool
+        models = self.models
         found: dict[str, Prediction] = request.state.setdefault(self._predicted, {})
         out = []
         for candidate in candidates:
@@ -439,10 +439,11 @@ def headrooms(
     predictions: Sequence[Prediction], slo: Slo, streaming: bool
 ) -> tuple[list[float], list[float]]:
     """TTFT and TPOT headroom per candidate: SLO - predicted (0 - predicted without an SLO;
-    TPOT's 0 when not streaming, as the router neutralises it then)."""
+    TPOT's 0 when not streaming, as the router neutralises it then, and when only a TTFT SLO
+    was asked: the router would count a TPOT SLO of 0, which no endpoint meets)."""
     ttft = [(slo.ttft or 0.0) - p.ttft for p in predictions]
-    if not streaming:
-        return ttft, [0.0] * len(predictions)
+    if not streaming or (slo.tpot is None and slo.ttft is not None):
+        return ttft, [0.0] * len(predictions)  # a TTFT SLO alone is judged on TTFT alone
     return ttft, [(slo.tpot or 0.0) - p.tpot for p in predictions]
 
 

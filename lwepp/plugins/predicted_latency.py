@@ -17,18 +17,22 @@ request's own uncached tokens on each candidate come from the prefix scorer's
 ``PrefixMatch`` when one ran before (the blocks the candidate holds are not
 counted: it will not compute them), else its whole prompt.
 
-The coefficients are fitted online, per endpoint, by ridge regression over
-exponentially decayed sums (about the last ``1 / (1 - DECAY)`` observations):
-each pick records its features; the first response chunk gives the observed
+The law (a, b, c; d, e) is the pool's, fitted online by ridge regression
+over exponentially decayed sums (``Fit``) and pulled towards ``PRIOR_*``;
+each endpoint has one number of its own per law, its *speed*: how many times
+the pool's law its observations take (``Speed``, a decayed least-squares
+ratio pulled towards 1), so an L4 among H100s is learnt as about nine times
+slower from its first few responses, while in a pool of equal GPUs the
+endpoints' noise does not become a difference between them (a full law per
+endpoint, tried first, did: on the Azure trace it lost 1% to round-robin).
+Each pick records its features; the first response chunk gives the observed
 TTFT (``streamingMode: true``; without it, the whole response time, as the
 router trains on end-to-end latency then), the end of the stream the observed
 TPOT, ``(end - first token) / (completion tokens - 1)`` from the reported
-usage. An endpoint with few observations is pulled towards the pool's fit
-(the same regression over every endpoint), and the pool's towards ``PRIOR``,
-so a new endpoint starts at the pool's average and learns its own speed (a
-slower GPU, a busier one) from its first responses. Slopes are kept >= 0:
-more work never predicts less time. Nothing is scraped: a pool whose metrics
-stop arriving is predicted exactly as before.
+usage. Slopes are kept >= 0: more work never predicts less time. An endpoint
+that has answered nothing is predicted at the fastest speed seen, so it is
+tried. Nothing is scraped: a pool whose metrics stop arriving is predicted
+exactly as before.
 
 Per pick (8 candidates) the producer does a dot product per candidate; the
 regression is solved when an observation arrives, on the response side, not
@@ -108,9 +112,9 @@ TPOT_HEADERS: Final = ("x-llm-d-slo-tpot-ms", "x-slo-tpot-ms")
 DECAY: Final = 0.98
 """Each observation multiplies an endpoint's earlier ones by this (about the last 50 count)."""
 POOL_DECAY: Final = 0.995
-"""The pool's fit forgets more slowly: it is the prior of endpoints that have seen little."""
+"""The pool's law forgets more slowly: every endpoint's observations feed it."""
 STRENGTH: Final = 2.0
-"""Ridge strength, in observations: how many an endpoint needs before its own fit leads."""
+"""Ridge strength, in observations: how many an estimate needs before its data lead."""
 KILO: Final = 1000.0
 """Token features are in thousands of tokens, so the coefficients are of one scale."""
 PRIOR_TTFT: Final = (0.05, 0.1, 0.01)
@@ -180,14 +184,35 @@ def _gauss(rows: list[list[float]]) -> list[float] | None:
     return out
 
 
+class Speed:
+    """How much slower than the pool's law one endpoint runs: ``y ≈ scale × law(x)``, the
+    scale fitted by decayed least squares and pulled towards 1 by ``STRENGTH`` observations'
+    worth of the pool's own speed."""
+
+    __slots__ = ("count", "cross", "scale", "square")
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.cross = self.square = self.count = 0.0
+        self.scale = scale
+
+    def observe(self, law: float, y: float) -> None:
+        if law <= 0:
+            return
+        self.cross = DECAY * self.cross + y * law
+        self.square = DECAY * self.square + law * law
+        self.count = DECAY * self.count + 1.0
+        prior = STRENGTH * self.square / self.count  # STRENGTH observations at scale 1
+        self.scale = (self.cross + prior) / (self.square + prior)
+
+
 class _Model:
-    """One endpoint's two fits."""
+    """One endpoint's two speeds (TTFT, TPOT) against the pool's laws."""
 
     __slots__ = ("tpot", "ttft")
 
-    def __init__(self, ttft: Sequence[float], tpot: Sequence[float]) -> None:
-        self.ttft = Fit(ttft, DECAY)
-        self.tpot = Fit(tpot, DECAY)
+    def __init__(self, ttft: float = 1.0, tpot: float = 1.0) -> None:
+        self.ttft = Speed(ttft)
+        self.tpot = Speed(tpot)
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,8 +291,8 @@ class PredictedLatencyProducer:
         self._load, self._match = load_key(inflight), match_key(prefix)
         self._key, self._predicted = f"{name}.context", f"{name}.predictions"
         self.models: dict[str, _Model] = {}
-        self.pool = _Model(PRIOR_TTFT, PRIOR_TPOT)
-        self.pool.ttft.decay = self.pool.tpot.decay = POOL_DECAY
+        self.ttft_law = Fit(PRIOR_TTFT, POOL_DECAY)
+        self.tpot_law = Fit(PRIOR_TPOT, POOL_DECAY)
         self._optimist: _Model | None = None
         """What an endpoint with no observations is predicted by (``_untried``)."""
         self.errors: list[tuple[str, float, float]] = []
@@ -282,7 +307,7 @@ class PredictedLatencyProducer:
         requests, tokens = load.requests, load.tokens
         own = _prompt_tokens(request)
         match: PrefixMatch | None = request.state.get(self._match)
-        models = self.models
+        models, ttft_law, tpot_law = self.models, self.ttft_law, self.tpot_law
         found: dict[str, Prediction] = request.state.setdefault(self._predicted, {})
         out = []
         for candidate in candidates:
@@ -291,23 +316,21 @@ class PredictedLatencyProducer:
             n = requests.get(key, 0)
             x = (1.0, (tokens.get(key, 0) + uncached) / KILO, float(n))
             model = models.get(key) or self._untried()
-            ttft = model.ttft.predict(x)
-            tpot = model.tpot.predict((1.0, n + 1.0))
+            ttft = model.ttft.scale * ttft_law.predict(x)
+            tpot = model.tpot.scale * tpot_law.predict((1.0, n + 1.0))
             found[key] = prediction = Prediction(ttft, tpot, n, x)
             out.append(prediction)
         return out
 
     def _untried(self) -> _Model:
         """An endpoint that answered nothing yet is predicted as fast as the fastest one that
-        did (each coefficient its lowest), so a new replica is tried, and then known; the pool's
-        average would keep a fast replica idle behind slower ones whose times it mixes in."""
+        did, so a new replica is tried, and then known; the pool's average would keep a fast
+        replica idle behind slower ones whose times it mixes in."""
         if self._optimist is None:
-            models = list(self.models.values())
-            if not models:
-                return self.pool
+            models = self.models.values()
             self._optimist = _Model(
-                [min(m.ttft.theta[i] for m in models) for i in range(len(PRIOR_TTFT))],
-                [min(m.tpot.theta[i] for m in models) for i in range(len(PRIOR_TPOT))],
+                min((m.ttft.scale for m in models), default=1.0),
+                min((m.tpot.scale for m in models), default=1.0),
             )
         return self._optimist
 
@@ -358,27 +381,25 @@ class PredictedLatencyProducer:
         tokens = usage.completion_tokens if usage is not None else None
         if context.first is not None and tokens is not None and tokens >= 2:
             tpot = (now - context.first) / (tokens - 1)
-            model = self._model(context.endpoint)
-            model.tpot.observe(context.tpot_x, tpot)
-            self.pool.tpot.observe(context.tpot_x, tpot)
-            self.pool.tpot.solve(PRIOR_TPOT)
-            model.tpot.solve(self.pool.tpot.theta)
+            speed = self._model(context.endpoint).tpot
+            speed.observe(self.tpot_law.predict(context.tpot_x), tpot)
+            self.tpot_law.observe(context.tpot_x, tpot / speed.scale)
+            self.tpot_law.solve(PRIOR_TPOT)
 
     def _observe_ttft(self, request: LLMRequest, context: _Context, seconds: float) -> None:
         if self.record_errors:
             predicted = request.state.get(f"{self.name}.ttft", math.nan)
             self.errors.append((context.endpoint, predicted, seconds))
-        model = self._model(context.endpoint)
-        model.ttft.observe(context.ttft_x, seconds)
-        self.pool.ttft.observe(context.ttft_x, seconds)
-        self.pool.ttft.solve(PRIOR_TTFT)
-        model.ttft.solve(self.pool.ttft.theta)
+        speed = self._model(context.endpoint).ttft
+        speed.observe(self.ttft_law.predict(context.ttft_x), seconds)
+        self.ttft_law.observe(context.ttft_x, seconds / speed.scale)
+        self.ttft_law.solve(PRIOR_TTFT)
 
     def _model(self, endpoint: str) -> _Model:
         self._optimist = None  # the fits move: recomputed when next needed
         model = self.models.get(endpoint)
-        if model is None:  # starts where the pool is
-            model = self.models[endpoint] = _Model(self.pool.ttft.theta, self.pool.tpot.theta)
+        if model is None:  # starts at the pool's speed
+            model = self.models[endpoint] = _Model()
         return model
 
 

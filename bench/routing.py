@@ -731,7 +731,7 @@ class Sizes:
     """The mixed pool's workload (``MIXED``): multi-turn chat, busier."""
 
 
-FULL: Final = Sizes(
+_FULL = Sizes(
     kv_blocks=None,
     shared=SharedPrefix(groups=64, prefix_tokens=2048, users=16, question_tokens=64, max_tokens=32),
     rates=(4.0, 8.0, 10.0, 12.0, 16.0, 24.0, 32.0),
@@ -755,16 +755,10 @@ FULL: Final = Sizes(
     azure_start=0,
     azure_count=1500,
     azure_replay=Replay(length_scale=1 / 16, output_scale=1.0, time_scale=0.1, max_output=256),
-    mixed=MultiTurn(
-        sessions=300,
-        turns=6,
-        session_rate=4.0,
-        system_tokens=256,
-        user_tokens=96,
-        max_tokens=64,
-        think_seconds=10.0,
-    ),
+    mixed=MultiTurn(),  # the chat workload, twice as busy: set below
 )
+FULL: Final = replace(_FULL, mixed=replace(_FULL.chat, session_rate=2 * _FULL.chat.session_rate))
+"""The full sizes; the mixed pool's chat twice as busy as the multi-turn workload's."""
 QUICK: Final = Sizes(
     kv_blocks=256,
     shared=SharedPrefix(groups=8, prefix_tokens=512, users=4, question_tokens=32, max_tokens=8),

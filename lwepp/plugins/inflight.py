@@ -200,18 +200,10 @@ class InFlightLoadProducer:
 
     @staticmethod
     def _prompt_tokens(request: LLMRequest) -> int:
-        """The prompt's tokens, estimated from its text (4 characters a token), or 0."""
-        text = prompt_text(request.parsed) if request.parsed is not None else None
-        return len(text) // CHARS_PER_TOKEN if text else 0
+        return prompt_tokens(request)
 
     def _uncached(self, request: LLMRequest, endpoint: str, prompt: int) -> int:
-        """The prompt's tokens ``endpoint`` must compute: those past the blocks it holds."""
-        match: PrefixMatch | None = request.state.get(self._match)
-        if match is None or match.block_tokens <= 0:
-            return prompt
-        indexed = match.total * match.block_tokens
-        held = match.matched.get(endpoint, 0) * match.block_tokens
-        return max(0, indexed - held) + max(0, prompt - indexed)
+        return uncached_tokens(request.state.get(self._match), endpoint, prompt)
 
     def _output_tokens(self, request: LLMRequest, prompt: int) -> int:
         """``round(prompt × outputRatio)``, capped by the request's limit and the configured cap."""
@@ -227,3 +219,19 @@ class InFlightLoadProducer:
         if self.output_cap is not None:
             estimate = min(estimate, self.output_cap)
         return estimate
+
+
+def prompt_tokens(request: LLMRequest) -> int:
+    """The prompt's tokens, estimated from its text (4 characters a token), or 0."""
+    text = prompt_text(request.parsed) if request.parsed is not None else None
+    return len(text) // CHARS_PER_TOKEN if text else 0
+
+
+def uncached_tokens(match: PrefixMatch | None, endpoint: str, prompt: int) -> int:
+    """The prompt's tokens ``endpoint`` must compute: those past the blocks ``match`` says it
+    holds (all of them without a match)."""
+    if match is None or match.block_tokens <= 0:
+        return prompt
+    indexed = match.total * match.block_tokens
+    held = match.matched.get(endpoint, 0) * match.block_tokens
+    return max(0, indexed - held) + max(0, prompt - indexed)

@@ -93,13 +93,11 @@ from typing import Any, Final
 from lwepp.contracts import IN_FLIGHT_LOAD, Candidate, LLMRequest, Usage, Want
 from lwepp.flowcontrol.policies import slo_ms
 from lwepp.plugins.inflight import PRODUCER as INFLIGHT
-from lwepp.plugins.inflight import InFlight, load_key
+from lwepp.plugins.inflight import InFlight, load_key, prompt_tokens, uncached_tokens
 from lwepp.plugins.prefix import (
-    CHARS_PER_TOKEN,
     DEFAULT_PRODUCER,
     PrefixMatch,
     match_key,
-    prompt_text,
 )
 from plugin_api import NO_PARAMS, ConfigError, Params
 from pods.model import Endpoint
@@ -305,14 +303,14 @@ class PredictedLatencyProducer:
         """Each candidate's prediction for ``request``, in order (kept for ``picked``)."""
         load: InFlight = request.state.get(self._load, _NOTHING)
         requests, tokens = load.requests, load.tokens
-        own = _prompt_tokens(request)
+        own = prompt_tokens(request)
         match: PrefixMatch | None = request.state.get(self._match)
         models, ttft_law, tpot_law = self.models, self.ttft_law, self.tpot_law
         found: dict[str, Prediction] = request.state.setdefault(self._predicted, {})
         out = []
         for candidate in candidates:
             key = candidate.endpoint.hostport
-            uncached = own if match is None else _uncached(match, key, own)
+            uncached = uncached_tokens(match, key, own)
             n = requests.get(key, 0)
             x = (1.0, (tokens.get(key, 0) + uncached) / KILO, float(n))
             model = models.get(key) or self._untried()
@@ -351,7 +349,7 @@ class PredictedLatencyProducer:
         if prediction is None:  # nothing scored: predict for the pick alone
             load: InFlight = request.state.get(self._load, _NOTHING)
             n = load.requests.get(key, 0)
-            x = (1.0, (load.tokens.get(key, 0) + _prompt_tokens(request)) / KILO, float(n))
+            x = (1.0, (load.tokens.get(key, 0) + prompt_tokens(request)) / KILO, float(n))
             prediction = Prediction(math.nan, math.nan, n, x)
         context = _Context(
             key, self.clock(), prediction.features, (1.0, prediction.dispatched + 1.0)
@@ -405,21 +403,6 @@ class PredictedLatencyProducer:
 
 def _read_from_the_request(_producer: object) -> None:
     """The producer reads the in-flight counts from ``request.state``: nothing to keep."""
-
-
-def _prompt_tokens(request: LLMRequest) -> int:
-    """The prompt's tokens, estimated from its text as the in-flight producer does, or 0."""
-    text = prompt_text(request.parsed) if request.parsed is not None else None
-    return len(text) // CHARS_PER_TOKEN if text else 0
-
-
-def _uncached(match: PrefixMatch, endpoint: str, prompt: int) -> int:
-    """The prompt's tokens ``endpoint`` must compute: those past the blocks it holds."""
-    if match.block_tokens <= 0:
-        return prompt
-    indexed = match.total * match.block_tokens
-    held = match.matched.get(endpoint, 0) * match.block_tokens
-    return max(0, indexed - held) + max(0, prompt - indexed)
 
 
 class _ReadsPredictions:

@@ -12,6 +12,7 @@ from lwepp.plugins.predicted_latency import (
     PredictedLatencyProducer,
     SloHeadroomTierFilter,
 )
+from lwepp.plugins.prefix import DEFAULT_PRODUCER, PrefixMatch, match_key
 from plugin_api import Params
 from pods.model import Endpoint
 
@@ -139,3 +140,23 @@ def test_slo_headers_score_only_the_endpoints_that_meet_them_and_filter_to_them(
     ]
     plain = LLMRequest("q", {}, parsed=BODY)
     assert tier.filter(plain, POOL, 0.0) == POOL
+
+
+def test_uncached_prefill_weight_keeps_a_prefix_where_it_is_held() -> None:
+    """Charged for the prefill its own uncached tokens take, a request goes to the endpoint
+    holding its prefix with a short queue, where the earliest-first-token rule alone sends it
+    to an idle endpoint that must prefill the whole prompt again."""
+    _, inflight, producer, plain = plugins()
+    producer.ttft_law.theta = [0.05, 0.3, 0.01]  # 0.3 s per 1,000 tokens to prefill
+    for _ in range(2):  # 2,000 tokens waiting on the endpoint that holds the prefix
+        held = LLMRequest("held", {}, parsed=BODY)
+        inflight.prepare(held)
+        inflight.picked(held, [POOL[0].endpoint])
+    charged = LatencyScorer("charged", Params({"uncachedPrefillWeight": 2.0}, "s"))
+    charged.producer = producer
+    request = LLMRequest("q", {}, parsed=BODY)
+    inflight.prepare(request)
+    hosts = [c.endpoint.hostport for c in POOL]
+    request.state[match_key(DEFAULT_PRODUCER)] = PrefixMatch({hosts[0]: 250}, 250, 4)
+    assert max(range(3), key=list(plain.score(request, POOL, 0.0)).__getitem__) != 0
+    assert max(range(3), key=list(charged.score(request, POOL, 0.0)).__getitem__) == 0

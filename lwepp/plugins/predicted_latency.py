@@ -72,6 +72,15 @@ holds; the prediction already prices an idle endpoint's empty queue against
 a busy one's cached prefix, which is what it is for. The composite fallback
 (no predictions): KV-cache use (scraped ``kv_cache_usage``, when fresh),
 requests in flight (the queue the picker knows) and the prefix match.
+Switchyard's own parameter ``uncachedPrefillWeight`` (0: the router's
+ranking) charges each candidate, for ranking only (not for whether it meets
+the SLO), that many times the predicted prefill time of the request's own
+uncached tokens there: engine time every later request on that endpoint
+waits for too. A pure earliest-first-token rule sends a group of requests
+sharing a prefix elsewhere whenever its endpoint is busy for a moment, the
+prefix is prefilled again and evicts others, and later requests pay
+(``bench.oracle``'s estimate oracle charges twice its prefill for the same
+reason).
 
 ``slo-headroom-tier-filter`` (``epsilonExploreNeg`` 0.01): with an SLO on the
 request, keeps the candidates predicted to meet it, or with probability
@@ -223,6 +232,9 @@ class Prediction:
     tpot: float
     dispatched: int
     features: tuple[float, float, float]
+    prefill: float = 0.0
+    """The part of ``ttft`` this request's own uncached tokens take there: engine time every
+    request after it on that endpoint waits for too."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,7 +328,8 @@ class PredictedLatencyProducer:
             model = models.get(key) or self._untried()
             ttft = model.ttft.scale * ttft_law.predict(x)
             tpot = model.tpot.scale * tpot_law.predict((1.0, n + 1.0))
-            found[key] = prediction = Prediction(ttft, tpot, n, x)
+            prefill = model.ttft.scale * ttft_law.theta[1] * uncached / KILO
+            found[key] = prediction = Prediction(ttft, tpot, n, x, prefill)
             out.append(prediction)
         return out
 
@@ -464,6 +477,7 @@ class LatencyScorer(_ReadsPredictions):
         self.kv_weight = params.get("compositeKVWeight", float, 1.0, at_least=0)
         self.queue_weight = params.get("compositeQueueWeight", float, 1.0, at_least=0)
         self.prefix_weight = params.get("compositePrefixWeight", float, 1.0, at_least=0)
+        self.work_weight = params.get("uncachedPrefillWeight", float, 0.0, at_least=0)
 
     def score(
         self, request: LLMRequest, candidates: Sequence[Candidate], now: float
@@ -493,6 +507,9 @@ class LatencyScorer(_ReadsPredictions):
                     if bucket:
                         chosen = bucket
                         break
+        if self.work_weight:  # rank by the time the choice costs, its own and later requests'
+            w = self.work_weight
+            ttft = [h - w * p.prefill for h, p in zip(ttft, predictions, strict=True)]
         return _blend(ttft, tpot, chosen, packing, self.ttft_weight, self.tpot_weight)
 
     def _composite(

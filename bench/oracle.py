@@ -133,7 +133,7 @@ class Oracle:
 
     def estimate(self, index: int, own: int) -> float:
         """Seconds until a prompt with ``own`` tokens to prefill gets a first token there."""
-        profile = self.profile
+        profile = self.engines[index].profile  # a mixed pool's engines differ
         work = self.ahead[index] + own
         seqs = self.seqs[index]
         budget = max(1, profile.max_num_batched_tokens - seqs)
@@ -147,7 +147,8 @@ class Oracle:
 
     def cost(self, index: int, own: int) -> float:
         """The estimate plus the prefill this choice adds there (module docstring)."""
-        return self.estimate(index, own) + self.work_weight * own * self.profile.prefill_per_token
+        per_token = self.engines[index].profile.prefill_per_token
+        return self.estimate(index, own) + self.work_weight * own * per_token
 
     def choose(self, request: Request) -> int:
         """The engine for ``request``; its prompt counts as pending there until ``prefilled``."""
@@ -196,6 +197,42 @@ class Oracle:
             index, length = entry
             self.seqs[index] -= 1
             self.context[index] -= length
+
+
+class RequestPathOracle(Oracle):
+    """The oracle-estimate's algorithm fed only what a picker sees on the request path: the
+    measured bound for any such picker (``bench.routing``'s ``request-path-bound``).
+
+    It keeps ``Oracle``'s step model with the engines' true constants (a picker can at best
+    learn them), its counts of what it sent where, and its pending-prefill bookkeeping, all of
+    which the request path knows; but where ``Oracle`` reads each engine's cache, this one
+    knows only the blocks it sent each engine, as many as that engine's cache holds, the
+    least recently sent forgotten first (evictions it cannot see are not modelled)."""
+
+    def __init__(self, engines: Sequence[Engine], profile: Profile) -> None:
+        super().__init__(engines, profile)
+        self.held: list[dict[int, None]] = [{} for _ in engines]
+        """Per engine: the block hashes sent there, least recently sent first."""
+
+    def hit(self, index: int, request: Request, hashes: Sequence[int]) -> int:
+        held, pending = self.held[index], self._pending[index]
+        blocks = 0
+        for block in hashes:
+            if block not in held and block not in pending:
+                break
+            blocks += 1
+        return blocks * self.engines[index].profile.block_size
+
+    def choose(self, request: Request) -> int:
+        best = super().choose(request)
+        held = self.held[best]
+        for block in self._sent[request.id][1]:
+            held.pop(block, None)
+            held[block] = None
+        capacity = self.engines[best].profile.num_blocks
+        while len(held) > capacity:
+            del held[next(iter(held))]
+        return best
 
 
 # --- the look-ahead oracle -----------------------------------------------------------

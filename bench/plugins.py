@@ -24,11 +24,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.codec import per_call_us
 from bench.report import Timed
-from lwepp.contracts import Candidate, Filter, LLMRequest, Measurement, Scorer
+from lwepp.contracts import Candidate, Filter, LLMRequest, Measurement, Scorer, Usage
 from lwepp.plugins import REGISTRY
 from lwepp.plugins.inflight import InFlightLoadProducer
 from lwepp.plugins.metrics_source import MetricsDataSource
 from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
+from lwepp.plugins.predicted_latency import LatencyScorer, PredictedLatencyProducer
 from lwepp.plugins.prefix import PrefixCacheScorer
 from lwepp.plugins.prefix_index import PrefixIndex, block_hashes, seed
 from lwepp.plugins.session_affinity import token
@@ -222,7 +223,52 @@ def load_rows(measure: Measure, pool: list[Candidate], now: float, baseline: flo
             baseline,
         ),
     ]
-    return rows + precise_rows(measure, pool, now, baseline)
+    return (
+        rows
+        + precise_rows(measure, pool, now, baseline)
+        + latency_rows(measure, pool, now, baseline)
+    )
+
+
+def latency_rows(
+    measure: Measure, pool: list[Candidate], now: float, baseline: float
+) -> list[Timed]:
+    """The predicted latency: ``latency-scorer`` scoring 8 candidates, every one with its own
+    fitted model and requests in flight (the producer's predictions are its cost); the
+    response side, a first token and a completion, each refitting the endpoint's model."""
+    config = {"streamingMode": True}
+    producer = PredictedLatencyProducer("predicted-latency-producer", Params(config, "p"))
+    inflight = InFlightLoadProducer("inflight-load-producer")
+    scorer = LatencyScorer("latency-scorer")
+    scorer.producer = producer
+    body = FrozenDict(chat_body())
+    usage = Usage(100, 32, 0)
+    for i, candidate in enumerate(pool):  # a fitted model and i + 1 in flight everywhere
+        for _ in range(i + 1):
+            busy = LLMRequest("busy", {}, parsed=body)
+            inflight.prepare(busy)
+            producer.predict(busy, pool)
+            inflight.picked(busy, [candidate.endpoint])
+            producer.picked(busy, [candidate.endpoint])
+            producer.response_chunk(busy, b"data: {}")
+            producer.response_complete(busy, candidate.endpoint.hostport, usage)
+            inflight.picked(LLMRequest("held", {}, parsed=body), [candidate.endpoint])
+    request = LLMRequest("r", {"x-llm-d-slo-ttft-ms": "500"}, model="sql", parsed=body)
+    inflight.prepare(request)
+
+    def response() -> None:
+        life = LLMRequest("r", {}, model="sql", parsed=body)
+        inflight.prepare(life)
+        producer.picked(life, [pool[3].endpoint])
+        producer.response_chunk(life, b"data: {}")
+        producer.response_complete(life, pool[3].endpoint.hostport, usage)
+
+    return [
+        Timed("latency-scorer + predictions (8 fitted models, SLO header)",
+            measure(_scoring(scorer, request, pool, now)), baseline),
+        Timed("predicted-latency-producer picked + first chunk + complete (2 refits)",
+            measure(response), baseline),
+    ]  # fmt: skip
 
 
 def precise_rows(

@@ -51,6 +51,7 @@ from typing import Final
 from bench import workloads
 from bench.routing import (
     BASELINE,
+    BOUND,
     DROP_IN,
     ENGINES,
     FULL,
@@ -65,9 +66,10 @@ from serving.logs import configure_logging
 
 WORKLOAD = "replay"
 """The workload name every run of a replay carries."""
-PICKERS = ("round-robin", BASELINE, *DROP_IN, "precise", "prefix-aware")
+PICKERS = ("round-robin", BASELINE, *DROP_IN, "precise", "prefix-aware", "predicted-latency")
 """What runs unless ``--picker`` names others (llm-d's default, the configurations the README
-gives users, precise and prefix-aware); the oracles always run, for the envelope."""
+gives users, precise, prefix-aware and predicted latency); the oracles always run, for the
+envelope."""
 
 
 AUTO_TOKENS_PER_SECOND: Final = 5000.0
@@ -189,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--picker",
         action="append",
-        choices=PICKERS,
+        choices=(*PICKERS, BOUND),
         help=f"a shipped picker to run, repeatable (default: {', '.join(PICKERS)})",
     )
     add(
@@ -232,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     runs: list[tuple[str, str, Path | None]] = [(p, p, None) for p in pickers]
     runs += [(path.name, "recommended", path) for path in args.config]
     runs += [(oracle, oracle, None) for oracle in ORACLES]
+    runs += [(BOUND, BOUND, None)]  # what a request-path picker can reach
     run = partial(simulate, WORKLOAD, replayed, engines=args.engines, seed=args.seed)
     outcomes = [run(strategy, profile, config=config) for _, strategy, config in runs]
     last = args.start + len(replayed) - 1

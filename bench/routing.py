@@ -85,7 +85,7 @@ from typing import Any, Final, Protocol
 import orjson
 
 from bench import workloads
-from bench.oracle import Lookahead, Oracle, floor_ttfts, partition
+from bench.oracle import Lookahead, Oracle, RequestPathOracle, floor_ttfts, partition
 from bench.report import Options, Plot, Section, Series, Table, Target, percentile, progress
 from bench.upstream import OPTIMIZED_BASELINE, guide_config
 from bench.workloads import Arrival, MultiTurn, Replay, SharedPrefix
@@ -97,6 +97,7 @@ from lwepp.pipeline import Pipeline
 from lwepp.plugins.metrics_source import MetricsDataSource
 from lwepp.plugins.pickers import RandomPicker
 from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
+from lwepp.plugins.predicted_latency import PredictedLatencyProducer, SloHeadroomTierFilter
 from lwepp.plugins.prefix import PrecisePrefixCacheScorer
 from pods.model import Endpoint
 from simulator import metrics
@@ -134,10 +135,14 @@ PICKERS: Final = (
     BASELINE,
     *DROP_IN,
     "precise",
+    "predicted-latency",
 )
 """The strategies users run: the oracle envelope must not be beaten by any of them."""
 ORACLES: Final = ("oracle-lookahead", "oracle-estimate")
 """The two online references whose better p90, per run, is the oracle envelope."""
+BOUND: Final = "request-path-bound"
+"""``bench.oracle.RequestPathOracle``: the envelope's algorithm fed only request-path knowledge,
+the measured bound for a picker that sees only the request path."""
 OFFLINE: Final = "offline-partition"
 """The offline reference, for workloads whose requests come in groups (shared prefix)."""
 STRATEGIES: Final = (*PICKERS, *ORACLES)
@@ -154,10 +159,14 @@ CONFIG_FILES: Final = {
     **{engine: ROOT / "demo" / "configs" / f"{engine}.yaml" for engine in DROP_IN[1:]},
     MISMATCHED: ROOT / "demo" / "configs" / "sglang.yaml",
     "precise": CONFIGS / "precise.yaml",
+    "predicted-latency": CONFIGS / "predicted-latency.yaml",
 }
 SERVERS: Final = {"sglang": "sglang", "llamacpp": "llamacpp"}
 """The metrics dialect the simulated servers publish under a strategy (``simulator.metrics``):
 the engine its configuration is written for; vLLM's for every other one."""
+MIXED: Final = ("llama-3.1-8b-h100",) * (ENGINES // 2) + ("llama-3.1-8b-l4",) * (ENGINES // 2)
+"""The mixed pool: half the engines on H100s, half on L4s (``simulator.profiles``), the same
+model, so one request costs about nine times longer to prefill on an L4."""
 
 
 # --- routers -------------------------------------------------------------------------
@@ -345,6 +354,10 @@ def router(
     """
     if strategy == "oracle-estimate":
         return OracleRouter(engines, profile)
+    if strategy == BOUND:
+        bound = OracleRouter(engines, profile)
+        bound.name, bound.oracle = BOUND, RequestPathOracle(engines, profile)
+        return bound
     if strategy == "oracle-lookahead":
         return LookaheadRouter(engines)
     if strategy == OFFLINE:
@@ -364,6 +377,12 @@ def router(
             )
             producer.clock = clock  # speculative entries age in virtual time
             subscribe(producer, engines, pool)
+    for hook in pipeline.picked:
+        if isinstance(hook, PredictedLatencyProducer):
+            hook.clock = clock  # observed latencies in virtual time
+    for step in pipeline.filters:
+        if isinstance(step, SloHeadroomTierFilter):
+            step.rng = random.Random(seed)
     return PipelineRouter(strategy, pipeline, pipeline.sources, pool)
 
 
@@ -563,15 +582,18 @@ def simulate(
     rate: float | None = None,
     config: Path | None = None,
     scheduling: Scheduling = DEFAULT_SCHEDULING,
+    profiles: Sequence[Profile] = (),
 ) -> Outcome:
     """Replay ``arrivals`` on fresh engines routed by ``strategy``; account for every request.
 
     ``config`` replaces the strategy's configuration file (to try a variant);
-    ``scheduling`` the engines' scheduler switches (current vLLM's by default).
+    ``scheduling`` the engines' scheduler switches (current vLLM's by default);
+    ``profiles``, one per engine, a mixed pool (``profile`` for every engine otherwise).
     """
     started = time.perf_counter()
     loop = VirtualLoop()
-    fleet = [Engine(profile, seed=seed * 1000 + i, scheduling=scheduling) for i in range(engines)]
+    kinds = list(profiles) or [profile] * engines
+    fleet = [Engine(kinds[i], seed=seed * 1000 + i, scheduling=scheduling) for i in range(engines)]
     pool = endpoints(engines)
     chosen = router(strategy, fleet, profile, lambda: loop.now, seed, config, arrivals)
     run = _Run(arrivals, chosen, loop, fleet, pool, warm=int(len(arrivals) * WARMUP))
@@ -734,9 +756,11 @@ class Sizes:
     azure_start: int
     azure_count: int
     azure_replay: Replay
+    mixed: MultiTurn
+    """The mixed pool's workload (``MIXED``): multi-turn chat, busier."""
 
 
-FULL: Final = Sizes(
+_FULL = Sizes(
     kv_blocks=None,
     shared=SharedPrefix(groups=64, prefix_tokens=2048, users=16, question_tokens=64, max_tokens=32),
     rates=(4.0, 8.0, 10.0, 12.0, 16.0, 24.0, 32.0),
@@ -769,7 +793,10 @@ FULL: Final = Sizes(
     azure_start=0,
     azure_count=1500,
     azure_replay=Replay(length_scale=1 / 16, output_scale=1.0, time_scale=0.1, max_output=256),
+    mixed=MultiTurn(),  # the chat workload, twice as busy: set below
 )
+FULL: Final = replace(_FULL, mixed=replace(_FULL.chat, session_rate=2 * _FULL.chat.session_rate))
+"""The full sizes; the mixed pool's chat twice as busy as the multi-turn workload's."""
 QUICK: Final = Sizes(
     kv_blocks=256,
     shared=SharedPrefix(groups=8, prefix_tokens=512, users=4, question_tokens=32, max_tokens=8),
@@ -787,6 +814,7 @@ QUICK: Final = Sizes(
     azure_start=0,
     azure_count=40,
     azure_replay=Replay(length_scale=0.05, output_scale=0.5, time_scale=0.5, max_output=16),
+    mixed=MultiTurn(sessions=8, turns=3, session_rate=8.0, think_seconds=2.0, max_tokens=8),
 )
 
 VARIANTS: Final = (
@@ -808,6 +836,16 @@ def profile_for(sizes: Sizes) -> Profile:
     """The engines' profile: ``PROFILE`` as published (its KV cache cut for a smoke run)."""
     profile = PROFILES[PROFILE]
     return profile if sizes.kv_blocks is None else profile.replace(num_blocks=sizes.kv_blocks)
+
+
+def mixed_pool(sizes: Sizes) -> list[Profile]:
+    """The mixed pool's engines, one profile each (``MIXED``; KV cut as ``profile_for``)."""
+    return [
+        PROFILES[name]
+        if sizes.kv_blocks is None
+        else PROFILES[name].replace(num_blocks=sizes.kv_blocks)
+        for name in MIXED
+    ]
 
 
 def floor_p90(arrivals: Sequence[Arrival], profile: Profile, scheduling: Scheduling) -> float:
@@ -842,10 +880,14 @@ def run(options: Options) -> Section:
         arrivals: Sequence[Arrival],
         rate: float | None = None,
         strategies: Sequence[str] = STRATEGIES,
+        profiles: Sequence[Profile] = (),
     ) -> None:
-        floor = floor_p90(arrivals, profile, DEFAULT_SCHEDULING)
-        for strategy in strategies:
-            outcome = simulate(workload, arrivals, strategy, profile, seed=seed, rate=rate)
+        fastest = min(profiles or [profile], key=lambda p: p.prefill_per_token)
+        floor = floor_p90(arrivals, fastest, DEFAULT_SCHEDULING)
+        for strategy in (*strategies, BOUND):
+            outcome = simulate(
+                workload, arrivals, strategy, profile, seed=seed, rate=rate, profiles=profiles
+            )
             outcomes.append(replace(outcome, floor_p90=floor))
             progress(
                 f"routing: {workload}{'' if rate is None else f' at {rate:g}/s'} {strategy}: "
@@ -874,6 +916,7 @@ def run(options: Options) -> Section:
         )
         rows = workloads.read_azure(traces[1], sizes.azure_start, sizes.azure_count)
         measure("azure-code", workloads.azure(rows, sizes.azure_replay, seed))
+    measure("mixed-pool", workloads.multi_turn(sizes.mixed, seed), profiles=mixed_pool(sizes))
     variants: list[Variant] = []
     runs: list[tuple[str, float | None, Sequence[Arrival], Sequence[tuple[str, Scheduling]]]]
     runs = [
@@ -976,6 +1019,7 @@ def section(
             *recommended_targets(by_workload, sizes.target_rate),
             *precise_targets(by_workload, sizes.target_rate),
             *drop_in_targets(by_workload),
+            *latency_targets(by_workload, sizes.target_rate),
             bound_target(outcomes),
         ],
         data={
@@ -1428,6 +1472,37 @@ def drop_in_targets(by_workload: Mapping[str, Sequence[Outcome]]) -> list[Target
     return found
 
 
+def latency_targets(by_workload: Mapping[str, Sequence[Outcome]], rate: float) -> list[Target]:
+    """Issue 34's targets for ``predicted-latency`` on every workload (shared prefix at
+    ``rate``): TTFT p90 at most 1.06× the oracle envelope's and the request-path bound's
+    (``BOUND``, what any picker that sees only the request path reached), never above
+    round-robin's; nothing-shared traffic (azure-code) at most 0.95× round-robin's; the mixed
+    pool at most 0.8× the recommended configuration's."""
+    found = []
+
+    def add(what: str, a: Outcome | None, b: Outcome | None, limit: float) -> None:
+        ratio = versus(a, b, _p90)
+        if a is not None and b is not None:
+            found.append(Target(what, ratio if isinstance(ratio, float) else math.nan, limit))
+
+    for workload, outcomes in by_workload.items():
+        at = rate if any(o.rate is not None for o in outcomes) else None
+        where = workload if at is None else f"{workload} at {at:g} requests/s"
+        mine = _find(outcomes, "predicted-latency", at)
+        rr = _find(outcomes, "round-robin", at)
+        add(f"predicted-latency TTFT p90 / oracle envelope's, {where}", mine,
+            envelope(outcomes, workload, at), 1.06)  # fmt: skip
+        add(f"predicted-latency TTFT p90 / request-path bound's, {where}", mine,
+            _find(outcomes, BOUND, at), 1.06)  # fmt: skip
+        add(f"predicted-latency TTFT p90 / round-robin's, {where}", mine, rr, 1.0)
+        if workload == "azure-code":
+            add(f"predicted-latency TTFT p90 / round-robin's, {where}", mine, rr, 0.95)
+        if workload == "mixed-pool":
+            rec = _find(outcomes, "recommended", at)
+            add(f"predicted-latency TTFT p90 / recommended's, {where}", mine, rec, 0.8)
+    return found
+
+
 def workload_notes(sizes: Sizes) -> dict[str, str]:
     """Each workload table's note: its shape and every scaling factor."""
     sp, chat, mc, az = sizes.shared, sizes.chat, sizes.mooncake_replay, sizes.azure_replay
@@ -1458,6 +1533,11 @@ def workload_notes(sizes: Sizes) -> dict[str, str]:
             "512-token blocks → "
             f"{sizes.mooncake_block_tokens} tokens (lengths × {mc.length_scale:g}), outputs × "
             f"{mc.output_scale:g} (at most {mc.max_output}), time × {mc.time_scale:g}."
+        ),
+        "mixed-pool": (
+            f"Mixed pool ({ENGINES // 2} engines on H100s, {ENGINES // 2} on L4s, one model): "
+            f"multi-turn chat, {sizes.mixed.sessions} sessions × {sizes.mixed.turns} turns "
+            f"starting at {sizes.mixed.session_rate:g}/s, otherwise as multi-turn."
         ),
         "azure-code": (
             f"Azure LLM inference trace (code), rows {sizes.azure_start}–"

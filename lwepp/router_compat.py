@@ -120,9 +120,8 @@ UNSUPPORTED: Final = {
         "endpoint-attribute-scorer", "utilization-filter",
     ),
     "admission control (requests refused under saturation or for their SLO)": (
-        "probabilistic-admitter", "latency-slo-admitter", "slo-headroom-tier-filter",
+        "probabilistic-admitter", "latency-slo-admitter",
     ),
-    "predicted-latency routing": ("predicted-latency-producer", "latency-scorer"),
     "routing by request headers and attributes (agent identity, header-label affinity, "
     "attribute reports)": (
         "agent-identity", "header-label-affinity-scorer", "request-attribute-reporter",

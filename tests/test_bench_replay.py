@@ -14,7 +14,7 @@ import pytest
 import structlog
 
 from bench import replay, workloads
-from bench.routing import AZURE_FILE, MOONCAKE_FILE, ORACLES, TRACES, simulate
+from bench.routing import AZURE_FILE, BOUND, MOONCAKE_FILE, ORACLES, TRACES, simulate
 
 
 def rows(output: str) -> dict[str, list[float]]:
@@ -39,11 +39,17 @@ def test_a_slice_of_a_trace_is_judged_against_round_robin_and_the_envelope(
         rf"{trace}: records 10-69, .* prompt tokens/s over .*\n", capsys.readouterr().out
     )[1:]
     found = rows(f"{trace}\n" + first)
-    assert list(found) == ["round-robin", "precise", "oracle-lookahead", "oracle-estimate"]
+    assert list(found) == [
+        "round-robin",
+        "precise",
+        "oracle-lookahead",
+        "oracle-estimate",
+        "request-path-bound",
+    ]
     assert found["round-robin"][2:4] == [1.0, 1.0]
     assert min(found["oracle-lookahead"][4], found["oracle-estimate"][4]) == 1.0
     assert all(row[1] > 0 for row in found.values())
-    expected = [*replay.PICKERS, "mine.yaml", "oracle-lookahead", "oracle-estimate"]
+    expected = [*replay.PICKERS, "mine.yaml", "oracle-lookahead", "oracle-estimate", BOUND]
     assert list(rows(f"{trace}\n" + second)) == expected
 
 
@@ -119,7 +125,7 @@ def test_engines_replays_on_that_many_keeping_each_ones_load(
             more = [] if scale is None else ["--time-scale", scale]
             replay.main([str(trace), "--picker", "recommended", "--engines", "2", *more])
     assert set(pools) == {2}
-    assert len(pools) == 3 * (2 + len(ORACLES))  # round-robin, recommended, the oracles
+    assert len(pools) == 3 * (3 + len(ORACLES))  # round-robin, recommended, the oracles, bound
     first, second, auto = (
         line for line in capsys.readouterr().out.splitlines() if line.startswith("burst.csv")
     )

@@ -548,6 +548,7 @@ def test_quick_run_measures_every_strategy_on_every_workload(quick: Section) -> 
             expected.append(routing.OFFLINE)
         if workload == "system-prompt":
             expected.append(routing.MISMATCHED)
+        expected.append(routing.BOUND)
         rates = {r["rate"] for r in runs if r["workload"] == workload}
         for rate in rates:
             strategies = [
@@ -568,7 +569,10 @@ def test_quick_run_measures_every_strategy_on_every_workload(quick: Section) -> 
     rest = [t for t in quick.targets if t not in drop_in]
     recommended = [t for t in rest if t.name.startswith("recommended")]
     precise = [t for t in rest if t.name.startswith("precise")]
-    assert len(rest) - len(recommended) - len(precise) == 4
+    latency = [t for t in rest if t.name.startswith("predicted-latency")]
+    assert len(rest) - len(recommended) - len(precise) - len(latency) == 4
+    assert "mixed-pool" in workloads_run
+    assert sum("oracle envelope" in t.name for t in latency) == len(workloads_run)
     assert len(precise) == 2 * sum(w in workloads_run for w in ("shared-prefix", "mooncake"))
     assert len(recommended) == sum(
         w in workloads_run for w, *_ in routing.RECOMMENDED_LIMITS

@@ -41,6 +41,11 @@ from lwepp.plugins.models_source import ModelsDataSource
 from lwepp.plugins.no_hit_lru import NoHitLRUScorer
 from lwepp.plugins.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
 from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
+from lwepp.plugins.predicted_latency import (
+    LatencyScorer,
+    PredictedLatencyProducer,
+    SloHeadroomTierFilter,
+)
 from lwepp.plugins.prefix import PrecisePrefixCacheScorer, PrefixCacheScorer
 from lwepp.plugins.queue_scorer import QueueScorer
 from lwepp.plugins.role_filters import ByLabelFilter, DecodeFilter, EncodeFilter, PrefillFilter
@@ -68,6 +73,7 @@ REGISTRY: Final[Mapping[str, Factory]] = {
     "token-producer": TokenProducer,
     "core-metrics-extractor": CoreMetricsExtractor,
     "session-id-producer": SessionIdProducer,
+    "predicted-latency-producer": PredictedLatencyProducer,
     # filters
     "label-selector-filter": LabelSelectorFilter,
     "decode-filter": DecodeFilter,
@@ -76,6 +82,7 @@ REGISTRY: Final[Mapping[str, Factory]] = {
     "by-label": ByLabelFilter,
     "prefix-cache-affinity-filter": PrefixCacheAffinityFilter,
     "session-affinity-filter": SessionAffinityFilter,
+    "slo-headroom-tier-filter": SloHeadroomTierFilter,
     # scorers
     "queue-scorer": QueueScorer,
     "kv-cache-utilization-scorer": KVCacheUtilizationScorer,
@@ -87,6 +94,7 @@ REGISTRY: Final[Mapping[str, Factory]] = {
     "token-load-scorer": TokenLoadScorer,
     "load-aware-scorer": LoadAwareScorer,
     "no-hit-lru-scorer": NoHitLRUScorer,
+    "latency-scorer": LatencyScorer,
     # pickers
     "max-score-picker": MaxScorePicker,
     "random-picker": RandomPicker,

@@ -234,20 +234,14 @@ class InFlightLoadProducer:
     # --- the estimates -----------------------------------------------------------
 
     def _prompt_tokens(self, request: LLMRequest) -> int:
-        """The prompt's tokens, estimated from its text (4 characters a token), or 0; once."""
+        """The prompt's tokens (``prompt_tokens``), computed once per request."""
         known: int | None = request.state.get(self._tokens_key)
         if known is None:
-            text = prompt_text(request.parsed) if request.parsed is not None else None
-            request.state[self._tokens_key] = known = len(text) // CHARS_PER_TOKEN if text else 0
+            request.state[self._tokens_key] = known = prompt_tokens(request)
         return known
 
     def _uncached(self, request: LLMRequest, endpoint: str, prompt: int) -> int:
-        """The prompt's tokens ``endpoint`` must compute: those past the blocks it holds."""
-        match: PrefixMatch | None = request.state.get(self._match)
-        if match is None or match.block_tokens <= 0:
-            return prompt
-        # A trailing partial block is indexed too: what is held can exceed the prompt.
-        return max(0, prompt - match.matched.get(endpoint, 0) * match.block_tokens)
+        return uncached_tokens(request.state.get(self._match), endpoint, prompt)
 
     def _output_tokens(self, request: LLMRequest, prompt: int) -> int:
         """``round(prompt × outputRatio)``, capped by the request's limit and the configured cap."""
@@ -263,3 +257,18 @@ class InFlightLoadProducer:
         if self.output_cap is not None:
             estimate = min(estimate, self.output_cap)
         return estimate
+
+
+def prompt_tokens(request: LLMRequest) -> int:
+    """The prompt's tokens, estimated from its text (4 characters a token), or 0."""
+    text = prompt_text(request.parsed) if request.parsed is not None else None
+    return len(text) // CHARS_PER_TOKEN if text else 0
+
+
+def uncached_tokens(match: PrefixMatch | None, endpoint: str, prompt: int) -> int:
+    """The prompt's tokens ``endpoint`` must compute: those past the blocks ``match`` says it
+    holds (all of them without a match). A trailing partial block is indexed too, so what is
+    held can exceed the prompt."""
+    if match is None or match.block_tokens <= 0:
+        return prompt
+    return max(0, prompt - match.matched.get(endpoint, 0) * match.block_tokens)

@@ -538,17 +538,19 @@ def simulate(
     rate: float | None = None,
     config: Path | None = None,
     scheduling: Scheduling = DEFAULT_SCHEDULING,
+    build: Callable[..., Router] | None = None,
 ) -> Outcome:
     """Replay ``arrivals`` on fresh engines routed by ``strategy``; account for every request.
 
     ``config`` replaces the strategy's configuration file (to try a variant);
-    ``scheduling`` the engines' scheduler switches (current vLLM's by default).
+    ``scheduling`` the engines' scheduler switches (current vLLM's by default);
+    ``build`` replaces ``router`` (same arguments), e.g. by several replicas of it.
     """
     started = time.perf_counter()
     loop = VirtualLoop()
     fleet = [Engine(profile, seed=seed * 1000 + i, scheduling=scheduling) for i in range(engines)]
     pool = endpoints(engines)
-    chosen = router(strategy, fleet, profile, lambda: loop.now, seed, config, arrivals)
+    chosen = (build or router)(strategy, fleet, profile, lambda: loop.now, seed, config, arrivals)
     run = _Run(arrivals, chosen, loop, fleet, pool, warm=int(len(arrivals) * WARMUP))
     run.remaining = len(arrivals)
     run.ttfts = array("d", [math.nan]) * len(arrivals)

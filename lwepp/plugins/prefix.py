@@ -73,7 +73,7 @@ are optional: a configuration with no metrics source still works.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -221,6 +221,8 @@ class PrefixCacheScorer:
             raise params.error("matchLengthScaleTokens", "must be > 0 with a matchLengthWeight")
         self.use(IndexSettings.read(params))
         self.index = PrefixIndex()
+        self.on_learn: Callable[[str, list[int], int], None] | None = None
+        """Told of every block list learned from a pick (``lwepp.sharing`` publishes it)."""
         self._key = f"{name}.prompt"
         self._match = match_key(self.producer)
         self.precise: PrecisePrefixCacheProducer | None = None
@@ -361,6 +363,8 @@ class PrefixCacheScorer:
         same = [c for c in prepared.candidates if c.endpoint.hostport == endpoint]
         capacity = self._reported(same, "cache_num_blocks") or self.lru_capacity
         self.index.add(endpoint, prepared.hashes, capacity)
+        if self.on_learn is not None:  # lwepp.sharing: the other replicas learn it too
+            self.on_learn(endpoint, prepared.hashes, capacity)
         self._seen.add(endpoint)
         prepared.learned = endpoint
 

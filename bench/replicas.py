@@ -45,7 +45,6 @@ import itertools
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final, TypeVar
 
 from bench import workloads
@@ -63,6 +62,7 @@ from bench.routing import (
     profile_for,
     router,
     simulate,
+    subscribe,
 )
 from bench.workloads import Arrival
 from lwepp.attributes import AttributeStore
@@ -72,7 +72,6 @@ from lwepp.plugins.no_hit_lru import NoHitLRUScorer
 from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
 from lwepp.plugins.prefix import PrecisePrefixCacheScorer, PrefixCacheScorer
 from simulator.engine import Engine, Request
-from simulator.kv_events import KVEventLog
 from simulator.profiles import Profile
 
 SHARES: Final = ("own", "prefix", "inflight", "shared", "synced")
@@ -218,26 +217,6 @@ def _precise(member: PipelineRouter) -> list[PrecisePrefixCacheProducer]:
     ]
 
 
-def _subscribe_all(
-    producers: Sequence[PrecisePrefixCacheProducer], engines: Sequence[Engine]
-) -> None:
-    """Every engine's KV events to every producer, as N ZMQ subscribers each receive them.
-
-    ``bench.routing.subscribe`` gives an engine one sink (a later call replaces it).
-    """
-    pool = endpoints(len(engines))
-    for engine, endpoint in zip(engines, pool, strict=True):
-        topic = f"kv@{endpoint.hostport}@{workloads.MODEL}".encode()
-        numbers = itertools.count()
-
-        def sink(payload: bytes, topic: bytes = topic, numbers: Any = numbers) -> None:
-            sequence = next(numbers).to_bytes(8, "big")
-            for producer in producers:
-                producer.ingest(topic, sequence, payload)
-
-        engine.publish_kv_events(KVEventLog(engine.profile.block_size, sink))
-
-
 def builder(count: int, share: str, every: float = SYNC_SECONDS) -> Callable[..., Router]:
     """``bench.routing.router``'s replacement for ``count`` replicas sharing ``share``."""
 
@@ -246,18 +225,16 @@ def builder(count: int, share: str, every: float = SYNC_SECONDS) -> Callable[...
         engines: Sequence[Engine],
         profile: Profile,
         clock: Callable[[], float],
-        seed: int,
-        config_file: Path | None = None,
-        arrivals: Sequence[Arrival] = (),
+        *rest: Any,
     ) -> Router:
         members = []
         for _ in range(count):
-            member = router(strategy, engines, profile, clock, seed, config_file, arrivals)
+            member = router(strategy, engines, profile, clock, *rest)
             assert isinstance(member, PipelineRouter)  # the pickers users run
             members.append(member)
         producers = [p for m in members for p in _precise(m)]
         if producers:  # one subscription per engine hands its events to every replica
-            _subscribe_all(producers, engines)
+            subscribe(producers[0], engines, endpoints(len(engines)), *producers[1:])
         return Replicas(f"{strategy} ×{count} {share}", members, share, clock, every)
 
     return build

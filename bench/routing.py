@@ -343,17 +343,24 @@ def router(
 
 
 def subscribe(
-    producer: PrecisePrefixCacheProducer, engines: Sequence[Engine], pool: Sequence[Endpoint]
+    producer: PrecisePrefixCacheProducer,
+    engines: Sequence[Engine],
+    pool: Sequence[Endpoint],
+    *others: PrecisePrefixCacheProducer,
 ) -> None:
-    """Each engine's KV-cache events straight into ``producer``, as its ZMQ subscriber would
-    receive them (``simulator.kv_events``: the same payloads and sequence numbers, no socket;
-    delivered at the end of the step that made them, no network delay)."""
+    """Each engine's KV-cache events straight into ``producer`` (and ``others``: one per
+    picker replica), as each ZMQ subscriber would receive them (``simulator.kv_events``: the
+    same payloads and sequence numbers, no socket; delivered at the end of the step that made
+    them, no network delay). An engine has one sink: a later call replaces this one."""
+    producers = (producer, *others)
     for engine, endpoint in zip(engines, pool, strict=True):
         topic = f"kv@{endpoint.hostport}@{workloads.MODEL}".encode()
         numbers = itertools.count()
 
         def sink(payload: bytes, topic: bytes = topic, numbers: Any = numbers) -> None:
-            producer.ingest(topic, next(numbers).to_bytes(8, "big"), payload)
+            sequence = next(numbers).to_bytes(8, "big")
+            for each in producers:
+                each.ingest(topic, sequence, payload)
 
         engine.publish_kv_events(KVEventLog(engine.profile.block_size, sink))
 

@@ -296,6 +296,17 @@ def grpc_cluster(
         result.common_lb_config = cluster.ClusterCommonLbConfig(
             healthy_panic_threshold=types.Percent(value=0)
         )
+    if more:
+        # A replica killed between two health checks fails the streams it is handed (FailClose
+        # answers them 503): eject a host at its first failed stream (a refused connection is
+        # one), for as long as the health check takes to confirm it (it readmits the host).
+        result.outlier_detection = cluster.OutlierDetection(
+            consecutive_gateway_failure=1,
+            enforcing_consecutive_gateway_failure=100,
+            base_ejection_time=timedelta(seconds=5),
+            max_ejection_percent=50,
+            successful_active_health_check_uneject_host=True,
+        )
     if tls:
         result.transport_socket = upstream_tls()
         if health_port:

@@ -370,6 +370,11 @@ def test_picker_replicas_are_hosts_of_one_health_checked_cluster() -> None:
     ]
     assert hosts == [(9002, 9003), (9102, 9103), (9202, 9203)]
     assert picker.get("lb_policy", "ROUND_ROBIN") == "ROUND_ROBIN"
+    # A replica killed between health checks is ejected at its first failed stream.
+    assert picker["outlier_detection"]["consecutive_gateway_failure"] == 1
+    assert picker["outlier_detection"]["enforcing_consecutive_gateway_failure"] == 100
+    single = cluster(bootstrap(GATEWAY), "lwepp-a")
+    assert "outlier_detection" not in single  # one host: nothing to eject it for
 
 
 def test_no_cluster_refuses_requests_past_envoys_default_of_1024(config: dict[str, Any]) -> None:

@@ -387,17 +387,24 @@ def router(
 
 
 def subscribe(
-    producer: PrecisePrefixCacheProducer, engines: Sequence[Engine], pool: Sequence[Endpoint]
+    producer: PrecisePrefixCacheProducer,
+    engines: Sequence[Engine],
+    pool: Sequence[Endpoint],
+    *others: PrecisePrefixCacheProducer,
 ) -> None:
-    """Each engine's KV-cache events straight into ``producer``, as its ZMQ subscriber would
-    receive them (``simulator.kv_events``: the same payloads and sequence numbers, no socket;
-    delivered at the end of the step that made them, no network delay)."""
+    """Each engine's KV-cache events straight into ``producer`` (and ``others``: one per
+    picker replica), as each ZMQ subscriber would receive them (``simulator.kv_events``: the
+    same payloads and sequence numbers, no socket; delivered at the end of the step that made
+    them, no network delay). An engine has one sink: a later call replaces this one."""
+    producers = (producer, *others)
     for engine, endpoint in zip(engines, pool, strict=True):
         topic = f"kv@{endpoint.hostport}@{workloads.MODEL}".encode()
         numbers = itertools.count()
 
         def sink(payload: bytes, topic: bytes = topic, numbers: Any = numbers) -> None:
-            producer.ingest(topic, next(numbers).to_bytes(8, "big"), payload)
+            sequence = next(numbers).to_bytes(8, "big")
+            for each in producers:
+                each.ingest(topic, sequence, payload)
 
         engine.publish_kv_events(KVEventLog(engine.profile.block_size, sink))
 
@@ -583,19 +590,21 @@ def simulate(
     config: Path | None = None,
     scheduling: Scheduling = DEFAULT_SCHEDULING,
     profiles: Sequence[Profile] = (),
+    build: Callable[..., Router] | None = None,
 ) -> Outcome:
     """Replay ``arrivals`` on fresh engines routed by ``strategy``; account for every request.
 
     ``config`` replaces the strategy's configuration file (to try a variant);
     ``scheduling`` the engines' scheduler switches (current vLLM's by default);
     ``profiles``, one per engine, a mixed pool (``profile`` for every engine otherwise).
+    ``build`` replaces ``router`` (same arguments), e.g. by several replicas of it.
     """
     started = time.perf_counter()
     loop = VirtualLoop()
     kinds = list(profiles) or [profile] * engines
     fleet = [Engine(kinds[i], seed=seed * 1000 + i, scheduling=scheduling) for i in range(engines)]
     pool = endpoints(engines)
-    chosen = router(strategy, fleet, profile, lambda: loop.now, seed, config, arrivals)
+    chosen = (build or router)(strategy, fleet, profile, lambda: loop.now, seed, config, arrivals)
     run = _Run(arrivals, chosen, loop, fleet, pool, warm=int(len(arrivals) * WARMUP))
     run.remaining = len(arrivals)
     run.ttfts = array("d", [math.nan]) * len(arrivals)

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -224,15 +225,18 @@ def _pod_file(directory: Path) -> Path:
     return path
 
 
-def start_workers(pods: Path, workers: int) -> tuple[subprocess.Popen[str], list[dict[str, Any]]]:
-    """``python -m lwepp --workers N`` on free ports; the process and each worker's
-    ``listening`` line (ports, pid, worker index)."""
+def start_workers(
+    pods: Path, workers: int, extra: Sequence[str] = ()
+) -> tuple[subprocess.Popen[str], list[dict[str, Any]]]:
+    """``python -m lwepp --workers N`` (and ``extra`` flags) on free ports; the process and
+    each worker's ``listening`` line (ports, pid, worker index)."""
     process = subprocess.Popen(
         [
             *(sys.executable, "-m", "lwepp", "--pods", str(pods), "--workers", str(workers)),
             *("--grpc-port", "0", "--grpc-health-port", "0", "--metrics-port", "0"),
             "--grace=2",
             "--secure-serving=false",
+            *extra,
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -277,6 +281,7 @@ def measure_workers(
     concurrency: int = 16,
     connections: int = 8,
     rounds: int = 3,
+    extra: Sequence[str] = (),
 ) -> list[WorkersResult]:
     """Streams per second from LWEPP with each number of workers, nothing pinned.
 
@@ -288,7 +293,7 @@ def measure_workers(
     with tempfile.TemporaryDirectory() as directory:
         pods = _pod_file(Path(directory))
         for workers in counts:
-            process, listening = start_workers(pods, workers)
+            process, listening = start_workers(pods, workers, extra)
             try:
                 port = int(listening[0]["grpc_port"])
                 asyncio.run(drive(port, 200, concurrency, connections))  # warm up

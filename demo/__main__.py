@@ -57,6 +57,15 @@ def _parser() -> argparse.ArgumentParser:
         "service reads every body, and fails closed as BBR does",
     )
     add(
+        "--picker-replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N pickers per pool, one Envoy ext_proc cluster of N hosts (round-robin, health "
+        "checked); with --picker-config they share what they learn through a redis-server "
+        "the demo starts (docs/scale-out.md)",
+    )
+    add(
         "--plain",
         action="store_true",
         help="start BBR and the pickers with their own defaults, without what the demo turns "
@@ -205,7 +214,10 @@ def _stop(_signum: int, _frame: FrameType | None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.picker_replicas < 1:
+        parser.error(f"argument --picker-replicas: at least 1, got {args.picker_replicas}")
     signal.signal(signal.SIGTERM, _stop)
     # Ctrl-C raises KeyboardInterrupt even if SIGINT came in ignored (a background job).
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -235,6 +247,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 simulator=not args.no_simulator,
                 on_server_change=server_change,
                 one_hop=args.one_hop,
+                picker_replicas=args.picker_replicas,
                 model_rewrites=None if args.no_model_rewrites else rewrites,
                 demo_flags=not args.plain,
                 die_with_parent=True,  # killed outright, the demo still takes its services along

@@ -165,6 +165,8 @@ class GatewayPool:
     fail_open: bool = False
     response_headers: bool = True
     response_body: bool = False
+    more_pickers: tuple[tuple[int, int | None], ...] = ()
+    """More replicas of its picker (ext_proc port, health port): hosts of the same cluster."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,8 +255,13 @@ def grpc_cluster(
     *,
     tls: bool = False,
     keepalive: timedelta = KEEPALIVE,
+    more: Sequence[tuple[int, int | None]] = (),
 ) -> cluster.Cluster:
     """An ext_proc service: gRPC, hence HTTP/2 (Envoy speaks HTTP/1.1 upstream unless told).
+
+    ``more``: more replicas of it on ``host`` (port, health port), hosts of the one
+    cluster as a gateway lists a picker Service's endpoints: Envoy's round-robin hands
+    each request's stream to one of them, and the health check takes a dead one out.
 
     With ``tls``, Envoy dials the service over TLS (``upstream_tls``), as gateways
     dial GIE's pickers, which serve TLS by default; its health checks still go
@@ -270,7 +277,8 @@ def grpc_cluster(
     Service down to zero endpoints. ``healthy_panic_threshold: 0`` stops
     Envoy from "panicking" and trying the unhealthy host anyway.
     """
-    result = _static_cluster(name, [_endpoint(host, port, health_port)])
+    hosts = [(port, health_port), *more]
+    result = _static_cluster(name, [_endpoint(host, p, h) for p, h in hosts])
     result.typed_extension_protocol_options = http2_upstream(
         core.KeepaliveSettings(interval=keepalive, timeout=keepalive)
     )
@@ -287,6 +295,17 @@ def grpc_cluster(
         result.health_checks = [check]
         result.common_lb_config = cluster.ClusterCommonLbConfig(
             healthy_panic_threshold=types.Percent(value=0)
+        )
+    if more:
+        # A replica killed between two health checks fails the streams it is handed (FailClose
+        # answers them 503): eject a host at its first failed stream (a refused connection is
+        # one), for as long as the health check takes to confirm it (it readmits the host).
+        result.outlier_detection = cluster.OutlierDetection(
+            consecutive_gateway_failure=1,
+            enforcing_consecutive_gateway_failure=100,
+            base_ejection_time=timedelta(seconds=5),
+            max_ejection_percent=50,
+            successful_active_health_check_uneject_host=True,
         )
     if tls:
         result.transport_socket = upstream_tls()
@@ -402,6 +421,7 @@ def clusters(gateway: Gateway) -> list[cluster.Cluster]:
             pool.health_port,
             tls=tls,
             keepalive=keepalive,
+            more=pool.more_pickers,
         )
         result.append(picker)
         result.append(picked_endpoint_cluster(pool))

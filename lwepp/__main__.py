@@ -272,6 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between tries to acquire or renew the lease (default 2)",
     )
 
+    parser.add_argument(
+        "--shared-store-address",
+        default="",
+        metavar="ADDRESS",
+        help="a Redis (redis://, rediss://, unix:// or host:port, as the llm-d router's "
+        "redisConfig.address) through which replicas and --workers share the prefix index, "
+        "the no-hit LRU and in-flight counts (docs/scale-out.md); unreachable: own view only",
+    )
     add_picker_flags(parser)
     parser.add_argument(
         "--check-config",
@@ -293,22 +301,29 @@ def workers_problem(
     scorers over polled metrics) works the same in each, one turn counter
     per worker; what a plugin learns from the requests a worker served stays
     in that worker, so with N workers each would see about 1/N of the traffic
-    (a prefix index that finds a prefix only one time in N).
+    (a prefix index that finds a prefix only one time in N), unless they share
+    it through ``--shared-store-address`` (``lwepp.sharing``). Flow control
+    then queues per worker, on the shared in-flight counts, as it does per
+    replica.
     """
     if args.workers == 1:
         return None
     if args.leader_elect:
         return "--workers with --leader-elect: each worker would campaign for the Lease alone"
+    if args.shared_store_address:
+        return None
     if config is not None and config.flow.gate:
         return (
             f"--workers {args.workers} with flow control ({config.path}): each worker would "
-            "queue, and count the pool's load, on its own; run one worker per replica instead"
+            "queue, and count the pool's load, on its own; add --shared-store-address or run "
+            "one worker per replica"
         )
     if config is not None and (learning := config.learning):
         return (
             f"--workers {args.workers} with {config.path}: plugin(s) "
             f"{', '.join(learning)} learn from the requests served, and each worker "
-            "would learn only its own share; run one worker per replica instead"
+            "would learn only its own share; add --shared-store-address (a Redis) or run one "
+            "worker per replica"
         )
     return None
 
@@ -466,6 +481,7 @@ def picker(
         max_body_bytes=options.max_body_bytes,
         rewrites=rewrites,
         objectives=objectives,
+        shared_store=args.shared_store_address,
     )
     side = [source.run] if elector is None else [source.run, elector.run]
     return Service(

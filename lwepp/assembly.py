@@ -36,6 +36,7 @@ from lwepp.pipeline import Pipeline
 from lwepp.rewrite_control import ModelRewriteControl, RewriteMetrics, RewriteSource
 from lwepp.rewrite_sources import RewriteFile, load_rewrites
 from lwepp.server import EndpointPickerService
+from lwepp.sharing import SharedView
 from pods.model import Endpoint
 from serving.cli import add_bool, duration
 from wire.stream import EXT_PROC_SERVICE
@@ -249,6 +250,7 @@ def assemble(
     max_body_bytes: int,
     rewrites: RewriteSource | None = None,
     objectives: inference_objectives.ObjectiveSource | None = None,
+    shared_store: str = "",
 ) -> Assembly:
     """The picker for ``pool``: round-robin, or ``config``'s pipeline (its warnings logged),
     with the request controls its ``flowControl`` section asks for (``lwepp.flowcontrol``).
@@ -259,6 +261,7 @@ def assemble(
     InferenceModelRewrites, applied first (``lwepp.rewrite_control``), as the
     router applies them before anything else decides. ``objectives``: where its
     InferenceObjectives come from (default: ``--inference-objectives``, if given).
+    ``shared_store``: the Redis the replicas share learned state through (``lwepp.sharing``).
     """
     strategy: Strategy = RoundRobin()
     pipeline: Pipeline | None = None
@@ -278,6 +281,8 @@ def assemble(
             pipeline.background(functools.partial(current_endpoints, pool)),
             pipeline.debug_pages(),
         )
+        if shared_store:
+            jobs.append(SharedView(shared_store, pipeline.plugins, registry, name).run)
     objectives = objectives or options.objective_file()
     governed = govern(
         config.flow if config is not None else OFF,

@@ -355,6 +355,28 @@ def test_processor_clusters_speak_http2_and_pickers_are_health_checked(
     assert processor["common_lb_config"]["healthy_panic_threshold"].get("value", 0) == 0
 
 
+def test_picker_replicas_are_hosts_of_one_health_checked_cluster() -> None:
+    """``--picker-replicas``: a pool's pickers are the hosts of its one ext_proc cluster, each
+    with its own health port, balanced round-robin as a gateway balances a picker Service."""
+    pool = dataclasses.replace(GATEWAY.pools[0], more_pickers=((9102, 9103), (9202, 9203)))
+    picker = cluster(bootstrap(dataclasses.replace(GATEWAY, pools=(pool,))), "lwepp-a")
+    (locality,) = picker["load_assignment"]["endpoints"]
+    hosts = [
+        (
+            e["endpoint"]["address"]["socket_address"]["port_value"],
+            e["endpoint"]["health_check_config"]["port_value"],
+        )
+        for e in locality["lb_endpoints"]
+    ]
+    assert hosts == [(9002, 9003), (9102, 9103), (9202, 9203)]
+    assert picker.get("lb_policy", "ROUND_ROBIN") == "ROUND_ROBIN"
+    # A replica killed between health checks is ejected at its first failed stream.
+    assert picker["outlier_detection"]["consecutive_gateway_failure"] == 1
+    assert picker["outlier_detection"]["enforcing_consecutive_gateway_failure"] == 100
+    single = cluster(bootstrap(GATEWAY), "lwepp-a")
+    assert "outlier_detection" not in single  # one host: nothing to eject it for
+
+
 def test_no_cluster_refuses_requests_past_envoys_default_of_1024(config: dict[str, Any]) -> None:
     """Every cluster's circuit breakers are raised to 100,000 connections, pending and active
     requests and retries: a burst queues instead of being answered 503 by Envoy itself."""

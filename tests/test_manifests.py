@@ -180,6 +180,7 @@ COMPONENTS = {
         ("RoleBinding", "lwepp-leader-election"),
     },
     "picker-config": {("ConfigMap", "picker-config-<hash>")},
+    "active-active": {("Deployment", "lwepp-state"), ("Service", "lwepp-state")},
     "monitoring": {
         ("ServiceMonitor", "switchyard"),
         ("ConfigMap", "switchyard-dashboard"),
@@ -441,6 +442,8 @@ def test_container_args_are_flags_the_services_accept(tmp_path: Path) -> None:
             case "switchyard/simulator":
                 for arg in spec["args"]:
                     assert arg.split("=")[0] in simulator_help
+            case "redis":  # the active-active store (components/active-active): a cache
+                assert spec["args"][:4] == ["--save", "", "--appendonly", "no"]
             case other:
                 raise AssertionError(f"unknown image {other}")
 
@@ -534,6 +537,19 @@ def test_leader_election_component_patches_every_picker(tmp_path: Path) -> None:
         assert deployment["spec"]["replicas"] == 2
         assert spec["livenessProbe"]["grpc"]["service"] == "liveness"
         assert spec["readinessProbe"]["grpc"]["service"] == "readiness"
+
+
+def test_active_active_component_runs_three_serving_replicas_on_one_store(tmp_path: Path) -> None:
+    """The active-active component: three replicas per picker, no Lease, all on one Redis."""
+    docs = with_components(tmp_path, "base", "components/active-active")
+    pickers = [d for d in find(docs, "Deployment") if d["metadata"]["name"].startswith("lwepp-")]
+    pickers = [d for d in pickers if d["metadata"]["name"] != "lwepp-state"]
+    assert len(pickers) == len(POOL_NAMES)
+    for deployment in pickers:
+        args = container(deployment)["args"]
+        assert deployment["spec"]["replicas"] == 3
+        assert "--shared-store-address=redis://lwepp-state:6379" in args
+        assert "--leader-elect" not in args
 
 
 # --- RBAC grants exactly what the code calls --------------------------------------------------

@@ -56,7 +56,7 @@ their age does not matter.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -189,6 +189,8 @@ class ApproxPrefixCacheProducer:
         # the last one the candidates reported (they rarely change).
         self._tuned_tokens = self.settings.block_tokens
         self.index = PrefixIndex()
+        self.on_learn: Callable[[str, list[int], int], None] | None = None
+        """Told of every block list learned from a pick (``lwepp.sharing`` publishes it)."""
         self._key = f"{name}.prompt"
         self._match = match_key(match_as or name)
         self._seen: set[str] = set()
@@ -275,6 +277,8 @@ class ApproxPrefixCacheProducer:
         same = [c for c in prepared.candidates if c.endpoint.hostport == endpoint]
         capacity = _reported(same, "cache_num_blocks") or self.settings.lru_capacity
         self.index.add(endpoint, prepared.hashes, capacity)
+        if self.on_learn is not None:  # lwepp.sharing: the other replicas learn it too
+            self.on_learn(endpoint, prepared.hashes, capacity)
         self._seen.add(endpoint)
         prepared.learned = endpoint
 

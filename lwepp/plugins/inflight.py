@@ -58,7 +58,7 @@ from __future__ import annotations
 import collections
 import itertools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final
@@ -88,6 +88,37 @@ class InFlight:
 
     requests: Mapping[str, int]
     tokens: Mapping[str, int]
+
+
+class Summed(Mapping[str, int]):
+    """One replica's own counts plus the other replicas' (``lwepp.sharing``), read-only.
+
+    ``peers`` is replaced whole by whoever syncs it, on the event loop (empty:
+    no sharing, each replica on its own view). An endpoint with no count in
+    either is absent, as in a plain count mapping.
+    """
+
+    __slots__ = ("own", "peers")
+
+    def __init__(self, own: Mapping[str, int]) -> None:
+        self.own = own
+        self.peers: Mapping[str, int] = {}
+
+    def __getitem__(self, key: str) -> int:
+        total = self.own.get(key, 0) + self.peers.get(key, 0)
+        if not total:
+            raise KeyError(key)
+        return total
+
+    def get(self, key: str, default: int = 0) -> int:  # type: ignore[override]
+        total = self.own.get(key, 0) + self.peers.get(key, 0)
+        return total if total else default
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.own.keys() | self.peers.keys())
+
+    def __len__(self) -> int:
+        return len(self.own.keys() | self.peers.keys())
 
 
 def load_key(producer: str) -> str:
@@ -134,7 +165,11 @@ class InFlightLoadProducer:
         """When entries were last touched (injected in tests)."""
         self._requests: dict[str, int] = {}
         self._tokens: dict[str, int] = {}
-        self.load = InFlight(MappingProxyType(self._requests), MappingProxyType(self._tokens))
+        self.requests = Summed(MappingProxyType(self._requests))
+        self.tokens = Summed(MappingProxyType(self._tokens))
+        """Counts as the scorers read them: this replica's picks (``own``), plus the other
+        replicas' when ``lwepp.sharing`` syncs them (``peers``)."""
+        self.load = InFlight(self.requests, self.tokens)
         self._key, self._match = f"{name}.entry", match_key(producer)
         self._load = load_key(name)
         self._tokens_key = f"{name}.prompt_tokens"

@@ -29,7 +29,7 @@ Parameters: ``lruSize`` (1024; <= 0 means the default, as in the router),
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from lwepp.contracts import Candidate, LLMRequest
 from lwepp.plugins.approx_prefix import DEFAULT_PRODUCER, PrefixMatch, match_key
@@ -48,6 +48,8 @@ class NoHitLRUScorer:
         self._match, self._cold = match_key(producer), f"{name}.cold"
         self.lru: collections.OrderedDict[str, None] = collections.OrderedDict()
         """Endpoints (``ip:port``) that took a cold request, least recently first."""
+        self.on_cold: Callable[[str], None] | None = None
+        """Told of every cold pick (``lwepp.sharing`` publishes it)."""
 
     def score(
         self, request: LLMRequest, candidates: Sequence[Candidate], now: float
@@ -76,6 +78,12 @@ class NoHitLRUScorer:
         if not endpoints or not request.state.pop(self._cold, False):
             return
         key = endpoints[0].hostport
+        self.touch(key)
+        if self.on_cold is not None:  # lwepp.sharing: the other replicas hear of it
+            self.on_cold(key)
+
+    def touch(self, key: str) -> None:
+        """``key`` took a cold request: it becomes the most recently used."""
         self.lru[key] = None
         self.lru.move_to_end(key)
         if len(self.lru) > self.size:

@@ -148,7 +148,6 @@ UNSUPPORTED: Final = {
 FEATURE_OF: Final = {kind: feature for feature, kinds in UNSUPPORTED.items() for kind in kinds}
 
 _PD: Final = next(iter(UNSUPPORTED))
-_PREDICTOR: Final = {"ttftSource": ("latencyPredictor", "predicted-latency routing")}
 _PROFILE: Final = {"profileName": (None, _PD)}
 _SIDECAR: Final = (
     None,
@@ -156,7 +155,6 @@ _SIDECAR: Final = (
     "llamacpp.url or local instead)",
 )
 UNSUPPORTED_PARAMETERS: Final[Mapping[str, Mapping[str, tuple[str | None, str]]]] = {
-    "prefix-cache-affinity-filter": _PREDICTOR,
     "session-affinity-filter": _PROFILE,
     "session-affinity-scorer": _PROFILE,
     "token-producer": {"udsTokenizerConfig": _SIDECAR},

@@ -15,6 +15,7 @@ from lwepp.plugins.affinity import PrefixCacheAffinityFilter
 from lwepp.plugins.approx_prefix import ApproxPrefixCacheProducer, match_key
 from lwepp.plugins.inflight import InFlight, load_key
 from lwepp.plugins.load_scorers import TokenLoadScorer
+from lwepp.plugins.predicted_latency import PredictedLatencyProducer, Prediction
 from lwepp.plugins.prefix import PrefixCacheScorer
 from plugin_api import Params
 from plugin_api.frozen import frozen
@@ -76,6 +77,45 @@ def test_the_ttft_gate_breaks_stickiness_when_the_cached_endpoint_is_too_busy() 
         req = request(state=in_flight(a=200_000))
         producer.prepare(req)
         assert kept(filter_, req, A, B) == expected
+
+
+class Predicts:
+    """A predicted-latency producer's face to the filter: fixed TTFTs (seconds) by pod."""
+
+    def __init__(self, enabled: bool = True, **ttft: float) -> None:
+        self.enabled, self.ttft = enabled, ttft
+
+    def predict(self, _request: LLMRequest, candidates: list[Candidate]) -> list[Prediction]:
+        return [Prediction(self.ttft[c.endpoint.pod], 0.01, 0, (1.0, 0.0, 0.0)) for c in candidates]
+
+
+def test_the_ttft_gate_reads_the_latency_predictor_when_told() -> None:
+    """``ttftSource: latencyPredictor``: the gate compares predicted TTFTs (A, which holds the
+    prompt, 19 s slower than B breaks stickiness; 2 s slower sticks); a producer that does not
+    predict skips the gate, as the router skips it without predictions. Tokens in flight are
+    not read."""
+    filter_, producer = made(ttftSource="latencyPredictor")
+    for ttft, state, expected in (
+        (Predicts(a=20.0, b=1.0, c=1.5), None, ["a", "b", "c"]),
+        (Predicts(a=3.0, b=1.0, c=1.5), in_flight(a=10**9), ["a"]),
+        (Predicts(enabled=False, a=20.0, b=1.0, c=1.5), None, ["a"]),
+    ):
+        filter_.use_predictor(ttft)
+        req = request(state=state)
+        producer.prepare(req)
+        assert kept(filter_, req, A, B, C) == expected
+
+
+def test_a_predictor_source_adds_the_predicted_latency_producer() -> None:
+    """Configured with ``ttftSource: latencyPredictor`` and no producer listed, the filter gets
+    ``predicted-latency-producer``, as the router requires its data."""
+    config = load_text(
+        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n"
+        "- type: prefix-cache-affinity-filter\n  parameters: {ttftSource: latencyPredictor}\n"
+    )
+    [affinity] = [c.plugin for c in config.plugins if c.type == "prefix-cache-affinity-filter"]
+    assert isinstance(affinity.predictor, PredictedLatencyProducer)
+    assert "predicted-latency-producer" in [c.type for c in config.plugins]
 
 
 def test_a_zero_penalty_always_sticks() -> None:
@@ -191,15 +231,14 @@ def test_llm_d_s_optimized_baseline_runs_as_written() -> None:
         ("{affinityThreshold: 1.5}", "affinityThreshold: must be <= 1"),
         ("{explorationProbability: 2}", "explorationProbability: must be in"),
         ("{maxTTFTPenaltyMs: -1}", "maxTTFTPenaltyMs: must be >= 0"),
-        ("{ttftSource: latencyPredictor}", "does not implement: predicted-latency routing"),
         ("{ttftSource: guess}", "ttftSource: must be one of prefillThroughput"),
         ("{peakPrefillThroughput: 0}", "peakPrefillThroughput: must be > 0 when"),
         ("{maxTokensInFlightPenalty: -3}", "maxTokensInFlightPenalty: must be >= 0"),
     ],
-    ids=["threshold", "exploration", "penalty", "predictor", "source", "peak", "tokens"],
+    ids=["threshold", "exploration", "penalty", "source", "peak", "tokens"],
 )
 def test_bad_parameters_are_refused_naming_the_field(parameters: str, message: str) -> None:
-    """Each bad parameter is refused at load, naming the field (the predictor: the feature)."""
+    """Each bad parameter is refused at load, naming the field."""
     with pytest.raises(ConfigErrors, match=message):
         load_text(
             "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n"

@@ -33,15 +33,18 @@ when the file lists none, as the router spawns it; a precise producer works
 too), and the tokens in flight per endpoint that ``inflight-load-producer``
 (``inFlightLoadProducerName``) counts, when a gate is on (added too). An
 endpoint it holds nothing for has none in flight. ``ttftSource:
-latencyPredictor`` reads the router's latency predictor, which Switchyard
-does not have: refused, naming it.
+latencyPredictor`` takes each endpoint's TTFT from the predictions of
+``predicted-latency-producer`` (``latencyPredictionInfoProducerName``, added
+when the file lists none; ``lwepp.plugins.predicted_latency``) instead; when
+that producer does not predict (``predictInProduce: false``) the gate is
+skipped, as the router skips it when no endpoint has a prediction.
 
 Parameters (the router's, with its defaults): ``affinityThreshold`` 0.80
 (at most 1), ``explorationProbability`` 0 (0–1), ``maxTTFTPenaltyMs`` 18000
 (>= 0), ``ttftSource`` ``prefillThroughput``, ``peakPrefillThroughput``
 15928 tokens/s (> 0 when the TTFT gate is on; the router calibrated it for
 Qwen3-32B on two H100s), ``maxTokensInFlightPenalty`` 0, and the producers'
-names. ``latencyPredictionInfoProducerName`` is accepted and unused.
+names.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ from lwepp.contracts import IN_FLIGHT_LOAD, PREFIX_MATCH, Candidate, LLMRequest,
 from lwepp.plugins.approx_prefix import DEFAULT_PRODUCER
 from lwepp.plugins.inflight import PRODUCER as IN_FLIGHT_PRODUCER
 from lwepp.plugins.inflight import InFlight, load_key
+from lwepp.plugins.predicted_latency import PREDICTED_LATENCY
+from lwepp.plugins.predicted_latency import PRODUCER as PREDICTOR
 from plugin_api import NO_PARAMS, ConfigError, Params
 
 TTFT_SOURCES: Final = ("prefillThroughput", "latencyPredictor")
@@ -75,25 +80,22 @@ class PrefixCacheAffinityFilter:
         source = params.get("ttftSource", str, "prefillThroughput")
         if source not in TTFT_SOURCES:
             raise params.error("ttftSource", f"must be one of {', '.join(TTFT_SOURCES)}")
-        if source == "latencyPredictor":
-            raise params.error(
-                "ttftSource",
-                "latencyPredictor needs the router's latency predictor (predicted-latency "
-                "routing), which Switchyard does not implement; use prefillThroughput",
-            )
+        predicted = source == "latencyPredictor"
         self.peak = params.get("peakPrefillThroughput", float, 15928.0, at_least=0)
-        if self.max_ttft_ms > 0 and self.peak == 0:
+        if not predicted and self.max_ttft_ms > 0 and self.peak == 0:
             raise params.error(
                 "peakPrefillThroughput", "must be > 0 when ttftSource is prefillThroughput"
             )
         self.max_tokens = params.get("maxTokensInFlightPenalty", int, 0, at_least=0)
-        params.get("latencyPredictionInfoProducerName", str, "")
+        predictor = params.get("latencyPredictionInfoProducerName", str, "") or PREDICTOR
         producer = params.get("prefixMatchInfoProducerName", str, "") or DEFAULT_PRODUCER
         counter = params.get("inFlightLoadProducerName", str, "") or IN_FLIGHT_PRODUCER
         self.rng = random.Random()
         """Draws the exploration (injected in tests)."""
         self.prefix: Any = None
         """The prefix producer, handed over by the configuration (``Want``)."""
+        self.predictor: Any = None
+        """With ``ttftSource: latencyPredictor``: the predicted-latency producer (``Want``)."""
         wants = [
             Want(
                 "prefixMatchInfoProducerName",
@@ -105,7 +107,18 @@ class PrefixCacheAffinityFilter:
                 quiet=True,
             )
         ]
-        if self.max_ttft_ms > 0 or self.max_tokens > 0:  # a load gate reads the tokens in flight
+        if predicted:
+            wants.append(
+                Want(
+                    "latencyPredictionInfoProducerName",
+                    predictor,
+                    PREDICTED_LATENCY,
+                    self.use_predictor,
+                    default=PREDICTOR,
+                    add=True,
+                )
+            )
+        if (self.max_ttft_ms > 0 and not predicted) or self.max_tokens > 0:  # tokens in flight
             wants.append(
                 Want(
                     "inFlightLoadProducerName",
@@ -122,6 +135,10 @@ class PrefixCacheAffinityFilter:
     def use_prefix(self, producer: Any) -> None:
         """Read the named producer's match (``Want.give``)."""
         self.prefix = producer
+
+    def use_predictor(self, producer: Any) -> None:
+        """Read the named producer's TTFT predictions (``Want.give``)."""
+        self.predictor = producer
 
     def filter(
         self, request: LLMRequest, candidates: Sequence[Candidate], now: float
@@ -145,19 +162,37 @@ class PrefixCacheAffinityFilter:
     def _too_busy(
         self, request: LLMRequest, candidates: Sequence[Candidate], sticky: Sequence[Candidate]
     ) -> bool:
-        """Do the load gates break stickiness? The least loaded sticky endpoint against the
-        least loaded other one, in tokens in flight (and so in estimated TTFT)."""
-        if not self.max_ttft_ms and not self.max_tokens:
-            return False
-        tokens = request.state.get(self._load, _NOTHING).tokens
+        """Do the load gates break stickiness? The best sticky endpoint against the best other
+        one, in tokens in flight and in (estimated or predicted) TTFT."""
         chosen = {id(c) for c in sticky}
-        best_sticky = min(tokens.get(c.endpoint.hostport, 0) for c in sticky)
-        best_other = min(tokens.get(c.endpoint.hostport, 0) for c in candidates
-                         if id(c) not in chosen)  # fmt: skip
-        excess = best_sticky - best_other
-        if self.max_tokens and excess > self.max_tokens:
-            return True
-        return bool(self.max_ttft_ms) and excess / self.peak * 1000.0 > self.max_ttft_ms
+        others = [c for c in candidates if id(c) not in chosen]
+        if self.max_tokens:
+            tokens = request.state.get(self._load, _NOTHING).tokens
+            excess = min(tokens.get(c.endpoint.hostport, 0) for c in sticky) - min(
+                tokens.get(c.endpoint.hostport, 0) for c in others
+            )
+            if excess > self.max_tokens:
+                return True
+        if not self.max_ttft_ms:
+            return False
+        ttft = self._ttft_ms(request, candidates)
+        if ttft is None:
+            return False
+        best_sticky = min(ttft[id(c)] for c in sticky)
+        return best_sticky - min(ttft[id(c)] for c in others) > self.max_ttft_ms
+
+    def _ttft_ms(
+        self, request: LLMRequest, candidates: Sequence[Candidate]
+    ) -> dict[int, float] | None:
+        """Each candidate's TTFT in ms (by ``id``): predicted, or its prompt tokens in flight
+        over ``peakPrefillThroughput``; None when the predictor does not predict."""
+        if self.predictor is not None:
+            if not self.predictor.enabled:
+                return None
+            predictions = self.predictor.predict(request, candidates)
+            return {id(c): p.ttft * 1000.0 for c, p in zip(candidates, predictions, strict=True)}
+        tokens = request.state.get(self._load, _NOTHING).tokens
+        return {id(c): tokens.get(c.endpoint.hostport, 0) / self.peak * 1000.0 for c in candidates}
 
 
 def _read_from_the_request(_producer: object) -> None:

@@ -31,8 +31,9 @@ ImmediateResponse (503 when no endpoint may serve).
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
 
 from google.protobuf import json_format
@@ -41,6 +42,7 @@ from conformance.client import Failed, Observation, Request, Unreachable
 from conformance.envoy import Gateway, HTTPRoute, resolve
 from pods.model import is_ip
 from serving.testing import (
+    ClientStream,
     ExtProcClient,
     request_body,
     request_headers,
@@ -119,7 +121,7 @@ class PickerTransport:
         ]
         modes = (BodyMode.FULL_DUPLEX_STREAMED, BodyMode.NONE)
         stream = client.open()
-        try:
+        with sorted_failures(stream):
             await stream.send(request_headers(headers, end_of_stream=not body, body_modes=modes))
             if body:
                 await stream.send(request_body(body, end_of_stream=True))
@@ -143,12 +145,6 @@ class PickerTransport:
             await stream.close()
             while await stream.recv() is not None:
                 pass
-        except Failed:
-            stream.cancel()
-            raise
-        except Exception as error:  # grpc errors: the picker is not there, or broke the stream
-            stream.cancel()
-            raise Unreachable(f"{type(error).__name__}: {error}") from None
         ip, _, port = endpoint.rpartition(":")
         ip = ip.strip("[]")
         pod = self._pods_by_ip.get(ip, f"<not a pod: {ip}>")
@@ -217,3 +213,18 @@ def _check_body(sent: bytes, replies: list[Any]) -> None:
     back = b"".join(r.request_body.response.body_mutation.streamed_response.body for r in replies)
     if back != sent:
         raise Failed(f"the body came back altered: {len(sent)} bytes sent, {len(back)} returned")
+
+
+@contextlib.contextmanager
+def sorted_failures(stream: ClientStream) -> Iterator[None]:
+    """One exchange with a picker, its failures sorted: ``Failed`` (the picker answered against
+    the protocol) goes on as it is, any other error (grpc's: the picker is not there, or broke
+    the stream) as ``Unreachable``; either way the stream is cancelled."""
+    try:
+        yield
+    except Failed:
+        stream.cancel()
+        raise
+    except Exception as error:
+        stream.cancel()
+        raise Unreachable(f"{type(error).__name__}: {error}") from None

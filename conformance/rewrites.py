@@ -56,7 +56,7 @@ from conformance.client import (
     send_many,
 )
 from conformance.crds import Versions
-from conformance.picker import DESTINATION, NotForPicker
+from conformance.picker import DESTINATION, NotForPicker, sorted_failures
 from conformance.run import CaseResult, Result, Suite, details, table
 from demo.topology import Process, Topology, free_ports
 from pods.file import load_pods
@@ -228,7 +228,7 @@ class PickerTransport:
         ]
         modes = (BodyMode.FULL_DUPLEX_STREAMED, BodyMode.FULL_DUPLEX_STREAMED)
         stream = self._client.open()
-        try:
+        with sorted_failures(stream):
             await stream.send(request_headers(headers, body_modes=modes))
             await stream.send(request_body(body))
             first = await stream.recv()
@@ -259,12 +259,6 @@ class PickerTransport:
             while (reply := await stream.recv()) is not None:
                 if reply.WhichOneof("response") == "response_body":
                     back += reply.response_body.response.body_mutation.streamed_response.body
-        except Failed:
-            stream.cancel()
-            raise
-        except Exception as error:  # grpc errors: the picker is not there, or broke the stream
-            stream.cancel()
-            raise Unreachable(f"{type(error).__name__}: {error}") from None
         pod = self._pods.get(endpoint, f"<not a pod: {endpoint}>")
         return Answer(200, {SERVED: [model]}, pod, body=back)
 

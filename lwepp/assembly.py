@@ -294,6 +294,8 @@ def assemble(
     )
     priority = None if objectives is None else functools.partial(priority_by, objectives)
     metrics = PickerMetrics(registry, name, namespace, priority)
+    if pipeline is not None and priority is not None:  # the admitters read it
+        pipeline.priority = priority
     # The router's order: the model rewrite first, then the objective and admission (flow
     # control), then what observes the request as it is served.
     controls: list[RequestControl] = []

@@ -9,6 +9,7 @@ implements only the steps it needs. No base class, no registration.
 One request meets the plugins in this order (``plugin_api.Role``)::
 
     prepare            compute per-request data once (e.g. prefix hashes) into request.state
+    admit_request      refuse the request outright (an admitter: no endpoint could meet its SLO)
     filter             candidates → the subset allowed, in order
     score              each scorer rates every remaining candidate in [0, 1]; weighted and summed
     pick               scored candidates → endpoints, best first (primary, then fallbacks)
@@ -149,6 +150,20 @@ class Plugin(Protocol):
 class PrepareHook(Plugin, Protocol):
     def prepare(self, request: LLMRequest) -> None:
         """Compute per-request data once, before filtering, into ``request.state``."""
+        ...
+
+
+class Admitter(Plugin, Protocol):
+    def admit_request(
+        self, request: LLMRequest, candidates: Sequence[Candidate], now: float, priority: int
+    ) -> str | None:
+        """None lets the request on to the filters; a reason refuses it (the router's
+        ``Admitter``, run after its data producers and before its scheduler).
+
+        ``priority`` is the request's InferenceObjective's (0 without one; negative:
+        sheddable). The pipeline answers a refusal with HTTP 429, the reason in its
+        message, and counts it (``llm_d_epp_admission_refusals_total{plugin}``).
+        """
         ...
 
 

@@ -5,6 +5,8 @@ stage in the order the plugins were given. Request side (``decide``), each
 stage one loop::
 
     prepare     each computes per-request data once, into request.state
+    admit       each may refuse the request (HTTP 429, its reason in the message;
+                ``admit_request``, given the request's priority)
     filter      each narrows the candidates; none left → HTTP 503
     score       each rates every candidate in [0, 1]; the pipeline clamps the
                 score (NaN counts as 0), multiplies it by the scorer's weight
@@ -71,6 +73,7 @@ from lwepp.attributes import (
 )
 from lwepp.body import UsageReader, parse_request
 from lwepp.contracts import (
+    Admitter,
     Candidate,
     DataSource,
     Filter,
@@ -113,6 +116,7 @@ NO_SCORES: Final[Mapping[str, float]] = MappingProxyType({})
 
 EXTENSION_POINTS: Final = {
     Role.PREPARE: "DataProducer",
+    Role.ADMIT: "Admission",
     Role.FILTER: "Filter",
     Role.SCORE: "Scorer",
     Role.PICK: "Picker",
@@ -132,6 +136,9 @@ POOL_ATTRIBUTES: Final = {
     "running_requests": "running_requests",
 }
 """Endpoint attributes summarised per pool → the router's gauge names for them."""
+
+ADMISSION_DENIED: Final = "admission-denied"
+"""The ``code`` of an admitter's refusal (its OpenAI-style error body)."""
 
 FRESH_SECONDS: Final = 2.0
 """Measurements older than this are left out of the pool's averages (the router's
@@ -202,6 +209,7 @@ class Pipeline:
         self.stages[Role.PICK] = self.stages[Role.PICK] or (MaxScorePicker("max-score-picker"),)
         self.sources: tuple[DataSource, ...] = self.stages[Role.SOURCE]
         self.prepare: tuple[PrepareHook, ...] = self.stages[Role.PREPARE]
+        self.admitters: tuple[Admitter, ...] = self.stages[Role.ADMIT]
         self.filters: tuple[Filter, ...] = self.stages[Role.FILTER]
         weights = weights or {}
         self.scorers: tuple[tuple[Scorer, float], ...] = tuple(
@@ -232,6 +240,15 @@ class Pipeline:
         self.store = store or AttributeStore()
         self.clock = clock
         registry = registry or CollectorRegistry()
+        self.priority: Callable[[Sequence[tuple[str, str]]], int] = no_priority
+        """A request's priority from its headers (its InferenceObjective's), for the admitters;
+        the assembly gives the pool's objectives (``lwepp.objectives.priority_of``)."""
+        self.refusals = Counter(
+            "llm_d_epp_admission_refusals",
+            "requests an admitter refused, by admitter (answered 429)",
+            ["plugin"],
+            registry=registry,
+        )
         self.plugin_errors = Counter(
             "llm_d_epp_plugin_errors",
             "plugin failures by plugin and stage (request side: answered round-robin instead)",
@@ -377,6 +394,9 @@ class Pipeline:
         for hook in self.prepare:
             self.call(Role.PREPARE, hook, hook.prepare, request)
 
+        if self.admitters:
+            self.admit(request, candidates, now)
+
         for step in self.filters:
             kept = list(self.call(Role.FILTER, step, step.filter, request, candidates, now))
             ids = {id(c) for c in candidates}
@@ -420,6 +440,23 @@ class Pipeline:
         if record is not None:
             record.picked(picker.name, chosen)
         return chosen
+
+    def admit(self, request: LLMRequest, candidates: Sequence[Candidate], now: float) -> None:
+        """Each admitter in turn; the first that gives a reason refuses the request.
+
+        A refusal is an answer, not a failure: it leaves ``decide`` as a ``Refusal``, the
+        request goes nowhere. The router answers its admitters' denials 500 (``Internal``);
+        here 429, the status it gives its other refusal of a sheddable request (saturation):
+        shedding load on purpose is not a server fault, and clients back off on 429.
+        """
+        priority = self.priority(tuple(request.headers.items()))
+        for gate in self.admitters:
+            reason = self.call(
+                Role.ADMIT, gate, gate.admit_request, request, candidates, now, priority
+            )
+            if reason is not None:
+                self.refusals.labels(gate.name).inc()
+                raise Refusal(429, f"request cannot be admitted: {reason}", reason=ADMISSION_DENIED)
 
     def candidates(self, endpoints: Sequence[Endpoint]) -> _Candidates:
         """The endpoints as candidates, each with its attributes as last measured.
@@ -567,6 +604,11 @@ class ResponseHooks:
                 self.served,
                 usage,
             )
+
+
+def no_priority(headers: Sequence[tuple[str, str]]) -> int:
+    """Every request's priority without InferenceObjectives: 0, as the router's default."""
+    return 0
 
 
 def _header_values(

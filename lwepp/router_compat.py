@@ -120,7 +120,7 @@ UNSUPPORTED: Final = {
         "endpoint-attribute-scorer", "utilization-filter",
     ),
     "admission control (requests refused under saturation or for their SLO)": (
-        "probabilistic-admitter", "latency-slo-admitter",
+        "probabilistic-admitter",
     ),
     "routing by request headers and attributes (agent identity, header-label affinity, "
     "attribute reports)": (

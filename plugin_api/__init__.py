@@ -65,6 +65,8 @@ class Role(enum.Enum):
     SOURCE = "run"
     """LWEPP: collects endpoint attributes in the background (``produces`` says which)."""
     PREPARE = "prepare"
+    ADMIT = "admit_request"
+    """LWEPP: may refuse the request before any filter runs (the router's Admitter)."""
     FILTER = "filter"
     SCORE = "score"
     PICK = "pick"
@@ -88,6 +90,7 @@ _LABELS: Final = {
     Role.RESPONSE: "response step",
     Role.SOURCE: "data source",
     Role.PREPARE: "prepare hook",
+    Role.ADMIT: "admitter",
     Role.FILTER: "filter",
     Role.SCORE: "scorer",
     Role.PICK: "picker",

@@ -96,6 +96,7 @@ LOADS = {
     "llm-d/guides/precise-prefix-cache-routing/router/xpu.values.yaml#precise-prefix-cache-routing-plugins.yaml",
     "llm-d/guides/predicted-latency-routing/router/predicted-latency-multimodal.values.yaml#multimodal-latency-predictor-plugins.yaml",
     "llm-d/guides/predicted-latency-routing/router/predicted-latency.values.yaml#predicted-latency-plugins.yaml",
+    "llm-d/guides/predicted-latency-routing/router/predicted-latency-slo.values.yaml#predicted-latency-slo-plugins.yaml",
     "llm-d/guides/spec-decoding/router/spec-decoding.values.yaml#spec-decoding-plugins.yaml",
     "llm-d/guides/tiered-prefix-cache/router/mooncake-offloading.values.yaml#tiered-prefix-cache-mooncake-plugins.yaml",
     "llm-d/guides/wide-ep-lws/router/xpu-qwen3-235b.values.yaml#wide-ep-lws-config.yaml",
@@ -127,7 +128,6 @@ GUIDES_REFUSED = {
     "precise-prefix-cache-routing/router/lmetric": "LMetric",
     "precise-prefix-cache-routing/router/precise-prefix-cache-routing.": "tokenizer sidecar",
     "predicted-latency-routing/router/predicted-latency-pd": "prefill/decode",
-    "predicted-latency-routing/router/predicted-latency-slo": "admission control",
     "turn-priority-fairness/router/turn-priority-fairness": "agent identity",
     "wide-ep-lws/router/precise-routing": "prefill/decode",
     "wide-ep-lws/router/wide-ep-lws.": "prefill/decode",
@@ -238,7 +238,7 @@ def test_every_readme_example_loads_or_is_refused_naming_the_feature() -> None:
             assert (match := REFUSAL.search(error)), error
             assert any(match[1].startswith(f) for f in FEATURES), error
     counts = {r: sum(1 for v in results.values() if v == r) for r in ("loads", "refused")}
-    assert counts == {"loads": 43, "refused": 45}
+    assert counts == {"loads": 44, "refused": 44}
     assert sum(1 for v in results.values() if v == "skipped") == 23
 
 

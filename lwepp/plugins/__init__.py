@@ -34,6 +34,7 @@ from lwepp.plugins.discovery import EndpointNotificationSource, FileDiscovery
 from lwepp.plugins.inflight import InFlightLoadProducer
 from lwepp.plugins.kv_cache_scorer import KVCacheUtilizationScorer
 from lwepp.plugins.label_selector import LabelSelectorFilter
+from lwepp.plugins.latency_slo import LatencySloAdmitter
 from lwepp.plugins.load_scorers import ActiveRequestScorer, LoadAwareScorer, TokenLoadScorer
 from lwepp.plugins.lora_affinity import LoraAffinityScorer
 from lwepp.plugins.metrics_source import CoreMetricsExtractor, MetricsDataSource
@@ -95,6 +96,7 @@ REGISTRY: Final[Mapping[str, Factory]] = {
     "load-aware-scorer": LoadAwareScorer,
     "no-hit-lru-scorer": NoHitLRUScorer,
     "latency-scorer": LatencyScorer,
+    "latency-slo-admitter": LatencySloAdmitter,
     # pickers
     "max-score-picker": MaxScorePicker,
     "random-picker": RandomPicker,

@@ -300,6 +300,7 @@ class PredictedLatencyProducer:
         """When picks and responses happen (the pipeline's clock; injected in tests)."""
         self._load, self._match = load_key(inflight), match_key(prefix)
         self._key, self._predicted = f"{name}.context", f"{name}.predictions"
+        self._basis = f"{name}.basis"
         self.models: dict[str, _Model] = {}
         self.ttft_law = Fit(PRIOR_TTFT, POOL_DECAY)
         self.tpot_law = Fit(PRIOR_TPOT, POOL_DECAY)
@@ -312,16 +313,27 @@ class PredictedLatencyProducer:
     # --- predictions -------------------------------------------------------------
 
     def predict(self, request: LLMRequest, candidates: Sequence[Candidate]) -> list[Prediction]:
-        """Each candidate's prediction for ``request``, in order (kept for ``picked``)."""
-        load: InFlight = request.state.get(self._load, _NOTHING)
+        """Each candidate's prediction for ``request``, in order (kept for ``picked``).
+
+        Made once per candidate and request: the admitter, the filter and the scorer all
+        read the same one (the router's producer predicts once, in Produce), unless a
+        prefix match arrived in between (a scorer's), which changes the uncached tokens."""
+        state = request.state
+        load: InFlight = state.get(self._load, _NOTHING)
         requests, tokens = load.requests, load.tokens
         own = prompt_tokens(request)
-        match: PrefixMatch | None = request.state.get(self._match)
+        match: PrefixMatch | None = state.get(self._match)
         models, ttft_law, tpot_law = self.models, self.ttft_law, self.tpot_law
-        found: dict[str, Prediction] = request.state.setdefault(self._predicted, {})
+        found: dict[str, Prediction] = state.setdefault(self._predicted, {})
+        if found and state.get(self._basis) is not match:
+            found.clear()
+        state[self._basis] = match
         out = []
         for candidate in candidates:
             key = candidate.endpoint.hostport
+            if (known := found.get(key)) is not None:
+                out.append(known)
+                continue
             uncached = uncached_tokens(match, key, own)
             n = requests.get(key, 0)
             x = (1.0, (tokens.get(key, 0) + uncached) / KILO, float(n))
@@ -344,6 +356,13 @@ class PredictedLatencyProducer:
                 min((m.tpot.scale for m in models), default=1.0),
             )
         return self._optimist
+
+    def unloaded_ttft(self, tokens: float) -> float:
+        """The TTFT a prompt of ``tokens`` tokens, none cached, is predicted on the fastest
+        endpoint with nothing in flight: the part of a request's wait that is its own (the
+        queue's part is the same for every request waiting beside it)."""
+        law = self.ttft_law.predict((1.0, tokens / KILO, 0.0))
+        return self._untried().ttft.scale * law
 
     def slo(self, request: LLMRequest) -> Slo:
         """The request's SLOs; the TPOT one buffered, and only in streaming mode."""
@@ -418,19 +437,21 @@ def _read_from_the_request(_producer: object) -> None:
     """The producer reads the in-flight counts from ``request.state``: nothing to keep."""
 
 
-class _ReadsPredictions:
+class ReadsPredictions:
     """A consumer of ``predicted-latency-producer``'s predictions (the one the file lists, or
     the one the configuration adds, as the router creates it)."""
 
     needs_body = True  # the prompt's tokens are part of the prediction
 
-    def __init__(self, name: str) -> None:
+    def __init__(
+        self, name: str, field: str = "predictedLatencyProducerName", producer: str = PRODUCER
+    ) -> None:
         self.name = name
         self.producer: PredictedLatencyProducer | None = None
         self.wants = (
             Want(
-                "predictedLatencyProducerName",
-                PRODUCER,
+                field,
+                producer,
                 PREDICTED_LATENCY,
                 self._use,
                 default=PRODUCER,
@@ -464,7 +485,7 @@ def headrooms(
     return ttft, [(slo.tpot or 0.0) - p.tpot for p in predictions]
 
 
-class LatencyScorer(_ReadsPredictions):
+class LatencyScorer(ReadsPredictions):
     """``latency-scorer``: prefer the candidate with the best predicted headroom."""
 
     def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
@@ -563,7 +584,7 @@ def _blend(
     return scores
 
 
-class SloHeadroomTierFilter(_ReadsPredictions):
+class SloHeadroomTierFilter(ReadsPredictions):
     """``slo-headroom-tier-filter``: the candidates predicted to meet the request's SLO."""
 
     def __init__(self, name: str, params: Params = NO_PARAMS) -> None:

@@ -311,6 +311,10 @@ class Want:
 PREFIX_MATCH: Final = "prefix-match"
 """What a prefix producer provides: the index a prefix scorer reads (approximate or precise)."""
 
+PREDICTED_LATENCY: Final = "predicted-latency"
+"""What ``predicted-latency-producer`` provides: its predictions
+(``lwepp.plugins.predicted_latency``; ``slo-deadline-ordering-policy`` reads them too)."""
+
 IN_FLIGHT_LOAD: Final = "in-flight-load"
 """What ``inflight-load-producer`` provides: the requests and tokens in flight it counts."""
 

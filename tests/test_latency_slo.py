@@ -7,7 +7,10 @@ from collections.abc import Sequence
 import pytest
 from prometheus_client import CollectorRegistry
 
+from lwepp.config import load_text
 from lwepp.contracts import Candidate, LLMRequest, Measurement
+from lwepp.flowcontrol.policies import SloDeadlineOrdering
+from lwepp.flowcontrol.queues import Item
 from lwepp.pipeline import Pipeline
 from lwepp.plugins.latency_slo import DENIED, LatencySloAdmitter
 from lwepp.plugins.predicted_latency import LatencyScorer, PredictedLatencyProducer
@@ -131,3 +134,34 @@ def test_the_producer_name_parameter_is_the_router_s() -> None:
     )
     [want] = admitter.wants
     assert (want.field, want.name) == ("latencyPredictionInfoProducerName", "mine")
+
+
+FLOW = """\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+featureGates: [flowControl]
+plugins:
+- type: queue-scorer
+- type: slo-deadline-ordering-policy
+  parameters: {predictedLatencyProducerName: predicted-latency-producer}
+flowControl:
+  defaultPriorityBand: {orderingPolicyRef: slo-deadline-ordering-policy}
+"""
+
+
+def test_slack_ordering_puts_a_long_prompt_before_a_short_one_that_came_first() -> None:
+    """With ``predictedLatencyProducerName`` the key is received + SLO - the request's own
+    predicted TTFT: a 10,000-token prompt (about 1 s to prefill at the producer's prior)
+    received 0.1 s after a 10-token one, both with a 2 s SLO, goes first; the router's key
+    (the default) keeps the earlier one first. The producer is added, as the router would."""
+    config = load_text(FLOW, "picker.yaml")
+    settings = config.flow.settings
+    assert settings is not None
+    slack = settings.template.ordering
+    assert isinstance(slack, SloDeadlineOrdering)
+    assert isinstance(slack.predictor, PredictedLatencyProducer)
+    assert any(isinstance(p, PredictedLatencyProducer) for p in config.running)
+    short = Item("short", "f", 0, size=40, received=0.0, slo_ms=2000.0)
+    long = Item("long", "f", 0, size=40_000, received=0.1, slo_ms=2000.0)
+    assert sorted([short, long], key=slack.key) == [long, short]
+    assert sorted([short, long], key=SloDeadlineOrdering("plain").key) == [short, long]

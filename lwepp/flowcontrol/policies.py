@@ -25,6 +25,16 @@ not list is made with its defaults when named, or used as the default.
 ``slo-deadline-ordering-policy``
     By received time + the ``x-llm-d-slo-ttft-ms`` the request asked for
     (its ``x-slo-ttft-ms`` alias too); a missing or invalid header sorts last.
+    The router's policy reads no prediction, and neither does this one by
+    default. Switchyard's own parameter ``predictedLatencyProducerName``
+    (unset: off) names a ``predicted-latency-producer`` (added with its
+    defaults if the file lists none) and orders by *slack* instead: the
+    latest moment the request can be dispatched and still meet its SLO,
+    received + SLO - its own predicted TTFT (its prompt on the fastest
+    endpoint, nothing queued: ``PredictedLatencyProducer.own_ttft``), so a
+    long prompt that needs its whole budget to prefill goes before a short one
+    that arrived a moment earlier. The key is computed once, when the request
+    joins its queue, from its body's size; no queue comparison predicts.
 
 **Usage limits** (how full the pool may be before a band waits): each band
 gets a ceiling, and dispatch stops at the first band, highest priority
@@ -53,6 +63,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, ClassVar, Final, Protocol
 
+from lwepp.contracts import PREDICTED_LATENCY, Want
 from lwepp.flowcontrol.queues import NO_DEADLINE, Band, Flow, Item
 from plugin_api import NO_PARAMS, Params
 
@@ -62,6 +73,8 @@ USAGE_LIMIT: Final = "usage-limit-policy"
 """What each kind of policy provides (``lwepp.contracts.Want``'s word): the section names it."""
 
 SLO_HEADERS: Final = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
+PREDICTOR: Final = "predicted-latency-producer"
+"""The producer ``slo-deadline-ordering-policy`` reads when told to (``lwepp.plugins``' type)."""
 
 
 class FairnessPolicy(Protocol):
@@ -173,17 +186,41 @@ class EdfOrdering:
         return (deadline, item.enqueued)
 
 
+class Predictor(Protocol):
+    """What the slack ordering asks ``predicted-latency-producer``."""
+
+    enabled: bool
+
+    def own_ttft(self, body_bytes: int) -> float: ...
+
+
 class SloDeadlineOrdering:
-    """``slo-deadline-ordering-policy``: by received time + the request's TTFT SLO."""
+    """``slo-deadline-ordering-policy``: by received time + the request's TTFT SLO (less its own
+    predicted TTFT, with ``predictedLatencyProducerName``)."""
 
     provides: ClassVar[frozenset[str]] = frozenset({ORDERING})
 
     def __init__(self, name: str, params: Params = NO_PARAMS) -> None:
         self.name = name
+        self.predictor: Predictor | None = None
+        producer = params.get("predictedLatencyProducerName", str, "")
+        self.wants = (
+            (Want("predictedLatencyProducerName", producer, PREDICTED_LATENCY, self._use,
+                  default=PREDICTOR, add=True),)
+            if producer
+            else ()
+        )  # fmt: skip
+
+    def _use(self, producer: Predictor) -> None:
+        self.predictor = producer
 
     def key(self, item: Item) -> Any:
         slo = item.slo_ms
-        deadline = item.received + slo / 1000 if slo is not None else NO_DEADLINE
+        if slo is None:
+            return (NO_DEADLINE, item.received)
+        deadline = item.received + slo / 1000
+        if (predictor := self.predictor) is not None and predictor.enabled:
+            deadline -= predictor.own_ttft(item.size)
         return (deadline, item.received)
 
 

@@ -53,11 +53,17 @@ import random
 from collections.abc import Sequence
 from typing import Any, Final
 
-from lwepp.contracts import IN_FLIGHT_LOAD, PREFIX_MATCH, Candidate, LLMRequest, Want
+from lwepp.contracts import (
+    IN_FLIGHT_LOAD,
+    PREDICTED_LATENCY,
+    PREFIX_MATCH,
+    Candidate,
+    LLMRequest,
+    Want,
+)
 from lwepp.plugins.approx_prefix import DEFAULT_PRODUCER
 from lwepp.plugins.inflight import PRODUCER as IN_FLIGHT_PRODUCER
 from lwepp.plugins.inflight import InFlight, load_key
-from lwepp.plugins.predicted_latency import PREDICTED_LATENCY
 from lwepp.plugins.predicted_latency import PRODUCER as PREDICTOR
 from plugin_api import NO_PARAMS, ConfigError, Params
 

@@ -99,9 +99,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from lwepp.contracts import IN_FLIGHT_LOAD, Candidate, LLMRequest, Usage, Want
+from lwepp.contracts import (
+    IN_FLIGHT_LOAD,
+    PREDICTED_LATENCY,
+    Candidate,
+    LLMRequest,
+    Usage,
+    Want,
+)
 from lwepp.flowcontrol.policies import slo_ms
 from lwepp.plugins.approx_prefix import (
+    CHARS_PER_TOKEN,
     DEFAULT_PRODUCER,
     PrefixMatch,
     match_key,
@@ -112,8 +120,6 @@ from plugin_api import NO_PARAMS, ConfigError, Params
 from pods.model import Endpoint
 
 PRODUCER: Final = "predicted-latency-producer"
-PREDICTED_LATENCY: Final = "predicted-latency"
-"""What ``predicted-latency-producer`` provides (``lwepp.contracts.Want``): its predictions."""
 TTFT_HEADERS: Final = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
 TPOT_HEADERS: Final = ("x-llm-d-slo-tpot-ms", "x-slo-tpot-ms")
 DECAY: Final = 0.98
@@ -357,11 +363,12 @@ class PredictedLatencyProducer:
             )
         return self._optimist
 
-    def unloaded_ttft(self, tokens: float) -> float:
-        """The TTFT a prompt of ``tokens`` tokens, none cached, is predicted on the fastest
-        endpoint with nothing in flight: the part of a request's wait that is its own (the
-        queue's part is the same for every request waiting beside it)."""
-        law = self.ttft_law.predict((1.0, tokens / KILO, 0.0))
+    def own_ttft(self, body_bytes: int) -> float:
+        """The TTFT a request whose body is ``body_bytes`` long is predicted on the fastest
+        endpoint with nothing in flight and nothing cached (its prompt's tokens estimated
+        from its bytes, as the prefix producer estimates them): the part of its wait that is
+        its own; the queue's part is the same for every request waiting beside it."""
+        law = self.ttft_law.predict((1.0, body_bytes / CHARS_PER_TOKEN / KILO, 0.0))
         return self._untried().ttft.scale * law
 
     def slo(self, request: LLMRequest) -> Slo:

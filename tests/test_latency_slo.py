@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import pytest
@@ -11,10 +12,12 @@ from lwepp.config import load_text
 from lwepp.contracts import Candidate, LLMRequest, Measurement
 from lwepp.flowcontrol.policies import SloDeadlineOrdering
 from lwepp.flowcontrol.queues import Item
-from lwepp.pipeline import Pipeline
+from lwepp.pipeline import ADMISSION_DENIED, Pipeline
 from lwepp.plugins.latency_slo import DENIED, LatencySloAdmitter
 from lwepp.plugins.predicted_latency import LatencyScorer, PredictedLatencyProducer
 from plugin_api import Params
+from serving.testing import request_headers
+from tests.test_pipeline_service import POST, run, service, serving
 from tests.test_predicted_latency import BODY, POOL, Clock, plugins, serve
 from wire.exchange import Refusal
 
@@ -165,3 +168,29 @@ def test_slack_ordering_puts_a_long_prompt_before_a_short_one_that_came_first() 
     long = Item("long", "f", 0, size=40_000, received=0.1, slo_ms=2000.0)
     assert sorted([short, long], key=slack.key) == [long, short]
     assert sorted([short, long], key=SloDeadlineOrdering("plain").key) == [short, long]
+
+
+def test_an_admitter_s_refusal_reaches_the_client_as_a_429_with_its_reason() -> None:
+    """Through the picker's ext_proc server: an ImmediateResponse 429 whose OpenAI-style body
+    names the reason, in the stream's first reply."""
+
+    class Refuses:
+        name = "refuses"
+
+        def admit_request(
+            self, request: LLMRequest, candidates: Sequence[Candidate], now: float, priority: int
+        ) -> str | None:
+            return DENIED
+
+    picker = service(Pipeline([Refuses()]))
+
+    async def scenario() -> None:
+        async with serving(picker) as (client, _):
+            (reply,) = await client.exchange([request_headers(POST, end_of_stream=True)])
+        answer = reply.immediate_response
+        assert answer.status.code == 429
+        error = json.loads(answer.body)["error"]
+        assert error["message"] == f"request cannot be admitted: {DENIED}"
+        assert error["code"] == ADMISSION_DENIED
+
+    run(scenario)

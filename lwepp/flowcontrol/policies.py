@@ -35,6 +35,9 @@ not list is made with its defaults when named, or used as the default.
     long prompt that needs its whole budget to prefill goes before a short one
     that arrived a moment earlier. The key is computed once, when the request
     joins its queue, from its body's size; no queue comparison predicts.
+    Measured (``python -m bench.slo``, ``docs/hooks.md``) it meets fewer
+    SLOs than the router's key when prompts differ in length (long prompts,
+    served first, hold the engines longer): an experiment, off by default.
 
 **Usage limits** (how full the pool may be before a band waits): each band
 gets a ceiling, and dispatch stops at the first band, highest priority

@@ -14,7 +14,9 @@ the same candidates. A request goes on, untouched, when any of these holds:
   (the router fails open too);
 - some candidate is predicted to meet the SLO (``hasValid``: the TTFT, and
   the TPOT when the producer is in streaming mode and one was asked for,
-  judged as ``slo-headroom-tier-filter`` and ``latency-scorer`` judge it);
+  judged as ``slo-headroom-tier-filter`` and ``latency-scorer`` judge it;
+  a TPOT SLO alone is judged against a TTFT SLO of 0, as in the router, so
+  only an idle or cold endpoint lets such a request on);
 - some candidate is *idle*: this picker has nothing in flight there (the
   README's ``DispatchedRequestCount``; the router's code reads the engine's
   scraped running requests instead, which lag a scrape behind);

@@ -119,7 +119,7 @@ UNSUPPORTED: Final = {
         "dcgm-data-source", "dcgm-extractor", "endpoint-attribute-filter",
         "endpoint-attribute-scorer", "utilization-filter",
     ),
-    "admission control (requests refused under saturation or for their SLO)": (
+    "probabilistic admission control (sheddable requests shed by a probability under load)": (
         "probabilistic-admitter",
     ),
     "routing by request headers and attributes (agent identity, header-label affinity, "

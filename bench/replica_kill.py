@@ -1,31 +1,44 @@
-"""``python -m bench.replica_kill``: one of two pickers killed under load; routing quality after.
+"""``python -m bench.replica_kill``: one of two pickers killed under load; requests lost and
+routing quality after.
 
 The demo (``demo.topology.Topology``, a real Envoy) runs pool ``a`` with two
 pickers (``--picker-replicas 2``, ``demo/configs/recommended.yaml``) sharing
 learned state through a real ``redis-server``, on simulated engines that
 report ``prompt_tokens_details.cached_tokens`` (vLLM's
-``--enable-prompt-tokens-details``). ``WORKERS`` closed-loop clients stream
-chat requests whose system prompts fall in ``GROUPS`` shared prefixes, so the
+``--enable-prompt-tokens-details``) and whose KV caches hold ``KV_CAPACITY``
+tokens each: fewer than ``GROUPS`` shared prefixes of ``PREFIX_TOKENS``, so the
 prefix-cache hit rate (cached over prompt tokens) shows how well requests are
-routed. At ``KILL_AT`` one picker gets SIGKILL; a second run of the same
-length kills nothing (the same-run baseline).
+routed: a picker that spreads a group over both engines thrashes their caches.
+``WORKERS`` closed-loop clients stream chat requests. At ``KILL_AT`` one picker
+gets SIGKILL.
+
+Four runs of the same length (``MODES``): the shared pickers without a kill
+(the same-run baseline), and killed; as controls, the kill with each replica on
+its own view (no store) and with round-robin pickers (the floor a prefix-blind
+picker gets on this workload, so a loss of routing quality would show).
 
 Reported per ``WINDOW`` of send time: requests, failures, hit rate, p90 TTFT
-(the first content chunk, seen by the client); then the time from the kill
-until a window's hit rate is at least 0.95 x and its p90 TTFT at most 1.05 x
-the pre-kill windows' level (``recovery``), and the post-kill level over the
-pre-kill one for both runs (ratios).
+(the first content chunk, seen by the client); the streams Envoy had open on the
+killed picker just before the kill (its admin ``rq_active`` for that host), the
+failures among requests sent before and after the kill, and the picker
+cluster's retries; then the time from the kill until a window's hit rate is at
+least 0.95 x and its p90 TTFT at most 1.05 x the no-kill run's level after
+``KILL_AT``, and so in every later window (``recovery``); the same against the run's own
+pre-kill level (fresh demos settle at different levels: one engine may end up with more
+groups than its cache holds).
 """
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import statistics
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +47,18 @@ from demo.topology import Topology
 ROOT = Path(__file__).resolve().parent.parent
 RECOMMENDED = ROOT / "demo/configs/recommended.yaml"
 WORKERS = 16
-GROUPS = 8
+GROUPS = 12
+PREFIX_TOKENS = 300
+"""Each group's system prompt, in the simulator's tokens (``"be brief. "`` is three)."""
+KV_CAPACITY = 2048
+"""Each engine's KV cache in tokens: six groups' prefixes, half of ``GROUPS``."""
 DURATION = 8.0
 KILL_AT = 4.0
 WARMUP = 1.0
 WINDOW = 0.5
 TOLERANCE = 0.05
+MODES = ("no kill", "shared", "own view", "round-robin")
+"""The runs: the baseline, the kill with the shared store, and the two controls."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +80,10 @@ def one(port: int, i: int, start: float) -> Outcome:
         "stream": True,
         "stream_options": {"include_usage": True},
         "messages": [
-            {"role": "system", "content": f"group {i % GROUPS} " + "be brief. " * 60},
+            {
+                "role": "system",
+                "content": f"group {i % GROUPS} " + "be brief. " * (PREFIX_TOKENS // 3),
+            },
             {"role": "user", "content": f"q{i}"},
         ],
     }
@@ -97,12 +119,61 @@ def one(port: int, i: int, start: float) -> Outcome:
     )
 
 
-def drive(top: Topology, kill: bool) -> list[Outcome]:
+def admin(top: Topology, path: str) -> str:
+    """One page of Envoy's admin interface."""
+    with urllib.request.urlopen(top.admin_url + path, timeout=5) as page:
+        return str(page.read().decode())
+
+
+def host_stat(top: Topology, cluster: str, port: int, stat: str) -> int:
+    """One host's statistic from the admin ``/clusters`` page (``rq_active``: streams open)."""
+    key = f"{cluster}::127.0.0.1:{port}::{stat}::"
+    for line in admin(top, "/clusters").splitlines():
+        if line.startswith(key):
+            return int(line[len(key) :])
+    return 0
+
+
+def cluster_stats(top: Topology, cluster: str, *names: str) -> dict[str, int]:
+    """Counters of one cluster (``upstream_rq_retry`` ...) from the admin ``/stats`` page."""
+    wanted = {f"cluster.{cluster}.{n}": n for n in names}
+    result = dict.fromkeys(names, 0)
+    for line in admin(top, "/stats").splitlines():
+        name, _, value = line.partition(": ")
+        if name in wanted:
+            result[wanted[name]] = int(value)
+    return result
+
+
+@dataclass
+class Run:
+    """One drive: every request's outcome; for a kill, what Envoy had on the killed host."""
+
+    outcomes: list[Outcome]
+    in_flight: int = 0
+    """Streams open on the killed picker just before the kill (Envoy's ``rq_active``)."""
+    killed_at: float = KILL_AT
+    """When the SIGKILL went, from the start (just after ``KILL_AT``: the admin page is read
+    first); a request sent before it may have been in flight on the killed picker."""
+    stats: dict[str, int] = field(default_factory=dict)
+    """The picker cluster's retry and ejection counters at the end."""
+
+
+STATS = (
+    "upstream_rq_retry",
+    "upstream_rq_retry_success",
+    "outlier_detection.ejections_enforced_total",
+)
+
+
+def drive(top: Topology, kill: bool) -> Run:
     """``WORKERS`` closed-loop clients for ``DURATION``; pool ``a``'s second picker killed at
     ``KILL_AT`` if ``kill``."""
     port = int(top.url.rsplit(":", 1)[1].rstrip("/"))
+    pool = next(p for p in top.pools if "llama-3-8b" in p.models)
+    victim = top.services[f"lwepp-{pool.name}-1"]
     start = time.monotonic()
-    outcomes: list[Outcome] = []
+    run = Run([])
     lock = threading.Lock()
     counter = iter(range(10**9))
 
@@ -112,18 +183,21 @@ def drive(top: Topology, kill: bool) -> list[Outcome]:
                 i = next(counter)
             outcome = one(port, i, start)
             with lock:
-                outcomes.append(outcome)
+                run.outcomes.append(outcome)
 
     threads = [threading.Thread(target=worker) for _ in range(WORKERS)]
     for thread in threads:
         thread.start()
     time.sleep(KILL_AT)
     if kill:
-        pool = next(p for p in top.pools if "llama-3-8b" in p.models)
-        top.services[f"lwepp-{pool.name}-1"].process.kill()
+        port_of = victim.listening["grpc_port"]
+        run.in_flight = host_stat(top, f"lwepp-{pool.name}", port_of, "rq_active")
+        victim.process.kill()
+        run.killed_at = time.monotonic() - start
     for thread in threads:
         thread.join()
-    return outcomes
+    run.stats = cluster_stats(top, f"lwepp-{pool.name}", *STATS)
+    return run
 
 
 @dataclass(frozen=True)
@@ -164,21 +238,24 @@ def level(ws: list[Window]) -> tuple[float, float]:
     return statistics.fmean(w.hit_rate for w in ws), statistics.fmean(w.p90_ttft for w in ws)
 
 
-def recovery(ws: list[Window]) -> float | None:
+def recovery(ws: list[Window], baseline: tuple[float, float]) -> float | None:
     """Seconds from ``KILL_AT`` to the end of the first window starting at or after it whose
-    hit rate and p90 TTFT are within ``TOLERANCE`` of the pre-kill level (None: never)."""
-    hit, ttft = level([w for w in ws if WARMUP <= w.start < KILL_AT])
-    for w in ws:
-        if w.start < KILL_AT:
-            continue
-        if w.hit_rate >= (1 - TOLERANCE) * hit and w.p90_ttft <= (1 + TOLERANCE) * ttft:
+    hit rate and p90 TTFT are within ``TOLERANCE`` of ``baseline`` (the no-kill run's level
+    over the same windows) and stay so in every later window (None: never)."""
+    hit, ttft = baseline
+    after = [w for w in ws if w.start >= KILL_AT]
+    good = [
+        w.hit_rate >= (1 - TOLERANCE) * hit and w.p90_ttft <= (1 + TOLERANCE) * ttft for w in after
+    ]
+    for k, w in enumerate(after):
+        if all(good[k:]):
             return w.start + WINDOW - KILL_AT
     return None
 
 
-def report(label: str, outcomes: list[Outcome]) -> list[str]:
+def report(label: str, run: Run, baseline: tuple[float, float] | None) -> list[str]:
     """The per-window table and the summary lines of one run."""
-    ws = windows(outcomes)
+    ws = windows(run.outcomes)
     lines = [f"## {label}", "| from s | requests | failures | hit rate | p90 TTFT ms |"]
     lines.append("|---:|---:|---:|---:|---:|")
     lines += [
@@ -188,36 +265,64 @@ def report(label: str, outcomes: list[Outcome]) -> list[str]:
     ]
     before = level([w for w in ws if WARMUP <= w.start < KILL_AT])
     after = level([w for w in ws if w.start >= KILL_AT])
-    back = recovery(ws)
+    failed = [o for o in run.outcomes if not o.ok]
     lines.append(
-        f"requests {len(outcomes)}, failures {sum(not o.ok for o in outcomes)}; "
-        f"hit rate {before[0]:.3f} before, {after[0]:.3f} after ({after[0] / before[0]:.3f}x); "
-        f"p90 TTFT {before[1] * 1e3:.1f} ms before, {after[1] * 1e3:.1f} ms after "
-        f"({after[1] / before[1]:.3f}x); back within {TOLERANCE:.0%}: "
-        + (f"{back:.1f} s after {KILL_AT:.0f} s" if back is not None else "never")
+        f"requests {len(run.outcomes)}, failures {len(failed)} "
+        f"({sum(o.sent < run.killed_at for o in failed)} sent before the kill at "
+        f"{run.killed_at:.3f} s, {sum(o.sent >= run.killed_at for o in failed)} after); "
+        "streams open on the killed picker "
+        f"at the kill {run.in_flight}; " + ", ".join(f"{k} {v}" for k, v in run.stats.items())
     )
+    lines.append(
+        f"hit rate {before[0]:.3f} before, {after[0]:.3f} after; "
+        f"p90 TTFT {before[1] * 1e3:.1f} ms before, {after[1] * 1e3:.1f} ms after"
+    )
+    if baseline is not None:
+        for name, level_ in (("the no-kill run", baseline), ("its own pre-kill level", before)):
+            back = recovery(ws, level_)
+            lines.append(
+                f"after the kill vs {name}: hit rate {after[0] / level_[0]:.3f}x, "
+                f"p90 TTFT {after[1] / level_[1]:.3f}x; within {TOLERANCE:.0%} from then on: "
+                + (f"{back:.1f} s after the kill" if back is not None else "never")
+            )
     return lines
 
 
-def run(kill: bool) -> list[Outcome]:
-    """One fresh demo (two pickers per pool, the recommended config) and one drive of it."""
+def run(mode: str) -> Run:
+    """One fresh demo (two pickers per pool, as ``mode`` says) and one drive of it."""
     with (
         tempfile.TemporaryDirectory() as work,
         Topology(
             Path(work),
             ROOT / "demo/pods.yaml",
-            picker_config=RECOMMENDED,
+            picker_config=None if mode == "round-robin" else RECOMMENDED,
             picker_replicas=2,
-            simulator_args=["--time-scale", "0.05", "--enable-prompt-tokens-details"],
+            shared_store=mode != "own view",
+            simulator_args=[
+                *("--time-scale", "0.05", "--enable-prompt-tokens-details"),
+                *("--kv-capacity", str(KV_CAPACITY)),
+            ],
             model_rewrites=None,
         ) as top,
     ):
-        return drive(top, kill)
+        return drive(top, kill=mode != "no kill")
 
 
 def main() -> None:
-    lines = report("no kill (baseline)", run(kill=False))
-    lines += report(f"one picker killed at {KILL_AT:.0f} s", run(kill=True))
+    parser = argparse.ArgumentParser(prog="python -m bench.replica_kill", description=__doc__)
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help=f"runs, comma-separated (default {MODES})"
+    )
+    args = parser.parse_args()
+    modes = args.modes.split(",")
+    baseline: tuple[float, float] | None = None
+    lines: list[str] = []
+    for mode in modes:
+        result = run(mode)
+        ws = windows(result.outcomes)
+        if mode == "no kill":
+            baseline = level([w for w in ws if w.start >= KILL_AT])
+        lines += report(mode, result, None if mode == "no kill" else baseline)
     print("\n".join(lines))
 
 

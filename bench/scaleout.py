@@ -38,10 +38,14 @@ def redis_server() -> tuple[subprocess.Popen[bytes], str]:
 
 
 def rows(label: str, results: list[WorkersResult]) -> list[str]:
+    """One table row per worker count; CPU per pick per worker, and the picks a second one
+    core could serve at that cost (its inverse): N workers on N spare cores reach N times it."""
     one = results[0].streams / results[0].seconds
     return [
         f"| {label} | {r.workers} | {r.streams / r.seconds:,.0f} | "
-        f"{r.streams / r.seconds / one:.2f}× | {', '.join(map(str, r.served))} |"
+        f"{r.streams / r.seconds / one:.2f}× | {', '.join(map(str, r.served))} | "
+        f"{', '.join(f'{c * 1e6:,.0f}' for c in r.cpu_per_pick)} | "
+        f"{', '.join(f'{1 / c:,.0f}' for c in r.cpu_per_pick)} |"
         for r in results
     ]
 
@@ -49,8 +53,11 @@ def rows(label: str, results: list[WorkersResult]) -> list[str]:
 def main() -> None:
     store, address = redis_server()
     try:
-        lines = ["| config | workers | picks/s | vs 1 worker | served per worker |"]
-        lines.append("|---|---:|---:|---:|---|")
+        lines = [
+            "| config | workers | picks/s | vs 1 worker | served per worker "
+            "| CPU µs per pick, per worker | picks per core-second, per worker |"
+        ]
+        lines.append("|---|---:|---:|---:|---|---|---|")
         lines += rows("round-robin", measure_workers((1, 2)))
         recommended = ("--config", str(RECOMMENDED))
         lines += rows("recommended, no store", measure_workers((1,), extra=recommended))

@@ -212,6 +212,9 @@ class WorkersResult:
     seconds: float
     served: tuple[int, ...]
     """Streams each worker counted (``llm_d_epp_request_total`` on its own metrics page)."""
+    cpu_per_pick: tuple[float, ...] = ()
+    """Each worker's CPU seconds (user + system) over the picks it served in the measured
+    rounds: one core's picks per second is its inverse, whatever the client takes."""
 
     @property
     def per_second(self) -> float:
@@ -297,15 +300,21 @@ def measure_workers(
             try:
                 port = int(listening[0]["grpc_port"])
                 asyncio.run(drive(port, 200, concurrency, connections))  # warm up
+                pids = [int(w["pid"]) for w in listening]
+                cpu0 = [cpu_seconds(pid) for pid in pids]
+                picks0 = [requests_served(int(w["metrics_port"])) for w in listening]
                 best = math.inf
                 for _ in range(rounds):
                     t0 = time.perf_counter()
                     asyncio.run(drive(port, streams, concurrency, connections))
                     best = min(best, time.perf_counter() - t0)
                 served = tuple(requests_served(int(w["metrics_port"])) for w in listening)
+                cpu = [cpu_seconds(pid) - c for pid, c in zip(pids, cpu0, strict=True)]
+                picks = [n - n0 for n, n0 in zip(served, picks0, strict=True)]
+                per_pick = tuple(c / max(n, 1) for c, n in zip(cpu, picks, strict=True))
             finally:
                 stop_workers(process)
-            results.append(WorkersResult(workers, streams, best, served))
+            results.append(WorkersResult(workers, streams, best, served, per_pick))
     return results
 
 

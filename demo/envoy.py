@@ -57,6 +57,7 @@ from envoy_data_plane.envoy.extensions.filters.http.header_mutation import v3 as
 from envoy_data_plane.envoy.extensions.filters.http.header_to_metadata import v3 as to_metadata
 from envoy_data_plane.envoy.extensions.filters.http.router import v3 as router
 from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager import v3 as hcm
+from envoy_data_plane.envoy.extensions.retry.host.previous_hosts import v3 as previous_hosts
 from envoy_data_plane.envoy.extensions.transport_sockets.raw_buffer import v3 as raw_buffer
 from envoy_data_plane.envoy.extensions.transport_sockets.tls import v3 as tls_v3
 from envoy_data_plane.envoy.extensions.upstreams.http import v3 as upstream_http
@@ -130,6 +131,28 @@ state for abuse (GOAWAY "too_many_pings": every request on the connection
 fails). They accept a ping every ``serving.server.MIN_PING_INTERVAL_MS`` (1 s);
 Envoy adds up to 15% jitter to the interval, never subtracts, so a keepalive
 of 1 s or more is always welcome. ``Gateway.keepalive`` changes it (tests).
+"""
+
+PICKER_CONNECT_TIMEOUT: Final = timedelta(milliseconds=250)
+"""How long Envoy waits to connect to one of several pickers before trying another.
+
+On one node a dead picker's port refuses at once; in a cluster a vanished pod's
+address may drop the connection attempt silently, and every request handed to it
+waits this long before the retry (``FAILOVER_RETRY``) sends its stream elsewhere.
+A live picker on the pod network answers in well under a millisecond.
+"""
+
+FAILOVER_RETRY: Final = "connect-failure,refused-stream,reset,unavailable"
+"""When Envoy opens a request's ext_proc stream again on another picker of the pool.
+
+``GrpcService.retry_policy`` (Envoy 1.40's gRPC async client applies it to the
+streams it starts, and ext_proc asks it to buffer what it sent for a retry): a
+stream whose connection is refused, reset before the picker answered anything,
+or closed ``UNAVAILABLE`` is replayed, its buffered messages included, to a host
+it has not tried (``previous_hosts``). A stream the picker already answered
+(its headers reply sent) cannot be retried: Envoy acted on the answer. So a
+request is lost only if its picker dies between answering and the response's
+end, the streams in flight on it.
 """
 
 CONCURRENCY_LIMIT: Final = 100_000
@@ -300,7 +323,13 @@ def grpc_cluster(
         # A replica killed between two health checks fails the streams it is handed (FailClose
         # answers them 503): eject a host at its first failed stream (a refused connection is
         # one), for as long as the health check takes to confirm it (it readmits the host).
+        # Split: a refused or reset connection is a local-origin failure, counted apart from
+        # the replica's own answers (its 5xx), and one of them is enough.
+        result.connect_timeout = PICKER_CONNECT_TIMEOUT
         result.outlier_detection = cluster.OutlierDetection(
+            split_external_local_origin_errors=True,
+            consecutive_local_origin_failure=1,
+            enforcing_consecutive_local_origin_failure=100,
             consecutive_gateway_failure=1,
             enforcing_consecutive_gateway_failure=100,
             base_ejection_time=timedelta(seconds=5),
@@ -437,10 +466,17 @@ _Body = ext_proc.ProcessingModeBodySendMode
 
 
 def _ext_proc(
-    name: str, mode: ext_proc.ProcessingMode, *, fail_open: bool, **extra: Any
+    name: str,
+    mode: ext_proc.ProcessingMode,
+    *,
+    fail_open: bool,
+    retry: core.RetryPolicy | None = None,
+    **extra: Any,
 ) -> hcm.HttpFilter:
     config = ext_proc.ExternalProcessor(
-        grpc_service=core.GrpcService(envoy_grpc=core.GrpcServiceEnvoyGrpc(cluster_name=name)),
+        grpc_service=core.GrpcService(
+            envoy_grpc=core.GrpcServiceEnvoyGrpc(cluster_name=name), retry_policy=retry
+        ),
         processing_mode=mode,
         # false: an unreachable, failing or slow processor makes Envoy answer an
         # error itself (FailClose); true: the request goes on unprocessed.
@@ -508,11 +544,33 @@ def picker_filter(pool: GatewayPool) -> hcm.HttpFilter:
         f"lwepp-{pool.name}",
         mode,
         fail_open=pool.fail_open,
+        retry=failover_retry(len(pool.more_pickers)) if pool.more_pickers else None,
         metadata_options=ext_proc.MetadataOptions(
             forwarding_namespaces=namespaces(untyped=["envoy.lb", "envoy.lb.subset_hint"]),
             receiving_namespaces=namespaces(untyped=["envoy.lb"]),
         ),
         status_on_error=types.HttpStatus(code=types.StatusCode.ServiceUnavailable),
+    )
+
+
+def failover_retry(others: int) -> core.RetryPolicy:
+    """A picker stream's retry to each of the ``others`` pickers once (``FAILOVER_RETRY``).
+
+    Without it, a request handed to a picker killed since the last health check
+    fails (503 on a FailClose pool) until outlier detection ejects the host, which
+    takes that host's first failure on each of Envoy's worker threads.
+    """
+    return core.RetryPolicy(
+        retry_on=FAILOVER_RETRY,
+        num_retries=others,
+        retry_back_off=core.BackoffStrategy(base_interval=timedelta(milliseconds=5)),
+        retry_host_predicate=[
+            core.RetryPolicyRetryHostPredicate(
+                name="envoy.retry_host_predicates.previous_hosts",
+                typed_config=_any(previous_hosts.PreviousHostsPredicate()),
+            )
+        ],
+        host_selection_retry_max_attempts=3,
     )
 
 

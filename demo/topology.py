@@ -426,11 +426,14 @@ class Topology(Processes):
         model_rewrites: Path | None = None,
         objectives: Path | None = OBJECTIVES,
         picker_replicas: int = 1,
+        shared_store: bool = True,
     ) -> None:
         self.objectives = objectives
         self.picker_replicas = picker_replicas
         """Pickers per pool, one Envoy cluster of them (``more_pickers``); above 1 with a
         ``picker_config``, they share learned state through a ``redis-server`` started here."""
+        self.shared_store = shared_store
+        """False: replicas each keep their own view, no store (a control for benchmarks)."""
         self.store: Process | None = None
         self.work_dir = work_dir
         self.keepalive = keepalive
@@ -495,7 +498,11 @@ class Topology(Processes):
             pods = str(self._own_servers())
         if self.one_hop:
             self._start_one_hop(pods)
-        share = self._start_store() if self.picker_replicas > 1 and self.picker_config else ()
+        share = (
+            self._start_store()
+            if self.picker_replicas > 1 and self.picker_config and self.shared_store
+            else ()
+        )
         for pool, replica in itertools.product(
             [] if self.one_hop else self.pools, range(self.picker_replicas)
         ):

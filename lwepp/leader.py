@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import math
 import os
 import socket
 import time
@@ -52,6 +53,13 @@ class LeaseTimings:
     duration: float = 15.0
     renew_deadline: float = 10.0
     retry_period: float = 2.0
+
+    @property
+    def lease_seconds(self) -> int:
+        """The duration written in the Lease, whole seconds (``leaseDurationSeconds`` is an
+        int32), rounded up: standbys wait what the record says, and a duration cut below the
+        renew deadline would let one take over while the leader still serves."""
+        return math.ceil(self.duration)
 
     def check(self) -> None:
         """Reject timings under which two leaders could overlap (client-go's rules)."""
@@ -150,7 +158,7 @@ class LeaderElector:
         mine = holder == self.identity
         lease["spec"] = {
             "holderIdentity": self.identity,
-            "leaseDurationSeconds": int(self.timings.duration),
+            "leaseDurationSeconds": self.timings.lease_seconds,
             "acquireTime": spec.get("acquireTime") if mine else moment,
             "renewTime": moment,
             "leaseTransitions": int(spec.get("leaseTransitions") or 0) + (0 if mine else 1),
@@ -171,7 +179,7 @@ class LeaderElector:
             "metadata": {"name": self.name},
             "spec": {
                 "holderIdentity": self.identity,
-                "leaseDurationSeconds": int(self.timings.duration),
+                "leaseDurationSeconds": self.timings.lease_seconds,
                 "acquireTime": moment,
                 "renewTime": moment,
                 "leaseTransitions": 0,

@@ -359,7 +359,8 @@ def test_picker_replicas_are_hosts_of_one_health_checked_cluster() -> None:
     """``--picker-replicas``: a pool's pickers are the hosts of its one ext_proc cluster, each
     with its own health port, balanced round-robin as a gateway balances a picker Service."""
     pool = dataclasses.replace(GATEWAY.pools[0], more_pickers=((9102, 9103), (9202, 9203)))
-    picker = cluster(bootstrap(dataclasses.replace(GATEWAY, pools=(pool,))), "lwepp-a")
+    config = bootstrap(dataclasses.replace(GATEWAY, pools=(pool,)))
+    picker = cluster(config, "lwepp-a")
     (locality,) = picker["load_assignment"]["endpoints"]
     hosts = [
         (
@@ -370,11 +371,23 @@ def test_picker_replicas_are_hosts_of_one_health_checked_cluster() -> None:
     ]
     assert hosts == [(9002, 9003), (9102, 9103), (9202, 9203)]
     assert picker.get("lb_policy", "ROUND_ROBIN") == "ROUND_ROBIN"
-    # A replica killed between health checks is ejected at its first failed stream.
-    assert picker["outlier_detection"]["consecutive_gateway_failure"] == 1
-    assert picker["outlier_detection"]["enforcing_consecutive_gateway_failure"] == 100
-    single = cluster(bootstrap(GATEWAY), "lwepp-a")
-    assert "outlier_detection" not in single  # one host: nothing to eject it for
+    # A replica killed between health checks is ejected at its first failed stream, a refused
+    # or reset connection (local origin) as much as an error it answers.
+    detection = picker["outlier_detection"]
+    assert detection["consecutive_gateway_failure"] == 1
+    assert detection["enforcing_consecutive_gateway_failure"] == 100
+    assert detection["split_external_local_origin_errors"] is True
+    assert detection["consecutive_local_origin_failure"] == 1
+    assert detection["enforcing_consecutive_local_origin_failure"] == 100
+    # A stream the dead replica never answered is opened again on another one.
+    retry = http_filter(config, "lwepp-a")["grpc_service"]["retry_policy"]
+    assert set(retry["retry_on"].split(",")) >= {"connect-failure", "reset", "unavailable"}
+    assert retry["num_retries"] == 2
+    (predicate,) = retry["retry_host_predicate"]
+    assert predicate["name"] == "envoy.retry_host_predicates.previous_hosts"
+    one = bootstrap(GATEWAY)
+    assert "outlier_detection" not in cluster(one, "lwepp-a")  # one host: nothing to eject it for
+    assert "retry_policy" not in http_filter(one, "lwepp-a")["grpc_service"]
 
 
 def test_no_cluster_refuses_requests_past_envoys_default_of_1024(config: dict[str, Any]) -> None:

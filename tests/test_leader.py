@@ -173,6 +173,13 @@ def test_timings_that_allow_two_leaders_are_refused(timings: LeaseTimings) -> No
         timings.check()
 
 
+def test_a_fractional_lease_is_written_rounded_up() -> None:
+    """``leaseDurationSeconds`` is whole seconds: 1.5 s is written as 2, never cut to 1, which
+    a standby would wait while the leader (renew deadline 1 s) may still serve."""
+    assert LeaseTimings(1.5, 1, 0.25).lease_seconds == 2
+    assert LeaseTimings(1, 0.75, 0.25).lease_seconds == 1
+
+
 def test_health_reports_standbys_not_ready_but_alive() -> None:
     """Readiness names follow ``ready()`` both ways; live names stay SERVING."""
     state = {"leader": False}

@@ -537,6 +537,10 @@ def test_leader_election_component_patches_every_picker(tmp_path: Path) -> None:
         assert deployment["spec"]["replicas"] == 2
         assert spec["livenessProbe"]["grpc"]["service"] == "liveness"
         assert spec["readinessProbe"]["grpc"]["service"] == "readiness"
+        # Timings for a failover under 2 s (docs/scale-out.md), the probe at its least period.
+        assert "--leader-elect-lease-duration=1s" in spec["args"]
+        assert "--leader-elect-retry-period=0.25s" in spec["args"]
+        assert spec["readinessProbe"]["periodSeconds"] == 1
 
 
 def test_active_active_component_runs_three_serving_replicas_on_one_store(tmp_path: Path) -> None:

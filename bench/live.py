@@ -90,18 +90,8 @@ from typing import Final
 import aiohttp
 import orjson
 
-from bench import peers
-from bench.report import (
-    Options,
-    Plot,
-    Section,
-    Series,
-    Table,
-    Target,
-    percentile,
-    progress,
-    write,
-)
+from bench import peers, report
+from bench.report import Options, Plot, Section, Series, Table, Target, percentile, progress
 from bench.workloads import Arrival, MultiTurn, SharedPrefix, multi_turn, shared_prefix
 from demo import llamacpp
 from demo.topology import HOST, Process, Topology, free_ports, listening_line, wait_for
@@ -1205,7 +1195,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     add("--engine", choices=sorted(BACKENDS), default=SIMULATOR.name)
     args = parser.parse_args(argv)
     options = Options(seed=args.seed, quick=args.quick, out=args.out, engine=args.engine)
-    paths = write([run(options, args.workload, args.arm)], options.out, header="# live")
+    paths = report.write([run(options, args.workload, args.arm)], options.out, header="# live")
     print(paths[0].read_text(), flush=True)
 
 

@@ -75,6 +75,7 @@ scale. llama.cpp's engines run in real time: one CPU thread prefills a
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import functools
@@ -89,7 +90,7 @@ from typing import Final
 import aiohttp
 import orjson
 
-from bench import peers
+from bench import peers, report
 from bench.report import Options, Plot, Section, Series, Table, Target, percentile, progress
 from bench.workloads import Arrival, MultiTurn, SharedPrefix, multi_turn, shared_prefix
 from demo import llamacpp
@@ -104,12 +105,16 @@ PREFIX_AWARE: Final = CONFIGS / "prefix-aware.yaml"
 """The demo's prefix-aware picker configuration, benchmarked as shipped."""
 RECOMMENDED: Final = CONFIGS / "recommended.yaml"
 """The recommended picker configuration (prefix affinity and in-flight load), as shipped."""
+PREDICTED_LATENCY: Final = Path(__file__).resolve().parent / "configs/predicted-latency.yaml"
+"""The routing benchmark's predicted-latency configuration (``lwepp.plugins.predicted_latency``:
+each replica's time to first token predicted from the request path)."""
 
 ROUND_ROBIN: Final = "round-robin"
 PREFIX_AWARE_POLICY: Final = "prefix-aware"
 RECOMMENDED_POLICY: Final = "recommended"
+PREDICTED_LATENCY_POLICY: Final = "predicted-latency"
 """Switchyard's arms: no configuration (round-robin), the engine's prefix-aware one, the
-recommended one."""
+recommended one, predicted latency (simulated engines: shared prefix at 20/s, multi-turn)."""
 
 QUERIES: Final = "vllm:prefix_cache_queries_total"
 HITS: Final = "vllm:prefix_cache_hits_total"
@@ -230,7 +235,7 @@ CHAT_FULL: Final = Size(
     time_scale=2.0,
     warmup=0.1,
     name=MULTI_TURN,
-    policies=(ROUND_ROBIN, RECOMMENDED_POLICY),
+    policies=(ROUND_ROBIN, RECOMMENDED_POLICY, PREDICTED_LATENCY_POLICY),
     peer_policies=("cache_aware",),
 )
 """48 sessions started at 2 a modelled second, six turns each, 4 s of thinking between turns:
@@ -340,7 +345,7 @@ SIMULATOR: Final = Backend(
     "simulator",
     (FULL, HEAVY, CHAT_FULL),
     (QUICK, CHAT_QUICK),
-    (ROUND_ROBIN, PREFIX_AWARE_POLICY, RECOMMENDED_POLICY),
+    (ROUND_ROBIN, PREFIX_AWARE_POLICY, RECOMMENDED_POLICY, PREDICTED_LATENCY_POLICY),
     PREFIX_AWARE,
     (QUERIES,),
     (HITS,),
@@ -719,9 +724,11 @@ def switchyard(
     def changed(pod: Pod, why: str | None) -> None:
         notes.append(f"switchyard {policy}: replica {pod.name} " + (why or "answers again"))
 
-    config = {PREFIX_AWARE_POLICY: backend.prefix_config, RECOMMENDED_POLICY: RECOMMENDED}.get(
-        policy
-    )
+    config = {
+        PREFIX_AWARE_POLICY: backend.prefix_config,
+        RECOMMENDED_POLICY: RECOMMENDED,
+        PREDICTED_LATENCY_POLICY: PREDICTED_LATENCY,
+    }.get(policy)
     with Topology(
         work_dir / "gateway",
         pods,
@@ -955,9 +962,9 @@ def _described(size: Size, backend: Backend) -> tuple[str, str]:
 def workload_targets(
     by_label: Mapping[str, ArmResult], workload: str, real: bool = False
 ) -> list[Target]:
-    """On simulated engines: the recommended configuration's p90 TTFT at least 10% under the
-    best peer cache_aware's and under round-robin's; the prefix-aware one's against the best
-    peer (where it ran). On real engines, ``llamacpp_targets``."""
+    """On simulated engines: the recommended and predicted-latency configurations' p90 TTFT at
+    least 10% under the best peer cache_aware's and under round-robin's; the prefix-aware
+    one's against the best peer (where it ran). On real engines, ``llamacpp_targets``."""
     if real:
         return llamacpp_targets(by_label)
     peer_best = sorted(
@@ -970,7 +977,12 @@ def workload_targets(
     )
     baseline = by_label.get(f"{SWITCHYARD} {ROUND_ROBIN}")
     targets = []
-    for policy, share in ((RECOMMENDED_POLICY, 0.9), (PREFIX_AWARE_POLICY, 1.0)):
+    shares = (
+        (RECOMMENDED_POLICY, 0.9),
+        (PREDICTED_LATENCY_POLICY, 0.9),
+        (PREFIX_AWARE_POLICY, 1.0),
+    )
+    for policy, share in shares:
         if (ours := by_label.get(f"{SWITCHYARD} {policy}")) is None:
             continue
         if peer_best:
@@ -1136,15 +1148,19 @@ def section(
     )
 
 
-def run(options: Options) -> Section:
+def run(options: Options, workloads: Sequence[str] = (), only: Sequence[str] = ()) -> Section:
     """Run every arm on each workload (the same arrivals for every arm of a workload) and
-    report them side by side."""
+    report them side by side; with ``workloads`` (size names) or ``only`` (arm labels, as
+    ``switchyard recommended``), those alone."""
     backend = BACKENDS[options.engine]
     notes: list[str] = []
     runs = []
     for size in backend.sizes(options.quick):
+        if workloads and size.name not in workloads:
+            continue
         arrivals = size.arrivals(options.seed)
         chosen, skipped = arms(options.quick, backend, size)
+        chosen = [arm for arm in chosen if not only or arm.label in only]
         notes += [note for note in skipped if note not in notes]
         results = []
         for n, arm in enumerate(chosen):
@@ -1156,3 +1172,32 @@ def run(options: Options) -> Section:
                 progress(f"live: {size.name}: {arm.label} failed: {error}")
         runs.append((size, results))
     return section(runs, notes, options.quick, backend)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m bench.live``: the live part alone, restricted to some workloads and arms
+    (``make bench-live`` runs them all), e.g. predicted latency beside recommended and the
+    peers' cache_aware::
+
+        python -m bench.live --workload shared-prefix --workload multi-turn \\
+            --arm "switchyard recommended" --arm "switchyard predicted-latency" \\
+            --arm "sglang-router cache_aware" --arm "vllm-router cache_aware"
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.live", description=__doc__.split("\n")[0]
+    )
+    add = parser.add_argument
+    add("--workload", action="append", default=[], help="a workload (size) name, repeatable")
+    add("--arm", action="append", default=[], help="an arm's label, repeatable")
+    add("--seed", type=int, default=0)
+    add("--quick", action="store_true", help="smoke size")
+    add("--out", type=Path, default=Path("bench-results"))
+    add("--engine", choices=sorted(BACKENDS), default=SIMULATOR.name)
+    args = parser.parse_args(argv)
+    options = Options(seed=args.seed, quick=args.quick, out=args.out, engine=args.engine)
+    paths = report.write([run(options, args.workload, args.arm)], options.out, header="# live")
+    print(paths[0].read_text(), flush=True)
+
+
+if __name__ == "__main__":
+    main()

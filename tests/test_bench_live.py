@@ -53,9 +53,9 @@ def test_quick_run_answers_every_request(tmp_path: Path) -> None:
 
 
 def test_each_workload_runs_its_arms() -> None:
-    """Shared prefix at 20/s has Switchyard's three configurations and both policies of each
+    """Shared prefix at 20/s has Switchyard's four configurations and both policies of each
     peer; at 30/s the prefix-aware ones and the peers' cache_aware; multi-turn chat has
-    round-robin, recommended and the peers' cache_aware."""
+    round-robin, recommended, predicted latency and the peers' cache_aware."""
     sizes = [s.name for s in live.SIMULATOR.sizes(quick=False)]
     assert sizes == ["shared-prefix", "shared-prefix-heavy", "multi-turn"]
     shared, _ = live.arms(False, live.SIMULATOR, live.FULL)
@@ -65,9 +65,9 @@ def test_each_workload_runs_its_arms() -> None:
     def ours(chosen: list[live.Arm]) -> list[str]:
         return [a.policy for a in chosen if a.router == live.SWITCHYARD]
 
-    assert ours(shared) == ["round-robin", "prefix-aware", "recommended"]
+    assert ours(shared) == ["round-robin", "prefix-aware", "recommended", "predicted-latency"]
     assert ours(heavy) == ["prefix-aware", "recommended"]
-    assert ours(chat) == ["round-robin", "recommended"]
+    assert ours(chat) == ["round-robin", "recommended", "predicted-latency"]
     for peer in peers.PEERS:
         assert [a.policy for a in shared if a.router == peer.name] == list(peers.POLICIES)
         assert [a.policy for a in heavy if a.router == peer.name] == ["cache_aware"]

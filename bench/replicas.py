@@ -23,7 +23,10 @@ shared         all three shared, every write seen by the next pick
 synced         the design as ``lwepp.sharing`` runs it (``docs/scale-out.md``):
                each replica keeps its own index, LRU and counts and, every
                ``SYNC_SECONDS``, applies what the others learned up to then
-               and reads their counts (``Summed.peers``)
+               and reads their counts (``Summed.peers``); between ticks each
+               takes its own turns in the no-hit LRU (``NoHitLRUScorer.synced``)
+synced+X       ``synced``, but X (``index``, ``lru`` or ``inflight``) shared
+               instantly: what that signal's staleness costs
 =============  ==============================================================
 
 Shared state is modelled as one object the replicas all read and write, so
@@ -35,6 +38,10 @@ replica from the events, as each subscribes to every engine: never shared.
 
 Reported, per workload: p90 TTFT and hit rate of 2 and 4 replicas as ratios
 to one replica's in the same run (target: within 1.05x with the design).
+One run's p90 moves by several percent for a change as small as the order
+ties are broken in, so ``--seeds N --step-jitter 0.1`` runs every cell on N
+seeds with each engine step's time jittered and judges the mean ratio.
+``--trace FILE`` adds a trace as ``bench.replay`` reads it.
 """
 
 from __future__ import annotations
@@ -75,6 +82,7 @@ from lwepp.plugins.no_hit_lru import NoHitLRUScorer
 from lwepp.plugins.precise_prefix import PrecisePrefixCacheProducer
 from lwepp.plugins.prefix import PrecisePrefixCacheScorer
 from lwepp.sharing import approximate_indexes
+from serving.logs import configure_logging
 from simulator.engine import Engine, Request, Scheduling
 from simulator.profiles import Profile
 
@@ -452,4 +460,5 @@ def summary(rows: Iterable[Row]) -> dict[tuple[str, str, int, str], tuple[float,
 
 
 if __name__ == "__main__":
+    configure_logging("warning", "console")  # the pickers' problems on stderr; no chatter
     sys.exit(main())

@@ -10,6 +10,9 @@ In short, per signal of the recommended and precise configurations:
   pick's endpoint) to one Redis stream and applies the others' entries to its
   own index. A replica that starts reads the stream from its start (bounded
   by ``STREAM_LENGTH``), so it catches up with what the others learned.
+  Between two syncs the replicas would all send their cold requests to the
+  same least recently used endpoint, so each takes its own turns in the LRU
+  as synced (``NoHitLRUScorer.synced``: replica i of the N live ones).
 - **In-flight requests and tokens** (``inflight-load-producer``): each
   replica publishes its own counts per endpoint under a key of its own that
   expires (``ttl``) unless refreshed, and reads the others' as ``peers``

@@ -10,6 +10,9 @@ In short, per signal of the recommended and precise configurations:
   pick's endpoint) to one Redis stream and applies the others' entries to its
   own index. A replica that starts reads the stream from its start (bounded
   by ``STREAM_LENGTH``), so it catches up with what the others learned.
+  Between two syncs the replicas would all send their cold requests to the
+  same least recently used endpoint, so each takes its own turns in the LRU
+  as synced (``NoHitLRUScorer.synced``: replica i of the N live ones).
 - **In-flight requests and tokens** (``inflight-load-producer``): each
   replica publishes its own counts per endpoint under a key of its own that
   expires (``ttl``) unless refreshed, and reads the others' as ``peers``
@@ -60,6 +63,8 @@ log = structlog.get_logger()
 STREAM_LENGTH: Final = 100_000
 """Learned entries the stream keeps (about), what a starting replica catches up from."""
 SCHEMES: Final = ("redis://", "rediss://", "unix://")
+ALIVE: Final = "_"
+"""The field every replica's count hash carries, so that an idle replica's key still lives."""
 
 
 def store_url(address: str) -> str:
@@ -150,18 +155,18 @@ class SharedView:
         pipe = client.pipeline(transaction=False)
         for fields in outbox:
             pipe.xadd(self.stream, fields, maxlen=STREAM_LENGTH, approximate=True)
-        if self.producers:
+        if self.producers or self.lrus:
             own = self.counts + self.replica
             pipe.delete(own)
-            counts = _own_counts(self.producers[0])
-            if counts:
-                pipe.hset(own, mapping=counts)
+            counts = _own_counts(self.producers[0]) if self.producers else {}
+            pipe.hset(own, mapping={ALIVE: "", **counts})  # the key says it lives, idle or not
             pipe.pexpire(own, int(self.ttl * 1000))
             pipe.sadd(self.members, self.replica)
             pipe.smembers(self.members)
         results = await pipe.execute()
-        if self.producers:
-            await self._read_peers(client, sorted(m.decode() for m in results[-1]))
+        alive = [self.replica]
+        if self.producers or self.lrus:
+            alive = await self._read_peers(client, sorted(m.decode() for m in results[-1]))
         if self.indexes or self.lrus:
             while True:
                 batch = await client.xread({self.stream: self.last_id}, count=1000)
@@ -170,9 +175,13 @@ class SharedView:
                 for entry_id, fields in batch[0][1]:
                     self._apply(fields)
                     self.last_id = entry_id.decode()
+        for lru in self.lrus:
+            lru.synced(alive.index(self.replica), len(alive))
 
-    async def _read_peers(self, client: Any, members: list[str]) -> None:
+    async def _read_peers(self, client: Any, members: list[str]) -> list[str]:
+        """Sum the other live replicas' counts into ``peers``; the live replicas, sorted."""
         others = [m for m in members if m != self.replica]
+        alive = [self.replica]
         requests: dict[str, int] = {}
         tokens: dict[str, int] = {}
         if others:
@@ -183,13 +192,17 @@ class SharedView:
                 if not values:  # expired: that replica is gone
                     await client.srem(self.members, other)
                     continue
+                alive.append(other)
                 for endpoint, value in values.items():
+                    if endpoint == ALIVE.encode():
+                        continue
                     n, t = (int(x) for x in value.split(b" "))
                     key = endpoint.decode()
                     requests[key] = requests.get(key, 0) + n
                     tokens[key] = tokens.get(key, 0) + t
         for producer in self.producers:
             producer.requests.peers, producer.tokens.peers = requests, tokens
+        return sorted(alive)
 
     # --- the loop -----------------------------------------------------------------
 
@@ -208,6 +221,8 @@ class SharedView:
             self._outages.inc()
             for producer in self.producers:
                 producer.requests.peers = producer.tokens.peers = {}
+            for lru in self.lrus:
+                lru.synced(0, 1)  # alone until the store answers
             self.outbox.clear()
             self.last_id = "0"  # the store may come back empty: read it again from its start
         self.up = up

@@ -23,9 +23,11 @@ from prometheus_client import CollectorRegistry
 from lwepp.__main__ import build_parser, workers_problem
 from lwepp.assembly import PickerOptions
 from lwepp.config import load_config
+from lwepp.contracts import Candidate, LLMRequest
 from lwepp.picking import Followup, RequestInfo
 from lwepp.pipeline import Pipeline
 from lwepp.plugins.inflight import InFlightLoadProducer
+from lwepp.plugins.no_hit_lru import NoHitLRUScorer
 from lwepp.plugins.prefix import PrefixCacheScorer
 from lwepp.sharing import SharedView, store_url
 from pods.model import Endpoint
@@ -108,6 +110,10 @@ def producer(pipeline: Pipeline) -> InFlightLoadProducer:
     return next(p for p in pipeline.plugins if isinstance(p, InFlightLoadProducer))
 
 
+def lru(pipeline: Pipeline) -> NoHitLRUScorer:
+    return next(p for p in pipeline.plugins if isinstance(p, NoHitLRUScorer))
+
+
 async def until(condition: Callable[[], bool], what: str) -> None:
     """Wait for a state the background sync reaches (bounded; fails with ``what``)."""
     for _ in range(1000):
@@ -144,6 +150,7 @@ def test_two_replicas_share_learning_and_never_count_a_request_twice(store: Stor
         assert dict(producer(b).requests.peers) == own_a  # A's six, once
         assert dict(producer(a).requests.peers) == {}  # A never hears its own back
         assert sum(producer(b).requests.values()) == 6
+        assert [(lru(p).phase, lru(p).replicas) for p in (a, b)] == [(0, 2), (1, 2)]
         # B now sends session 3 where A's index says its prefix is.
         assert pick(b, 3)[0] == served[3][0]
         index_a = next(p for p in a.plugins if isinstance(p, PrefixCacheScorer)).index
@@ -158,6 +165,27 @@ def test_two_replicas_share_learning_and_never_count_a_request_twice(store: Stor
         await client.aclose()
 
     run(test)
+
+
+def test_replicas_take_turns_in_the_synced_lru_instead_of_herding() -> None:
+    """Two replicas holding the same no-hit LRU, each sending two cold requests before the next
+    sync, use four endpoints (one replica alone would), not the same two."""
+    candidates = [Candidate(e, {}) for e in ENDPOINTS]
+    scorers = [NoHitLRUScorer("lru"), NoHitLRUScorer("lru")]
+    for scorer in scorers:
+        for endpoint in ENDPOINTS:
+            scorer.touch(endpoint.hostport)
+    for phase, scorer in enumerate(scorers):
+        scorer.synced(phase, 2)
+    picked = []
+    for _ in range(2):
+        for scorer in scorers:
+            request = LLMRequest("r", {})
+            scores = scorer.score(request, candidates, 0.0)
+            best = candidates[max(range(len(scores)), key=scores.__getitem__)].endpoint
+            scorer.picked(request, [best])
+            picked.append(best.hostport)
+    assert sorted(picked) == sorted(e.hostport for e in ENDPOINTS)
 
 
 def test_a_replica_that_starts_late_catches_up_from_the_stream(store: Store) -> None:

@@ -50,6 +50,10 @@ class NoHitLRUScorer:
         """Endpoints (``ip:port``) that took a cold request, least recently first."""
         self.on_cold: Callable[[str], None] | None = None
         """Told of every cold pick (``lwepp.sharing`` publishes it)."""
+        self.phase, self.replicas = 0, 1
+        """This replica's place among the replicas sharing the LRU, and how many they are."""
+        self._order: list[str] = []
+        self._since = 0
 
     def score(
         self, request: LLMRequest, candidates: Sequence[Candidate], now: float
@@ -62,7 +66,7 @@ class NoHitLRUScorer:
             return [0.5] * n
         if n == 1:
             return [1.0]
-        position = {endpoint: i for i, endpoint in enumerate(self.lru)}
+        position = {endpoint: i for i, endpoint in enumerate(self._spread())}
         keys = [c.endpoint.hostport for c in candidates]
         never = sum(1 for key in keys if key not in position)
         scores, unused, span = [], 0, n - 1
@@ -79,8 +83,37 @@ class NoHitLRUScorer:
             return
         key = endpoints[0].hostport
         self.touch(key)
+        self._since += 1
         if self.on_cold is not None:  # lwepp.sharing: the other replicas hear of it
             self.on_cold(key)
+
+    def synced(self, phase: int, replicas: int) -> None:
+        """The others' cold picks were applied (``lwepp.sharing``): this is replica ``phase`` of
+        ``replicas``, all holding about this order until the next sync.
+
+        Between two syncs every replica would send its cold requests to the same least
+        recently used endpoint, having the same order and not seeing the others' picks. So
+        each takes its own turns in the order as synced: replica ``phase``'s ``j``-th cold
+        pick since the sync goes to position ``phase + j × replicas``, the positions before
+        it left to the others, as one replica would have dealt the same requests in turn.
+        """
+        self.phase, self.replicas = phase, replicas
+        self._order = list(self.lru)
+        self._since = 0
+
+    def _spread(self) -> list[str]:
+        """The LRU as this replica reads it: the positions the other replicas presumably took
+        since the last sync moved to the most recently used end (``synced``)."""
+        if self.replicas <= 1:
+            return list(self.lru)
+        taken = {
+            key
+            for i, key in enumerate(self._order[: self.phase + self._since * self.replicas])
+            if i % self.replicas != self.phase
+        }
+        if not taken:
+            return list(self.lru)
+        return [k for k in self.lru if k not in taken] + [k for k in self.lru if k in taken]
 
     def touch(self, key: str) -> None:
         """``key`` took a cold request: it becomes the most recently used."""

@@ -615,8 +615,16 @@ def test_quick_run_round_robin_spreads_evenly(quick: Section) -> None:
 
 def test_quick_run_scrapes_only_for_configs_with_a_metrics_source(quick: Section) -> None:
     """least-queue, prefix-aware, vllm and sglang (and sglang's on vLLM's pages) read scraped
-    metrics; the others (llamacpp's reads none: llama.cpp has no KV gauge) never scrape."""
-    scraping = ("least-queue", "prefix-aware", "vllm", "sglang", routing.MISMATCHED)
+    metrics, and predicted-latency its engines' KV cache sizes; the others (llamacpp's reads
+    none: llama.cpp has no KV gauge) never scrape."""
+    scraping = (
+        "least-queue",
+        "prefix-aware",
+        "vllm",
+        "sglang",
+        routing.MISMATCHED,
+        "predicted-latency",
+    )
     for r in quick.data["runs"]:
         if r["strategy"] in scraping:
             assert r["scrapes"] > 0

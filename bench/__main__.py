@@ -1,6 +1,6 @@
 """``make bench``: every benchmark part, written as Markdown, JSON and plots.
 
-``python -m bench [PART ...] [--seed N] [--quick] [--out DIR]``; the parts
+``python -m bench [PART ...] [--seed N] [--quick] [--out DIR] [--workloads W,...]``; the parts
 are ``micro`` (codec, plugins, hook pipeline), ``overhead`` (what the
 gateway path adds, through a real Envoy), ``routing`` (what picking buys,
 in virtual time), ``overload`` (flow control governing an overloaded pool,
@@ -25,6 +25,15 @@ from bench.report import Options, Section, progress, write
 
 PARTS: Final = ("micro", "overhead", "routing", "overload", "live")
 ENGINES: Final = ("simulator", "llamacpp")
+WORKLOADS: Final = (
+    "shared-prefix",
+    "multi-turn",
+    "system-prompt",
+    "mooncake",
+    "azure-code",
+    "mixed-pool",
+)
+"""The routing part's workloads, as ``--workloads`` names them (``bench.routing.run``)."""
 
 
 def parse(argv: Sequence[str] | None = None) -> tuple[list[str], Options]:
@@ -44,11 +53,23 @@ def parse(argv: Sequence[str] | None = None) -> tuple[list[str], Options]:
         help="the model servers of the live and overhead parts: the simulator (default; the "
         "overhead part's is then Envoy answering itself) or real llama.cpp engines",
     )
+    parser.add_argument(
+        "--workloads",
+        default="",
+        help="the routing part's workloads, comma-separated (default: every one): "
+        + ", ".join(WORKLOADS),
+    )
     args = parser.parse_args(argv)
     for part in args.parts:
         if part not in PARTS:
             parser.error(f"unknown part {part!r}: choose from {', '.join(PARTS)}")
-    options = Options(seed=args.seed, quick=args.quick, out=args.out, engine=args.engine)
+    workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
+    for workload in workloads:
+        if workload not in WORKLOADS:
+            parser.error(f"unknown workload {workload!r}: choose from {', '.join(WORKLOADS)}")
+    options = Options(
+        seed=args.seed, quick=args.quick, out=args.out, engine=args.engine, workloads=workloads
+    )
     return list(args.parts) or list(PARTS), options
 
 

@@ -38,6 +38,8 @@ class Options:
     out: Path = Path("bench-results")
     engine: str = "simulator"
     """What serves the live part's model: ``simulator`` or ``llamacpp`` (real llama.cpp)."""
+    workloads: tuple[str, ...] = ()
+    """The routing part's workloads to run (empty: every one), e.g. one workload over seeds."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -884,6 +884,9 @@ def run(options: Options) -> Section:
     seed = options.seed
     outcomes: list[Outcome] = []
 
+    def wanted(workload: str) -> bool:
+        return not options.workloads or workload in options.workloads
+
     def measure(
         workload: str,
         arrivals: Sequence[Arrival],
@@ -891,6 +894,8 @@ def run(options: Options) -> Section:
         strategies: Sequence[str] = STRATEGIES,
         profiles: Sequence[Profile] = (),
     ) -> None:
+        if not wanted(workload):
+            return
         fastest = min(profiles or [profile], key=lambda p: p.prefill_per_token)
         floor = floor_p90(arrivals, fastest, DEFAULT_SCHEDULING)
         for strategy in (*strategies, BOUND):
@@ -908,6 +913,7 @@ def run(options: Options) -> Section:
     shared = {
         rate: workloads.shared_prefix(sizes.shared, rate, sizes.shared_count, seed)
         for rate in sizes.rates
+        if wanted("shared-prefix")
     }
     for rate, arrivals in shared.items():
         measure("shared-prefix", arrivals, rate, (*STRATEGIES, OFFLINE))
@@ -931,9 +937,11 @@ def run(options: Options) -> Section:
     runs = [
         ("shared-prefix", rate, shared[rate], VARIANTS[1:])
         for rate in (sizes.target_rate, max(sizes.rates))
+        if rate in shared
     ]
     # Multi-turn under the earlier model only: what the engine model did to its ratio.
-    runs.append(("multi-turn", None, chat, VARIANTS[-1:]))
+    if wanted("multi-turn"):
+        runs.append(("multi-turn", None, chat, VARIANTS[-1:]))
     for workload, at_rate, inputs, chosen in runs:
         for name, scheduling in chosen:
             for strategy in VARIANT_STRATEGIES:

@@ -17,7 +17,9 @@ against each without a GPU:
   ``vllm:num_preemptions_total``;
 - ``sglang``: ``sglang:num_queue_reqs``, ``sglang:num_running_reqs``,
   ``sglang:token_usage``, ``sglang:cache_config_info`` (``page_size``,
-  ``num_pages``);
+  ``num_pages``) in SGLang's default geometry, one-token pages (``--page-size``
+  1): the same capacity in tokens as the engine's blocks, counted as SGLang
+  counts it;
 - ``trtllm`` (trtllm-serve): ``trtllm_num_requests_waiting``,
   ``trtllm_num_requests_running``, ``trtllm_kv_cache_utilization``,
   ``trtllm_kv_cache_tokens_per_block``, ``trtllm_kv_cache_max_blocks``;
@@ -249,7 +251,7 @@ def _sglang(s: State) -> list[Family]:
             "sglang:cache_config_info",
             "Information of the cache configuration.",
             1,
-            {"page_size": str(s.block_size), "num_pages": str(s.blocks)},
+            {"page_size": "1", "num_pages": str(s.blocks * s.block_size)},
         ),
     ]
 

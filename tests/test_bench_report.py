@@ -82,10 +82,16 @@ def test_write_lays_out_markdown_json_and_plots(tmp_path: Path) -> None:
 
 
 def test_command_line_names_parts_and_options() -> None:
-    """No part named means every part; unknown parts are refused by name."""
+    """No part named means every part; unknown parts and routing workloads are refused by name."""
     parts, options = parse(["routing", "--seed", "3", "--quick", "--out", "x"])
     assert parts == ["routing"]
     assert options == Options(seed=3, quick=True, out=Path("x"))
     assert parse([])[0] == ["micro", "overhead", "routing", "overload", "live"]
     with pytest.raises(SystemExit):
         parse(["nonsense"])
+    assert parse(["--workloads", "shared-prefix, mooncake"])[1].workloads == (
+        "shared-prefix",
+        "mooncake",
+    )
+    with pytest.raises(SystemExit):
+        parse(["--workloads", "shared"])

@@ -347,6 +347,19 @@ def test_auto_tune_block_size_and_capacity_from_metrics() -> None:
     assert later.state["prefix.prompt"].block_tokens == 32  # prepared with the tuned size
 
 
+def test_auto_tune_raises_small_pages_and_converts_the_capacity() -> None:
+    """SGLang's one-token pages are indexed as 16-token blocks; the page count becomes blocks of
+    16, so the pick's index holds the tokens its cache holds (320 pages: 20 blocks)."""
+    scorer = PrefixCacheScorer("prefix")
+    pool = [cand("a", cache_block_size=1, cache_num_blocks=320)]
+    request = req({"model": "m", "prompt": PROMPT})
+    scorer.prepare(request)
+    scorer.score(request, pool, 0.0)
+    scorer.picked(request, [pool[0].endpoint])
+    assert request.state["prefix.prompt"].block_tokens == 16
+    assert scorer.index.capacity(pool[0].endpoint.hostport) == 20
+
+
 def test_without_auto_tune_the_configuration_is_used() -> None:
     """``autoTune: false`` ignores what the servers report."""
     scorer = REGISTRY["prefix-cache-scorer"](

@@ -111,29 +111,30 @@ def test_each_dialect_reports_queue_running_and_kv_under_its_own_names(engine: s
 
 
 @pytest.mark.parametrize(
-    ("engine", "size", "count"),
+    ("engine", "size", "count", "geometry"),
     [
         (
             "vllm",
             ("vllm:cache_config_info", "block_size"),
             ("vllm:cache_config_info", "num_gpu_blocks"),
+            ("16", "4"),  # 64 tokens in 16-token blocks
         ),
         (
             "sglang",
             ("sglang:cache_config_info", "page_size"),
             ("sglang:cache_config_info", "num_pages"),
+            ("1", "64"),  # the same 64 tokens in SGLang's default one-token pages
         ),
     ],
     ids=["vllm", "sglang"],
 )
 def test_cache_geometry_rides_on_info_labels(
-    engine: str, size: tuple[str, str], count: tuple[str, str]
+    engine: str, size: tuple[str, str], count: tuple[str, str], geometry: tuple[str, str]
 ) -> None:
     """vLLM and SGLang report block size and count as labels of an info gauge."""
     text = asyncio.run(asyncio.wait_for(scrape_under_load(engine), 10))
     by_name = {name: labels for name, labels, _ in samples(text)}
-    assert by_name[size[0]][size[1]] == "16"
-    assert by_name[count[0]][count[1]] == "4"  # 64 tokens in 16-token blocks
+    assert (by_name[size[0]][size[1]], by_name[count[0]][count[1]]) == geometry
 
 
 def test_cli_takes_engine_namespace_and_h2c_ports(capsys: pytest.CaptureFixture[str]) -> None:

@@ -39,9 +39,17 @@ from its ``cache_num_blocks`` when they are reported (> 0);
 characters (÷ 4); ``maxPrefixBlocksToMatch`` (256): text past this many
 blocks is ignored (0: no cap); ``maxPrefixTokensToMatch`` (0 = unset)
 overrides it as ``tokens // blockSizeTokens``; ``lruCapacityPerServer``
-(31250). Two departures, both about cost: the router clamps block sizes
-below 64 tokens up to 64 to bound its memory, where each endpoint's LRU
-bounds it here (and the demo's short prompts need small blocks); and its
+(31250). Under ``autoTune`` a reported block size below 16 tokens is
+raised to 16 (``MIN_TUNED_BLOCK_TOKENS``; SGLang's pages are 1 token
+unless ``--page-size`` says otherwise, and 256 one-token blocks would match
+only a prompt's first 256 tokens), and an endpoint's capacity is what it
+reported converted to the index's blocks: blocks × block size ÷ the
+index's block size, the tokens its cache holds. The router raises block
+sizes to 64 tokens (to bound its memory) and keeps the reported block count
+as the capacity, which overstates how much an endpoint holds by the factor
+it raised the size by. Two departures, both about cost: the floor is 16
+here, where each endpoint's LRU bounds memory (and the demo's short prompts
+need small blocks), and a configured size is not raised; and the router's
 caps default to 2,048 blocks and 131,072 tokens, where hashing on a Python
 request path keeps 256 blocks (4,096 tokens at 16) unless told more.
 
@@ -68,6 +76,8 @@ from pods.model import Endpoint
 
 CHARS_PER_TOKEN: Final = 4
 CLEANUP_SECONDS: Final = 120.0
+MIN_TUNED_BLOCK_TOKENS: Final = 16
+"""Under ``autoTune``, the smallest block the index cuts prompts into (see the module docstring)."""
 DEFAULT_PRODUCER: Final = "approx-prefix-cache-producer"
 """The producer's type, and the name its readers look for when they name none."""
 INDEX_PARAMETERS: Final = (
@@ -238,7 +248,10 @@ class ApproxPrefixCacheProducer:
             return None
         if self.settings.auto_tune:
             prepared.candidates = candidates  # for the LRU size of the pick
-            tokens = _reported(candidates, "cache_block_size") or self.settings.block_tokens
+            reported = _reported(candidates, "cache_block_size")
+            tokens = (
+                max(reported, MIN_TUNED_BLOCK_TOKENS) if reported else self.settings.block_tokens
+            )
             if tokens != prepared.block_tokens:
                 self._tuned_tokens = prepared.block_tokens = tokens
                 prepared.hashes = self._hash(prepared.text, prepared.seed, tokens)
@@ -275,12 +288,22 @@ class ApproxPrefixCacheProducer:
         if prepared is None or not prepared.hashes or endpoint in (None, prepared.learned):
             return
         same = [c for c in prepared.candidates if c.endpoint.hostport == endpoint]
-        capacity = _reported(same, "cache_num_blocks") or self.settings.lru_capacity
+        capacity = _capacity(same, prepared.block_tokens) or self.settings.lru_capacity
         self.index.add(endpoint, prepared.hashes, capacity)
         if self.on_learn is not None:  # lwepp.sharing: the other replicas learn it too
             self.on_learn(endpoint, prepared.hashes, capacity)
         self._seen.add(endpoint)
         prepared.learned = endpoint
+
+
+def _capacity(candidates: Sequence[Candidate], block_tokens: int) -> int:
+    """The blocks of ``block_tokens`` the reported cache holds (0 when none is reported):
+    its block count, times its block size over ``block_tokens`` when it reports one."""
+    blocks = _reported(candidates, "cache_num_blocks")
+    size = _reported(candidates, "cache_block_size")
+    if not blocks or not size or size == block_tokens:
+        return blocks
+    return max(1, blocks * size // block_tokens)
 
 
 def _reported(candidates: Sequence[Candidate], attribute: str) -> int:

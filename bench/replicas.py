@@ -98,7 +98,7 @@ SHARES: Final = (
 )
 """What the replicas share (see the module docstring)."""
 
-SYNC_SECONDS: Final = 0.02
+SYNC_SECONDS: Final = 0.01
 """``lwepp.sharing.SharedView``'s default interval, the ``synced`` share's staleness."""
 
 T = TypeVar("T")

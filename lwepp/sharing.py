@@ -26,9 +26,10 @@ In short, per signal of the recommended and precise configurations:
   in-flight count.
 
 Everything with the store is off the request path, on the event loop every
-``interval`` (a few milliseconds' freshness at the default 20 ms): a pick
-never waits for Redis. When the store cannot be reached, the replica logs
-it once, sets ``switchyard_shared_store_up`` to 0, counts the outage, drops
+``interval`` (a few milliseconds' freshness at the default 10 ms, the
+trade-off measured in ``docs/scale-out.md``): a pick never waits for
+Redis. When the store cannot be reached, the replica logs it once, sets
+``switchyard_shared_store_up`` to 0, counts the outage, drops
 the other replicas' counts and goes on with its own view (what it learned
 itself stays in its index); requests are never refused for it. When the
 store is back, it says so and reads the stream again from its start (a
@@ -88,7 +89,7 @@ class SharedView:
         pool: str,
         *,
         replica: str | None = None,
-        interval: float = 0.02,
+        interval: float = 0.01,
         ttl: float = 2.0,
     ) -> None:
         self.url, self.interval, self.ttl = store_url(address), interval, ttl

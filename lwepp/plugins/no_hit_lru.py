@@ -29,7 +29,7 @@ Parameters: ``lruSize`` (1024; <= 0 means the default, as in the router),
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from lwepp.contracts import Candidate, LLMRequest
 from lwepp.plugins.approx_prefix import DEFAULT_PRODUCER, PrefixMatch, match_key
@@ -101,18 +101,18 @@ class NoHitLRUScorer:
         self._order = list(self.lru)
         self._since = 0
 
-    def _spread(self) -> list[str]:
+    def _spread(self) -> Iterable[str]:
         """The LRU as this replica reads it: the positions the other replicas presumably took
         since the last sync moved to the most recently used end (``synced``)."""
         if self.replicas <= 1:
-            return list(self.lru)
+            return self.lru  # one replica: the order as it is, not copied on every pick
         taken = {
             key
             for i, key in enumerate(self._order[: self.phase + self._since * self.replicas])
             if i % self.replicas != self.phase
         }
         if not taken:
-            return list(self.lru)
+            return self.lru
         return [k for k in self.lru if k not in taken] + [k for k in self.lru if k in taken]
 
     def touch(self, key: str) -> None:

@@ -16,7 +16,8 @@ endpoint holds; the plugins after it read what it found
    The answer is kept in ``request.state`` under ``"<producer>.match"``, so
    every later reader gets the same ``PrefixMatch`` and nothing is hashed or
    walked twice;
-3. picked: record the hashes as held by the primary pick;
+3. picked: record the hashes as held by the primary pick (stamped, for
+   ``learnCapacity``, with the pick's sequence number);
 4. response complete: when the gateway reports a served endpoint other than
    the pick (it retried a fallback, or failed open), record them there too —
    that server did prefill the prompt. The pick keeps its entry.
@@ -39,7 +40,9 @@ from its ``cache_num_blocks`` when they are reported (> 0);
 characters (÷ 4); ``maxPrefixBlocksToMatch`` (256): text past this many
 blocks is ignored (0: no cap); ``maxPrefixTokensToMatch`` (0 = unset)
 overrides it as ``tokens // blockSizeTokens``; ``lruCapacityPerServer``
-(31250). Under ``autoTune`` a reported block size below 16 tokens is
+(31250); Switchyard's ``learnCapacity`` (false): learn the capacity of an
+endpoint that reports none from the cached tokens its responses report
+(``CapacityLearner``). Under ``autoTune`` a reported block size below 16 tokens is
 raised to 16 (``MIN_TUNED_BLOCK_TOKENS``; SGLang's pages are 1 token
 unless ``--page-size`` says otherwise, and 256 one-token blocks would match
 only a prompt's first 256 tokens), and an endpoint's capacity is what it

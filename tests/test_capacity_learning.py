@@ -108,6 +108,8 @@ def test_a_server_with_more_than_predicted_grows_its_capacity() -> None:
 
 
 def test_growth_stops_at_the_configured_capacity() -> None:
+    """More cached than predicted, again and again: the capacity never passes
+    ``lruCapacityPerServer`` (what bounds the index's memory)."""
     plugin = producer()
     for i in range(3):
         served(plugin, prompt(i), 160)  # more than predicted each time
@@ -141,6 +143,8 @@ def test_a_response_without_cached_tokens_teaches_nothing(usage: Usage | None) -
 
 
 def test_a_server_served_other_than_the_pick_teaches_nothing() -> None:
+    """The gateway served elsewhere (a fallback): the prediction was for the pick, so the
+    other server's cached tokens say nothing about either's size."""
     plugin = producer()
     fill(plugin, 30)
     request = pick(plugin, prompt(0), A)
@@ -180,5 +184,6 @@ def test_off_by_default() -> None:
 
 
 def test_the_parameter_is_checked() -> None:
+    """``learnCapacity`` must be a boolean; the error names the plugin and the field."""
     with pytest.raises(ConfigError, match=r"plugin 'p' .*learnCapacity: expected bool"):
         configured("approx-prefix-cache-producer", {"learnCapacity": "yes"})

@@ -173,7 +173,37 @@ def plugin_rows(measure: Measure) -> list[Timed]:
             baseline,
         ),
     ]
+    for learn in (False, True):
+        rows.append(
+            Timed(
+                "approx-prefix-cache-producer prepare + match + picked + complete"
+                + (", learnCapacity" if learn else ""),
+                measure(producer_request(learn, body, pool, now)),
+                baseline,
+            )
+        )
     return rows
+
+
+def producer_request(
+    learn: bool, body: FrozenDict, pool: list[Candidate], now: float
+) -> Callable[[], None]:
+    """One request's life in the producer, its prompt held by the pick, the response
+    reporting it all cached (with ``learnCapacity``: what the learner compares)."""
+    producer = REGISTRY["approx-prefix-cache-producer"](
+        "approx", Params({"learnCapacity": learn}, "approx")
+    )
+    usage = Usage(1000, 10, 1000)
+
+    def request() -> None:
+        one = LLMRequest("r", {}, model="sql", parsed=body)
+        producer.prepare(one)
+        producer.prefix_match(one, pool, now)
+        producer.picked(one, [pool[3].endpoint])
+        producer.response_complete(one, pool[3].endpoint.hostport, usage)
+
+    request()
+    return request
 
 
 def load_rows(measure: Measure, pool: list[Candidate], now: float, baseline: float) -> list[Timed]:

@@ -36,6 +36,13 @@ judged.
 Each configuration file runs as an EndpointPickerConfig (the pipeline that
 ``python -m lwepp --config`` runs). Numbers depend only on the trace, the
 slice and the seed: the same arguments give the same table on any machine.
+
+One run's p90 is one realization: a pick that breaks a tie the other way
+early can move a slice's p90 by several percent. A Mooncake or Bailian
+slice is the same run for every ``--seed``, since nothing in it is random;
+``--step-jitter F`` times each engine step ±F at random (the seed's), so
+that ``--seed 0..N`` gives N runs whose mean judges two pickers closer than
+one run can (``python -m bench.replay TRACE --step-jitter 0.1 --seed N``).
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ from bench.routing import (
 )
 from bench.workloads import BAILIAN, Arrival, Replay
 from serving.logs import configure_logging
+from simulator.engine import Scheduling
 
 WORKLOAD = "replay"
 """The workload name every run of a replay carries."""
@@ -175,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--count", type=int, default=1000, help="records in the slice (1000)")
     add("--seed", type=int, default=0, help="the engines' and the Azure replay's seed (0)")
     add(
+        "--step-jitter",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="time each engine step ±F at random (0: exact), so the seed varies any trace",
+    )
+    add(
         "--engines",
         type=int,
         default=ENGINES,
@@ -213,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit("python -m bench.replay: --start must be >= 0 and --count >= 1")
     if args.engines < 1:
         sys.exit("python -m bench.replay: --engines must be at least 1")
+    if not 0 <= args.step_jitter < 1:
+        sys.exit("python -m bench.replay: --step-jitter must be at least 0 and below 1")
     try:
         time_scale = (
             args.time_scale if args.time_scale in (None, "auto") else float(args.time_scale)
@@ -235,7 +252,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     runs += [(path.name, "recommended", path) for path in args.config]
     runs += [(oracle, oracle, None) for oracle in ORACLES]
     runs += [(BOUND, BOUND, None)]  # what a request-path picker can reach
-    run = partial(simulate, WORKLOAD, replayed, engines=args.engines, seed=args.seed)
+    run = partial(
+        simulate,
+        WORKLOAD,
+        replayed,
+        engines=args.engines,
+        seed=args.seed,
+        scheduling=Scheduling(step_jitter=args.step_jitter),
+    )
     outcomes = [run(strategy, profile, config=config) for _, strategy, config in runs]
     last = args.start + len(replayed) - 1
     on = "" if args.engines == ENGINES else f" on {args.engines} engines"

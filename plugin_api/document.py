@@ -57,6 +57,7 @@ class Document:
         with not_yaml(path):
             node = yaml.compose(text, Loader=yaml.SafeLoader)
             data = yaml.safe_load(text)
+        refuse_repeated_keys(path, [node])
         return cls(path, data, node)
 
     @classmethod
@@ -67,6 +68,7 @@ class Document:
         with not_yaml(path):
             nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
             datas = list(yaml.safe_load_all(text))
+        refuse_repeated_keys(path, nodes)
         return [cls(path, d, n) for n, d in zip(nodes, datas, strict=True) if d is not None]
 
     def line(self, keys: Keys) -> int:
@@ -129,6 +131,35 @@ def not_yaml(path: str) -> Iterator[None]:
         raise ConfigErrors([f"{path}{line}: not YAML: {error.problem}"]) from None
     except yaml.YAMLError as error:
         raise ConfigErrors([f"{path}: not YAML: {error}"]) from None
+
+
+def refuse_repeated_keys(path: str, nodes: Iterable[yaml.Node | None]) -> None:
+    """Raise ``ConfigErrors`` naming every key written twice in one mapping, at both lines.
+
+    YAML forbids it, but PyYAML keeps the last value and says nothing: two
+    ``parameters:`` under one plugin would drop the first set without a word.
+    The Go YAML readers the originals use refuse such a file too.
+    """
+    errors: list[tuple[int, str]] = []
+    pending = [node for node in nodes if node is not None]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, yaml.MappingNode):
+            first: dict[str, int] = {}
+            for key, value in node.value:
+                pending.append(value)
+                if not isinstance(key, yaml.ScalarNode) or key.value == "<<":
+                    continue
+                line = key.start_mark.line + 1
+                if key.value in first:
+                    message = f"key {key.value!r} repeated (first at line {first[key.value]})"
+                    errors.append((line, f"{path}:{line}: {message}; YAML allows a key once"))
+                else:
+                    first[key.value] = line
+        elif isinstance(node, yaml.SequenceNode):
+            pending.extend(node.value)
+    if errors:
+        raise ConfigErrors([message for _, message in sorted(errors)])
 
 
 def read_utf8(path: str | os.PathLike[str]) -> str:

@@ -238,3 +238,24 @@ def test_a_compressed_trace_is_read_as_the_plain_one(
     with pytest.raises(SystemExit) as stopped:
         replay.main([str(broken)])
     assert str(stopped.value).startswith(f"python -m bench.replay: {broken}: Not a gzipped file")
+
+
+def test_step_jitter_makes_the_seed_vary_a_hashed_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    """A Mooncake slice has nothing random in it: every seed gives the same run. With
+    ``--step-jitter`` each seed is a run of its own, and the same seed the same run."""
+    args = [str(TRACES / MOONCAKE_FILE), "--count", "40", "--picker", "round-robin"]
+
+    def p90(*more: str) -> float:
+        with structlog.testing.capture_logs():
+            replay.main([*args, *more])
+        return rows(capsys.readouterr().out)["round-robin"][1]
+
+    assert p90("--seed", "1") == p90("--seed", "2")
+    jittered = p90("--seed", "1", "--step-jitter", "0.1")
+    assert jittered == p90("--seed", "1", "--step-jitter", "0.1")
+    assert jittered != p90("--seed", "2", "--step-jitter", "0.1")
+    with pytest.raises(SystemExit) as stopped:
+        replay.main([*args, "--step-jitter", "1"])
+    assert str(stopped.value) == (
+        "python -m bench.replay: --step-jitter must be at least 0 and below 1"
+    )

@@ -180,7 +180,8 @@ def test_prefix_aware_picking_keeps_a_shared_prefix_on_the_engine_that_caches_it
 ) -> None:
     """With demo/configs/llamacpp.yaml, three requests sharing a long prefix go to one
     engine, and the second and third are served from its cache: llama.cpp's timings say
-    most of the prompt came from the cache (cache_n), where the first computed it all."""
+    most of the prompt came from the cache (cache_n), where the first computed it all, and
+    its usage says the same (``prompt_tokens_details.cached_tokens``)."""
     with Topology(
         tmp_path,
         pod_file(tmp_path / "pods.yaml", engines, sim_pod),
@@ -191,13 +192,16 @@ def test_prefix_aware_picking_keeps_a_shared_prefix_on_the_engine_that_caches_it
         for question in ("What is BBR?", "What is LWEPP?", "What is Envoy?"):
             ask = functools.partial(complete, gateway.url, PREFIX + question)
             engine, answer = served_by(engines, ask)
-            answers.append((engine, answer.json()["timings"]))
-    (engine, first), *rest = answers
+            body = answer.json()
+            answers.append((engine, body["timings"], body["usage"]))
+    (engine, first, _), *rest = answers
     assert first["prompt_n"] > 150  # the whole prompt computed: nothing of it was cached
-    for other, timings in rest:
+    for other, timings, usage in rest:
         assert other == engine
         assert timings["cache_n"] >= 0.9 * first["prompt_n"]
         assert timings["prompt_n"] < 0.1 * first["prompt_n"]
+        # what the config's learnCapacity reads: the engine reports its cache hits in usage
+        assert usage["prompt_tokens_details"]["cached_tokens"] == timings["cache_n"]
 
 
 def test_check_model_server_reads_the_engine(engines: list[Engine]) -> None:

@@ -276,7 +276,10 @@ ERRORS = [
         "picker.yaml:5: plugin 'approx-prefix-cache-producer' (approx-prefix-cache-producer): "
         "parameters.lruCapacityPerServer: must be >= 1, got 0",
     ),
-    ("apiVersion: llm-d.ai/v2\n", "apiVersion: expected llm-d.ai/v1alpha1 or llm-d.ai/v1"),
+    (
+        "apiVersion: llm-d.ai/v2\nkind: EndpointPickerConfig\n",  # in place of the header
+        "apiVersion: expected llm-d.ai/v1alpha1 or llm-d.ai/v1",
+    ),
     (
         "plugins:\n- type: tests.plugin_fakes.Nothing\n",
         "type: cannot load 'tests.plugin_fakes.Nothing'",
@@ -287,6 +290,11 @@ ERRORS = [
         "NotAPlugin is no plugin",
     ),
     ("plugins: [\n", "picker.yaml:4: not YAML"),
+    (
+        "plugins:\n- type: approx-prefix-cache-producer\n  parameters: {autoTune: false}\n"
+        "  parameters: {lruCapacityPerServer: 9}\n",
+        "picker.yaml:6: key 'parameters' repeated (first at line 5); YAML allows a key once",
+    ),
 ]
 
 
@@ -322,14 +330,16 @@ ERRORS = [
         "dotted-path-missing",
         "not-a-plugin",
         "not-yaml",
+        "repeated-key",
     ],
 )
 def test_each_error_names_the_file_line_plugin_and_field(
     tmp_path: Path, body: str, message: str
 ) -> None:
     """A bad file is refused with a message that says where (file:line), who and what."""
+    header = "" if body.startswith("apiVersion:") else HEADER
     with pytest.raises(ConfigErrors) as raised:
-        load_config(write(tmp_path, body), TYPES)
+        load_config(write(tmp_path, body, header), TYPES)
     assert message in str(raised.value)
 
 

@@ -285,7 +285,11 @@ def describe(flow: FlowConfig) -> list[str]:
     """The section as ``--check-config`` prints it."""
     detector = getattr(flow.detector, "name", None)
     if flow.settings is None:
-        rule = "sheddable requests refused while it reads 1.0" if detector else "nothing refused"
+        rule = (
+            "sheddable requests refused while it reads 1.0"
+            if detector
+            else "flow control refuses nothing (the admit_request stage may)"
+        )
         return [f"  gate off: {rule}" + (f" (detector {detector})" if detector else "")]
     s = flow.settings
     limits = (

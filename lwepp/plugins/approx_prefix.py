@@ -16,7 +16,8 @@ endpoint holds; the plugins after it read what it found
    The answer is kept in ``request.state`` under ``"<producer>.match"``, so
    every later reader gets the same ``PrefixMatch`` and nothing is hashed or
    walked twice;
-3. picked: record the hashes as held by the primary pick;
+3. picked: record the hashes as held by the primary pick (stamped, for
+   ``learnCapacity``, with the pick's sequence number);
 4. response complete: when the gateway reports a served endpoint other than
    the pick (it retried a fallback, or failed open), record them there too —
    that server did prefill the prompt. The pick keeps its entry.
@@ -39,7 +40,9 @@ from its ``cache_num_blocks`` when they are reported (> 0);
 characters (÷ 4); ``maxPrefixBlocksToMatch`` (256): text past this many
 blocks is ignored (0: no cap); ``maxPrefixTokensToMatch`` (0 = unset)
 overrides it as ``tokens // blockSizeTokens``; ``lruCapacityPerServer``
-(31250). Under ``autoTune`` a reported block size below 16 tokens is
+(31250); Switchyard's ``learnCapacity`` (false): learn the capacity of an
+endpoint that reports none from the cached tokens its responses report
+(``CapacityLearner``). Under ``autoTune`` a reported block size below 16 tokens is
 raised to 16 (``MIN_TUNED_BLOCK_TOKENS``; SGLang's pages are 1 token
 unless ``--page-size`` says otherwise, and 256 one-token blocks would match
 only a prompt's first 256 tokens), and an endpoint's capacity is what it
@@ -63,7 +66,10 @@ their age does not matter.
 
 from __future__ import annotations
 
+import itertools
 import math
+import statistics
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -76,6 +82,11 @@ from pods.model import Endpoint
 
 CHARS_PER_TOKEN: Final = 4
 CLEANUP_SECONDS: Final = 120.0
+LEARN_STEP: Final = 0.1
+"""With ``learnCapacity``, the fraction an endpoint's capacity moves by on each response that
+shows the index wrong about it (see ``CapacityLearner``)."""
+MIN_LEARNED_BLOCKS: Final = 16
+MAX_FLIGHTS: Final = 4096
 MIN_TUNED_BLOCK_TOKENS: Final = 16
 """Under ``autoTune``, the smallest block the index cuts prompts into (see the module docstring)."""
 DEFAULT_PRODUCER: Final = "approx-prefix-cache-producer"
@@ -142,6 +153,9 @@ class Prepared:
     hashes: list[int]
     candidates: Sequence[Candidate] = ()
     learned: str | None = None
+    flight: tuple[str, int, int | None] | None = None
+    """With ``learnCapacity``: the pick's endpoint, stamp, and the blocks predicted there
+    (None when the prediction rests on a block still in flight)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +186,106 @@ class IndexSettings:
         )
 
 
+class CapacityLearner:
+    """How many blocks each endpoint really keeps, learned from what it says it had cached.
+
+    The index assumes an endpoint keeps ``lruCapacityPerServer`` blocks unless
+    its metrics report a cache size. When the real cache is smaller (an engine
+    that publishes no size, such as llama.cpp's server, or a config that reads
+    no metrics), the index keeps prompts the server evicted long ago and counts
+    them as hits, and the picker sends requests after caches that are gone.
+    Most engines say in each response how many prompt tokens they found cached
+    (``usage.prompt_tokens_details.cached_tokens``; vLLM with
+    ``--enable-prompt-tokens-details``, llama.cpp's server, SGLang). Compared
+    with the blocks the index predicted at the pick, a response tells one of
+    three things:
+
+    - the server had markedly *less* than predicted: the index remembers
+      blocks the server evicted. That endpoint's capacity becomes 0.9× the
+      smaller of its capacity and the blocks its index holds now (the first
+      such response brings a default far too large down to the right scale
+      at once; later ones step);
+    - it had markedly *more*, and the prediction was not cut short by
+      ``maxPrefixBlocksToMatch``: the index forgot blocks the server kept, so
+      the capacity grows by 10%, never past ``lruCapacityPerServer``;
+    - about what was predicted (within two blocks): nothing.
+
+    The prediction is compared in the server's tokens: the matched share of
+    the prompt's text times the ``prompt_tokens`` it reported. A prediction
+    that rests on a block a request still in flight on that endpoint put in
+    the index teaches nothing: the server may still be computing that block
+    (a burst of one prefix), which is not an eviction. A response without
+    cached tokens teaches nothing either, so an engine that does not report
+    them keeps the configured capacity, and a reported cache size
+    (``autoTune``) always wins. Capacities are in the index's blocks, which
+    count only each prompt's first ``maxPrefixBlocksToMatch`` blocks, so one
+    may settle below the server's block count, as it should. Switchyard's
+    parameter (``learnCapacity``), off by default: the router has no such
+    learning.
+    """
+
+    __slots__ = ("_ceiling", "_flights", "_sequence", "capacity")
+
+    def __init__(self, ceiling: int) -> None:
+        self._ceiling = ceiling
+        self.capacity: dict[str, float] = {}
+        """The learned capacity of each endpoint that taught one, in the index's blocks."""
+        self._flights: dict[str, OrderedDict[int, None]] = {}
+        """Per endpoint, the stamps of the picks not yet answered, oldest first."""
+        self._sequence = itertools.count(1)
+
+    def of(self, endpoint: str) -> int:
+        return int(self._current(endpoint))
+
+    def _current(self, endpoint: str) -> float:
+        """``endpoint``'s learned capacity; until it teaches one, the others' (the servers
+        of a pool are usually alike), their median; else the ceiling."""
+        own = self.capacity.get(endpoint)
+        if own is not None:
+            return own
+        return statistics.median(self.capacity.values()) if self.capacity else float(self._ceiling)
+
+    def picked(self, endpoint: str, prepared: Prepared, predicted: int, index: PrefixIndex) -> int:
+        """Register a pick of ``endpoint``; the stamp to learn its blocks with."""
+        stamp = next(self._sequence)
+        flights = self._flights.setdefault(endpoint, OrderedDict())
+        touched = index.stamp(endpoint, prepared.hashes[predicted - 1]) if predicted else None
+        racing = touched is not None and bool(flights) and touched >= next(iter(flights))
+        prepared.flight = (endpoint, stamp, None if racing else predicted)
+        flights[stamp] = None
+        if len(flights) > MAX_FLIGHTS:  # answers lost with their streams: forget the oldest
+            flights.popitem(last=False)
+        return stamp
+
+    def answered(
+        self, prepared: Prepared, served: str | None, usage: Usage | None, held: int
+    ) -> None:
+        """The response to a registered pick is over: learn from it (see the class docstring)."""
+        if prepared.flight is None:
+            return
+        endpoint, stamp, predicted = prepared.flight
+        prepared.flight = None
+        flights = self._flights.get(endpoint)
+        if flights is not None:
+            flights.pop(stamp, None)
+        if predicted is None or served != endpoint:
+            return
+        if usage is None or usage.cached_tokens is None or not usage.prompt_tokens:
+            return
+        block_bytes = prepared.block_tokens * CHARS_PER_TOKEN
+        tokens_per_byte = usage.prompt_tokens / len(prepared.text)
+        expected = min(predicted * block_bytes, len(prepared.text)) * tokens_per_byte
+        slack = 2 * block_bytes * tokens_per_byte
+        capacity = self._current(endpoint)
+        if usage.cached_tokens + slack < expected:
+            capacity = max(MIN_LEARNED_BLOCKS, min(capacity, held) * (1 - LEARN_STEP))
+        elif predicted < len(prepared.hashes) and usage.cached_tokens > expected + slack:
+            capacity = min(self._ceiling, capacity * (1 + LEARN_STEP))
+        else:
+            return
+        self.capacity[endpoint] = capacity
+
+
 class ApproxPrefixCacheProducer:
     """The index and the once-per-request match; see the module docstring.
 
@@ -199,6 +313,9 @@ class ApproxPrefixCacheProducer:
         # the last one the candidates reported (they rarely change).
         self._tuned_tokens = self.settings.block_tokens
         self.index = PrefixIndex()
+        self.learner: CapacityLearner | None = None
+        if params.get("learnCapacity", bool, False):
+            self.learner = CapacityLearner(self.settings.lru_capacity)
         self.on_learn: Callable[[str, list[int], int], None] | None = None
         """Told of every block list learned from a pick (``lwepp.sharing`` publishes it)."""
         self._key = f"{name}.prompt"
@@ -274,22 +391,35 @@ class ApproxPrefixCacheProducer:
     # --- learn -----------------------------------------------------------------
 
     def picked(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None:
-        if endpoints:
-            self._learn(request, endpoints[0].hostport)
+        if not endpoints:
+            return
+        endpoint, stamp = endpoints[0].hostport, 0
+        prepared: Prepared | None = request.state.get(self._key)
+        if self.learner is not None and prepared is not None and prepared.hashes:
+            found: PrefixMatch | None = request.state.get(self._match)
+            predicted = found.matched.get(endpoint, 0) if found is not None else 0
+            stamp = self.learner.picked(endpoint, prepared, predicted, self.index)
+        self._learn(request, endpoint, stamp)
 
     def response_complete(
         self, request: LLMRequest, served: str | None, usage: Usage | None
     ) -> None:
+        if self.learner is not None and served is not None:
+            prepared: Prepared | None = request.state.get(self._key)
+            if prepared is not None:
+                self.learner.answered(prepared, served, usage, self.index.size(served))
         self._learn(request, served)
 
-    def _learn(self, request: LLMRequest, endpoint: str | None) -> None:
+    def _learn(self, request: LLMRequest, endpoint: str | None, stamp: int = 0) -> None:
         """Record the prompt's blocks as held by ``endpoint`` (once per request and endpoint)."""
         prepared: Prepared | None = request.state.get(self._key)
         if prepared is None or not prepared.hashes or endpoint in (None, prepared.learned):
             return
         same = [c for c in prepared.candidates if c.endpoint.hostport == endpoint]
-        capacity = _capacity(same, prepared.block_tokens) or self.settings.lru_capacity
-        self.index.add(endpoint, prepared.hashes, capacity)
+        capacity = _capacity(same, prepared.block_tokens) or (
+            self.learner.of(endpoint) if self.learner else self.settings.lru_capacity
+        )
+        self.index.add(endpoint, prepared.hashes, capacity, stamp)
         if self.on_learn is not None:  # lwepp.sharing: the other replicas learn it too
             self.on_learn(endpoint, prepared.hashes, capacity)
         self._seen.add(endpoint)

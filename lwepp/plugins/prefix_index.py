@@ -59,15 +59,17 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self._holders: dict[int, set[str]] = {}
-        self._lru: dict[str, tuple[OrderedDict[int, None], int]] = {}
+        self._lru: dict[str, tuple[OrderedDict[int, int], int]] = {}
 
-    def add(self, endpoint: str, hashes: Sequence[int], capacity: int) -> None:
+    def add(self, endpoint: str, hashes: Sequence[int], capacity: int, stamp: int = 0) -> None:
         """Record that ``endpoint`` holds ``hashes``; it keeps at most ``capacity`` of them.
 
         The capacity of an endpoint follows the latest call (its block count
         may change when the server restarts). Hashes are touched last block
         first, so a prompt's first block is its most recently used and the
         tail is evicted first, as a model server frees a request's blocks.
+        Each hash keeps the ``stamp`` of the call that last touched it (a
+        caller's sequence number; ``stamp`` reads it back).
         """
         lru, _ = self._lru.get(endpoint, (None, 0))
         if lru is None:
@@ -78,19 +80,21 @@ class PrefixIndex:
         for block in reversed(hashes):
             if block in lru:
                 lru.move_to_end(block)
+                if stamp:
+                    lru[block] = stamp
                 continue
             if len(lru) >= capacity:
                 if capacity <= 0:
                     return
                 self._evict(endpoint, lru)
-            lru[block] = None
+            lru[block] = stamp
             holders = self._holders.get(block)
             if holders is None:
                 self._holders[block] = {endpoint}
             else:
                 holders.add(endpoint)
 
-    def _evict(self, endpoint: str, lru: OrderedDict[int, None]) -> None:
+    def _evict(self, endpoint: str, lru: OrderedDict[int, int]) -> None:
         block, _ = lru.popitem(last=False)
         holders = self._holders[block]
         holders.discard(endpoint)
@@ -153,6 +157,11 @@ class PrefixIndex:
 
     def capacity(self, endpoint: str) -> int:
         return self._lru[endpoint][1] if endpoint in self._lru else 0
+
+    def stamp(self, endpoint: str, block: int) -> int | None:
+        """The stamp of the call that last touched ``block`` at ``endpoint``; None if not held."""
+        entry = self._lru.get(endpoint)
+        return entry[0].get(block) if entry is not None else None
 
     def holders(self, block: int) -> frozenset[str]:
         return frozenset(self._holders.get(block, ()))

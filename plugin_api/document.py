@@ -136,9 +136,9 @@ def not_yaml(path: str) -> Iterator[None]:
 def refuse_repeated_keys(path: str, nodes: Iterable[yaml.Node | None]) -> None:
     """Raise ``ConfigErrors`` naming every key written twice in one mapping, at both lines.
 
-    YAML forbids it, but PyYAML keeps the last value and says nothing: two
-    ``parameters:`` under one plugin would drop the first set without a word.
-    The Go YAML readers the originals use refuse such a file too.
+    The YAML spec requires a mapping's keys to be unique, but PyYAML keeps the
+    last value and says nothing: two ``parameters:`` under one plugin would
+    drop the first set without a word.
     """
     errors: list[tuple[int, str]] = []
     pending = [node for node in nodes if node is not None]

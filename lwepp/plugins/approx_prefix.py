@@ -86,7 +86,10 @@ LEARN_STEP: Final = 0.1
 """With ``learnCapacity``, the fraction an endpoint's capacity moves by on each response that
 shows the index wrong about it (see ``CapacityLearner``)."""
 MIN_LEARNED_BLOCKS: Final = 16
+"""The least a learned capacity falls to: one short prompt's blocks."""
 MAX_FLIGHTS: Final = 4096
+"""Unanswered picks remembered per endpoint (a stream lost without an answer stays in
+flight; past this many, the oldest is forgotten)."""
 MIN_TUNED_BLOCK_TOKENS: Final = 16
 """Under ``autoTune``, the smallest block the index cuts prompts into (see the module docstring)."""
 DEFAULT_PRODUCER: Final = "approx-prefix-cache-producer"
